@@ -1,0 +1,33 @@
+# `make demo` and `make test` set everything up on a fresh machine: a .venv with torch==2.13.0
+# installed first (a plain `torch` requirement would pull a multi-GB CUDA build), then the project.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-all bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/bytescale-compile inspect examples.models.llama:small --seq-len 2048
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	BYTESCALE_SLOW=1 $(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/loss_memory.py
+	$(PY) benchmarks/compile_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

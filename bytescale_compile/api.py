@@ -1,0 +1,130 @@
+"""`optimize()` and `explain()`: the public surface of the compiler."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import Backend
+from .config import Config
+from .passes.report import CompileReport, GraphReport
+
+__all__ = ["optimize", "explain", "OptimizedModule"]
+
+
+class OptimizedModule(nn.Module):
+    """An `nn.Module` that runs `model` through our `torch.compile` backend.
+
+    It shares the model's parameter, buffer and submodule dicts instead of registering the model as
+    a child, so parameters are the same objects and `state_dict` keys are exactly the model's
+    (torch's own OptimizedModule prefixes them with `_orig_mod.`); other attributes (`config` of a
+    Hugging Face model) read through to the model, which is why ours is `compile_config`. Train and
+    eval compile separately because the fused loss applies in training only.
+    """
+
+    def __init__(self, model: nn.Module, config: Config) -> None:
+        super().__init__()
+        object.__setattr__(self, "_orig_mod", model)
+        object.__setattr__(self, "compile_config", config)
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._modules = model._modules
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        self.training = model.training
+        self.__signature__ = inspect.signature(model.forward)
+        self._report = CompileReport()
+        self._pending: list[GraphReport] = []
+        self._backends = {mode: Backend(config, mode, self._pending.append) for mode in (True, False)}
+        self._compiled = {mode: torch.compile(model, backend=b, dynamic=False if not config.dynamic else None)
+                          for mode, b in self._backends.items()}
+
+    @property
+    def original_module(self) -> nn.Module:
+        return self._orig_mod
+
+    @property
+    def report(self) -> CompileReport:
+        """The `CompileReport` of the latest call that compiled (empty before the first call)."""
+        return self._report
+
+    @property
+    def compilations(self) -> int:
+        """Graphs compiled so far (each recompilation and each graph-break piece counts)."""
+        return sum(b.compilations for b in self._backends.values())
+
+    def train(self, mode: bool = True) -> OptimizedModule:
+        self._orig_mod.train(mode)
+        self.training = mode
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compile_config.dynamic:
+            for t in (*args, *kwargs.values()):
+                _mark_token_dim_dynamic(t)
+        self._pending.clear()
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            out = self._compiled[self._orig_mod.training](*args, **kwargs)
+        if self._pending:
+            self._report = CompileReport(graphs=list(self._pending))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_orig_mod":
+                raise
+            return getattr(self._orig_mod, name)
+
+    def extra_repr(self) -> str:
+        return f"model={type(self._orig_mod).__name__}, compile_config={self.compile_config}"
+
+
+def _mark_token_dim_dynamic(t: Any) -> None:
+    """Dim 1 of `[B, T, ...]` inputs is the token dimension of the model protocol."""
+    if isinstance(t, torch.Tensor) and t.dim() >= 2:
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+def optimize(model: Any = None, config: Config | None = None, **overrides: Any) -> Any:
+    """Optimize a module, or decorate a Module class so its instances come out optimized.
+
+        model = optimize(model)                  # or optimize(model, Config(...), attention=False)
+        @optimize                                 # or @optimize(Config(...)) / @optimize(fused_loss=False)
+        class MyModel(nn.Module): ...
+    """
+    if isinstance(model, Config):
+        model, config = None, model
+    config = (config or Config()).with_overrides(**overrides) if overrides else (config or Config())
+    if model is None:
+        return functools.partial(optimize, config=config)
+    if isinstance(model, OptimizedModule):
+        return model if model.compile_config == config else OptimizedModule(model.original_module, config)
+    if isinstance(model, nn.Module):
+        return OptimizedModule(model, config)
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        return _optimized_class(model, config)
+    raise TypeError(
+        f"optimize() expects an nn.Module instance or subclass (or a Config, as @optimize(config)), "
+        f"got {type(model).__name__} {model!r:.60}"
+    )
+
+
+def _optimized_class(cls: type[nn.Module], config: Config) -> Any:
+    @functools.wraps(cls, updated=())
+    def make(*args: Any, **kwargs: Any) -> OptimizedModule:
+        return OptimizedModule(cls(*args, **kwargs), config)
+
+    make.__signature__ = inspect.signature(cls)
+    return make
+
+
+def explain(model: nn.Module, *args: Any, **kwargs: Any) -> CompileReport:
+    """Compile `model` on these inputs without training (no backward, no update) and report."""
+    optimized = model if isinstance(model, OptimizedModule) else optimize(model)
+    optimized(*args, **kwargs)
+    return optimized.report

@@ -1,0 +1,5 @@
+"""Capture: the Dynamo backend, AOTAutograd wiring and our partition hook."""
+
+from .backend import Backend
+
+__all__ = ["Backend"]

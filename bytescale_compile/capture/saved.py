@@ -1,0 +1,72 @@
+"""The saved-activation table: forward tensors the backward needs, sized per token and per layer."""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+from torch import fx
+
+from ..passes.graph import layer_index, source_module
+from ..passes.report import SavedActivation
+
+__all__ = ["saved_activations"]
+
+
+def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: int | torch.SymInt | None) -> list[SavedActivation]:
+    """Describe the token-carrying tensors the partitioned forward hands to the backward.
+
+    `token_size` is the token dimension of the inputs (a SymInt when it is dynamic); a tensor has the
+    token dimension when one of its sizes equals it, and its bytes per token are then the product of
+    the other sizes times the element size. Saved weights (and their transposes) carry no tokens,
+    cannot be offloaded per token and are not listed.
+    """
+    outputs = fw.graph.output_node().args[0]
+    table = []
+    for node in outputs[num_fwd_outputs:]:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        per_token = _bytes_per_token(val, token_size)
+        if per_token is None:
+            continue
+        producer = _producer(node)
+        table.append(SavedActivation(
+            name=node.name,
+            shape=str(tuple(val.shape)).replace("'", ""),
+            dtype=str(val.dtype).removeprefix("torch."),
+            bytes_per_token=per_token,
+            layer=layer_index(producer),
+            source=source_module(producer),
+            decision="resident (no offload pass ran)",
+        ))
+    return table
+
+
+_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.t.default,
+            torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int}
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """Aliases made by AOTAutograd carry no module; look through them to the op that made the tensor."""
+    while "nn_module_stack" not in node.meta and node.target in _ALIASES:
+        node = node.args[0]
+    return node
+
+
+def _bytes_per_token(val: torch.Tensor, token_size: int | torch.SymInt | None) -> int | None:
+    if token_size is None:
+        return None
+    token = _expr(token_size)
+    sizes = [_expr(s) for s in val.shape]
+    if token not in sizes:
+        return None
+    others = list(sizes)
+    others.remove(token)
+    per_token = sympy.simplify(math.prod(others, start=sympy.Integer(1)))
+    return int(per_token) * val.element_size() if per_token.is_number else None
+
+
+def _expr(size: int | torch.SymInt) -> sympy.Expr:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)

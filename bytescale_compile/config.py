@@ -1,0 +1,51 @@
+"""`Config`: every knob of `optimize()`, validated when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+__all__ = ["Config"]
+
+_PARTITIONERS = ("default", "min_cut")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What `optimize()` rewrites and how it captures.
+
+    attention: rewrite causal attention into the `bytescale::attention` op (packed, later ring).
+    fused_loss: rewrite `lm_head` + cross-entropy into `bytescale::fused_linear_cross_entropy`
+        (training mode only: in eval mode the logits are returned as usual).
+    loss_chunk_size: tokens per chunk of the fused loss; memory of its logits is chunk × vocab.
+    dynamic: mark the token dimension (dim 1 of every `[B, T, ...]` input) dynamic so varying
+        micro-batch lengths do not recompile.
+    partitioner: how AOTAutograd splits forward from backward: "default" saves what eager saves,
+        "min_cut" recomputes cheap ops to save memory.
+    keep_graph_text: keep the graphs before and after the passes as text in the report.
+    """
+
+    attention: bool = True
+    fused_loss: bool = True
+    loss_chunk_size: int = 1024
+    dynamic: bool = True
+    partitioner: str = "default"
+    keep_graph_text: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"Config.{f.name} must be True or False, got {value!r}")
+        if isinstance(self.loss_chunk_size, bool) or not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 1:
+            raise ValueError(f"Config.loss_chunk_size must be an int >= 1, got {self.loss_chunk_size!r}")
+        if self.partitioner not in _PARTITIONERS:
+            raise ValueError(f"Config.partitioner must be one of {_PARTITIONERS}, got {self.partitioner!r}")
+
+    def with_overrides(self, **overrides: Any) -> Config:
+        """A copy with some fields changed; unknown names raise ValueError listing the known ones."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown Config field(s) {unknown}; allowed: {sorted(known)}")
+        return replace(self, **overrides)

@@ -1,0 +1,1 @@
+"""Kernel implementations behind the custom ops; the torch reference is always present."""

@@ -1,0 +1,140 @@
+"""`bytescale::attention`: causal attention whose packing is read from the micro-batch context.
+
+The compiled graph holds one opaque call per attention layer and never changes between
+micro-batches; at run time the op looks at `current_context()`: with packed `cu_seqlens` every token
+attends causally within its own sequence (the row must then be a single one, B == 1); without them,
+`position_ids` (passed by the attention pass for Hugging Face's packed-sequence masks) split each row
+where positions restart; otherwise it is plain causal attention per row, like SDPA with `is_causal=True`.
+
+The backward is a second opaque op, `bytescale::attention_backward`, rather than a Python formula:
+AOTAutograd traces the autograd formula into the backward graph with fake tensors, so anything the
+formula read from the context would be frozen at trace time. As its own op it reads the context
+when the backward graph runs (which must be under the same context as the forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from bytescale_compile.kernels.attention_ref import (
+    causal_attention_bwd,
+    causal_attention_fwd,
+    check_attention_shapes,
+    segment_causal_attention_bwd,
+    segment_causal_attention_fwd,
+)
+from bytescale_compile.runtime.context import ContextError, current_context
+
+__all__ = ["attention", "attention_backward"]
+
+
+def _row_packing(q: Tensor, position_ids: Tensor | None) -> list[Tensor] | None:
+    """cu_seqlens of every row, or None when every row is one causal sequence.
+
+    The context's cu_seqlens win (the runtime packs, and zigzag chunks have non-contiguous
+    positions); without them, `position_ids` given by the attention pass mean the model itself
+    restricts attention to the segments where positions restart (Hugging Face's packed format).
+    """
+    ctx = current_context()
+    if ctx is not None and ctx.cu_seqlens is not None:
+        ctx.check_tokens(q.shape[2])
+        if q.shape[0] != 1:
+            raise ContextError(
+                f"micro-batch {ctx.micro_batch_id}: packed sequences (cu_seqlens) need a single row, "
+                f"but the attention input q has shape {tuple(q.shape)} (B={q.shape[0]})"
+            )
+        return [ctx.cu_seqlens]
+    if position_ids is None:
+        return None
+    return _restarts(position_ids, q.shape[0], q.shape[2])
+
+
+def _restarts(position_ids: Tensor, batch: int, tokens: int) -> list[Tensor] | None:
+    """Per row, segment boundaries where a position is not its predecessor's plus one."""
+    if position_ids.shape[-1] != tokens:
+        raise ValueError(f"position_ids has {position_ids.shape[-1]} tokens but the attention input has {tokens}")
+    pos = position_ids.reshape(-1, tokens).expand(batch, tokens).cpu()
+    starts = pos[:, 1:] != pos[:, :-1] + 1
+    if not bool(starts.any()):
+        return None
+    edge = torch.tensor([tokens])
+    return [torch.cat([torch.zeros(1, dtype=torch.long), row.nonzero().flatten() + 1, edge]) for row in starts]
+
+
+@torch.library.custom_op("bytescale::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Causal (or segment-causal over packed sequences) GQA attention.
+
+    q `[B, Hq, T, D]`, k/v `[B, Hkv, T, D]`, any strides. Returns out, laid out like
+    `torch.empty_like(q)`, and lse, contiguous float32 `[B, Hq, T]`. Packing comes from the context's
+    cu_seqlens, else from restarts of `position_ids` (see `_row_packing`).
+    """
+    check_attention_shapes(q, k, v)
+    packing = _row_packing(q, position_ids)
+    if packing is None:
+        return causal_attention_fwd(q, k, v, scale)
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    for b, cu in enumerate(packing):
+        rows = slice(b, b + 1)
+        o, l = segment_causal_attention_fwd(q[rows], k[rows], v[rows], cu, scale)
+        out[rows], lse[rows] = o, l
+    return out, lse
+
+
+@attention.register_fake
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    check_attention_shapes(q, k, v)
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("bytescale::attention_backward", mutates_args=())
+def attention_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+    position_ids: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of `bytescale::attention`, reading the context when it runs.
+
+    grad_out may have any strides (e.g. the expanded ones of a `.sum()`); the kernels copy it into
+    the order they need, so copying it here would only add a copy.
+    """
+    check_attention_shapes(q, k, v)
+    packing = _row_packing(q, position_ids)
+    if packing is None:
+        return causal_attention_bwd(grad_out, q, k, v, out, lse, scale)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for b, cu in enumerate(packing):
+        rows = slice(b, b + 1)
+        dq[rows], dk[rows], dv[rows] = segment_causal_attention_bwd(
+            grad_out[rows], q[rows], k[rows], v[rows], out[rows], lse[rows], cu, scale
+        )
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+    position_ids: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    check_attention_shapes(q, k, v)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, scale, position_ids = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, position_ids)
+    ctx.scale = scale
+
+
+def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None, None]:
+    """lse is an auxiliary output (for merging partial attentions); its gradient is ignored."""
+    del grad_lse
+    q, k, v, out, lse, position_ids = ctx.saved_tensors
+    dq, dk, dv = torch.ops.bytescale.attention_backward(grad_out, q, k, v, out, lse, ctx.scale, position_ids)
+    return dq, dk, dv, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

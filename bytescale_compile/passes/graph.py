@@ -1,0 +1,85 @@
+"""Small FX helpers shared by the passes: argument lookup, provenance, and the one rewrite they all do."""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+__all__ = ["arg", "value", "source_module", "layer_index", "same_size", "is_call", "is_float_upcast", "replace_with_op"]
+
+_META_TO_KEEP = ("nn_module_stack", "stack_trace", "source_fn_stack")
+_LAYER = re.compile(r"\.(\d+)(?:\.|$)")
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """An argument of a call node, positional or keyword."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def value(node: Any) -> Any:
+    """The fake value recorded at trace time (Dynamo: example_value, AOT graphs: val)."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def source_module(node: fx.Node) -> str:
+    """Dotted path of the innermost module that produced the node, '<root>' at top level."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "<root>"
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+    return path or "<root>"
+
+
+def layer_index(node: fx.Node) -> int | None:
+    """Index of the transformer layer (first numbered module on the path), None outside layers."""
+    m = _LAYER.search("." + source_module(node))
+    return int(m.group(1)) if m else None
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Sizes provably equal for every value of their symbols (ints or SymInts)."""
+    return bool(statically_known_true(a == b))
+
+
+def is_call(node: Any, *targets: Any, methods: tuple[str, ...] = ()) -> bool:
+    """A call_function to one of `targets`, or a call_method named in `methods`."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function":
+        return node.target in targets
+    return node.op == "call_method" and node.target in methods
+
+
+def replace_with_op(graph: fx.Graph, old: fx.Node, op: Any, args: tuple, output_index: int | None = 0) -> fx.Node:
+    """Replace `old` by `op(*args)` (or its `output_index`-th output), keeping provenance metadata.
+
+    Returns the node that now stands for `old`; `old` is erased.
+    """
+    with graph.inserting_before(old):
+        call = graph.call_function(op, args)
+        new = call if output_index is None else graph.call_function(operator.getitem, (call, output_index))
+    for n in {call, new}:
+        n.meta.update({k: old.meta[k] for k in _META_TO_KEEP if k in old.meta})
+    if "example_value" in old.meta:
+        new.meta["example_value"] = old.meta["example_value"]
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+    return new
+
+
+def is_float_upcast(node: fx.Node) -> bool:
+    """`x.float()` or `x.to(torch.float32)`."""
+    if is_call(node, methods=("float",)):
+        return True
+    return is_call(node, methods=("to",)) and torch.float32 in (*node.args[1:], *node.kwargs.values())

@@ -1,0 +1,52 @@
+"""`Pass` and `PassManager`: named graph rewrites run in order, each switched on or off by `Config`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import fx
+
+from ..config import Config
+from .report import PassResult
+
+__all__ = ["Pass", "PassContext", "PassManager"]
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may know about the compilation beyond the graph itself."""
+
+    config: Config
+    training: bool
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A named rewrite over an FX graph; `enabled_by` names the Config field that switches it."""
+
+    name: str
+    run: Callable[[fx.GraphModule, PassContext], PassResult]
+    enabled_by: str | None = None
+
+
+class PassManager:
+    def __init__(self, passes: list[Pass]) -> None:
+        names = [p.name for p in passes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pass names must be unique, got {names}")
+        self.passes = passes
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassResult]:
+        """Run every enabled pass in order, then clean up and recompile the graph once."""
+        results = []
+        for p in self.passes:
+            if p.enabled_by is not None and not getattr(ctx.config, p.enabled_by):
+                results.append(PassResult(p.name, disabled=f"Config.{p.enabled_by}=False"))
+                continue
+            results.append(p.run(gm, ctx))
+        if any(r.rewrites for r in results):
+            gm.graph.eliminate_dead_code()
+            gm.graph.lint()
+            gm.recompile()
+        return results

@@ -1,0 +1,127 @@
+"""What the compiler did, in a form a user can read (`to_markdown`) or a tool can consume (`to_dict`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Rewrite", "Skipped", "PassResult", "SavedActivation", "GraphReport", "CompileReport"]
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One matched pattern and what it became."""
+
+    node: str
+    target: str
+    source: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A pattern a pass recognised but left alone, with the reason."""
+
+    node: str
+    target: str
+    source: str
+    reason: str
+
+
+@dataclass
+class PassResult:
+    name: str
+    rewrites: list[Rewrite] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    disabled: str | None = None
+    """Why the pass did not run (switched off in Config), or None when it ran."""
+
+
+@dataclass(frozen=True)
+class SavedActivation:
+    """A forward tensor the backward graph needs: what offloading would move."""
+
+    name: str
+    shape: str
+    dtype: str
+    bytes_per_token: int
+    layer: int | None
+    source: str
+    decision: str
+
+
+@dataclass
+class GraphReport:
+    """One captured graph (a graph break gives several per call)."""
+
+    graph_id: int
+    passes: list[PassResult] = field(default_factory=list)
+    saved_activations: list[SavedActivation] = field(default_factory=list)
+    graph_before: str = ""
+    graph_after: str = ""
+    forward_graph: str = ""
+    backward_graph: str = ""
+
+
+@dataclass
+class CompileReport:
+    """The report of the latest compilation: every graph compiled by that call."""
+
+    graphs: list[GraphReport] = field(default_factory=list)
+
+    def pass_results(self, name: str) -> list[PassResult]:
+        return [p for g in self.graphs for p in g.passes if p.name == name]
+
+    def rewrites(self, name: str) -> list[Rewrite]:
+        return [r for p in self.pass_results(name) for r in p.rewrites]
+
+    def skipped(self, name: str) -> list[Skipped]:
+        return [s for p in self.pass_results(name) for s in p.skipped]
+
+    @property
+    def saved_activations(self) -> list[SavedActivation]:
+        return [a for g in self.graphs for a in g.saved_activations]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_markdown(self, graphs: bool = False) -> str:
+        """Human-readable report; `graphs=True` appends the graphs before/after as text."""
+        lines = [f"# bytescale_compile report ({len(self.graphs)} graph(s))", ""]
+        for g in self.graphs:
+            lines += [f"## Graph {g.graph_id}", ""]
+            for p in g.passes:
+                lines += _pass_markdown(p)
+            lines += _saved_markdown(g.saved_activations)
+            if graphs:
+                for title, text in (("before passes", g.graph_before), ("after passes", g.graph_after),
+                                    ("forward (partitioned)", g.forward_graph), ("backward (partitioned)", g.backward_graph)):
+                    lines += [f"### Graph {title}", "", "```", text.rstrip(), "```", ""]
+        return "\n".join(lines)
+
+
+def _pass_markdown(p: PassResult) -> list[str]:
+    if p.disabled:
+        return [f"### Pass `{p.name}`: disabled ({p.disabled})", ""]
+    lines = [f"### Pass `{p.name}`: {len(p.rewrites)} rewritten, {len(p.skipped)} left alone", ""]
+    if p.rewrites:
+        lines += ["| node | source | became | detail |", "|---|---|---|---|"]
+        lines += [f"| `{r.node}` | `{r.source}` | `{r.target}` | {r.detail} |" for r in p.rewrites]
+        lines.append("")
+    if p.skipped:
+        lines += ["| node | source | target | left alone because |", "|---|---|---|---|"]
+        lines += [f"| `{s.node}` | `{s.source}` | `{s.target}` | {s.reason} |" for s in p.skipped]
+        lines.append("")
+    return lines
+
+
+def _saved_markdown(saved: list[SavedActivation]) -> list[str]:
+    if not saved:
+        return []
+    per_token = sum(a.bytes_per_token for a in saved)
+    lines = [f"### Saved activations: {len(saved)} tensors, {per_token} bytes per token", "",
+             "| tensor | shape | dtype | bytes/token | layer | source | decision |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| `{a.name}` | {a.shape} | {a.dtype} | {a.bytes_per_token} | "
+              f"{a.layer if a.layer is not None else '-'} | `{a.source}` | {a.decision} |" for a in saved]
+    lines.append("")
+    return lines

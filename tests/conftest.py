@@ -1,0 +1,33 @@
+import os
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("BYTESCALE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: pass --runslow or set BYTESCALE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles from scratch, so compile counts and reports are its own."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 when both are all zero)."""
+    scale = b.detach().abs().max().item()
+    diff = (a.detach() - b.detach()).abs().max().item()
+    return diff / scale if scale else diff

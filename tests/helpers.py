@@ -1,0 +1,49 @@
+"""Inputs of the model protocol and an eager-vs-optimized comparison used across the tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.conftest import rel_err
+
+
+def protocol_batch(seq_lens: list[int], vocab: int, hf: bool = False, seed: int = 0) -> dict[str, Any]:
+    """One row packing `seq_lens`: restarting position_ids, -100 at each sequence's last token."""
+    g = torch.Generator().manual_seed(seed)
+    ids, pos, tgt = [], [], []
+    for n in seq_lens:
+        seq = torch.randint(0, vocab, (n + 1,), generator=g)
+        ids.append(seq[:-1])
+        pos.append(torch.arange(n))
+        tgt.append(torch.cat([seq[1:-1], torch.tensor([-100])]))
+    batch = {"input_ids": torch.cat(ids)[None], "position_ids": torch.cat(pos)[None],
+             "shift_labels": torch.cat(tgt)[None], "num_items_in_batch": torch.tensor(sum(seq_lens) - len(seq_lens))}
+    if hf:
+        batch["labels"] = batch["shift_labels"]
+    return batch
+
+
+def loss_and_grads(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    for p in model.parameters():
+        p.grad = None
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_matches_eager(optimized: nn.Module, eager: nn.Module, batch: dict[str, Any], tol: float = 1e-5) -> None:
+    """Loss and every parameter gradient of `optimized` equal those of `eager` (a deep copy) to `tol`."""
+    loss, grads = loss_and_grads(optimized, batch)
+    ref_loss, ref_grads = loss_and_grads(eager, batch)
+    assert rel_err(loss, ref_loss) <= tol, (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    worst = max(grads, key=lambda n: rel_err(grads[n], ref_grads[n]))
+    assert rel_err(grads[worst], ref_grads[worst]) <= tol, worst
+
+
+def eager_copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

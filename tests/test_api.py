@@ -1,0 +1,90 @@
+"""The contracts of optimize(), Config and the CLI."""
+
+import inspect
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import bytescale_compile as bsc
+from bytescale_compile.cli import main
+from examples.models.llama import LlamaForCausalLM, tiny
+
+
+def test_optimize_rejects_non_modules():
+    with pytest.raises(TypeError, match="nn.Module instance or subclass.*got str"):
+        bsc.optimize("not a module")
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("partitioner", "greedy", "default"),
+    ("loss_chunk_size", 0, ">= 1"),
+    ("attention", "yes", "True or False"),
+])
+def test_config_validation_names_field_and_allowed_values(field, value, allowed):
+    with pytest.raises(ValueError, match=f"Config.{field}.*{allowed}"):
+        bsc.Config(**{field: value})
+
+
+def test_unknown_override_lists_known_fields():
+    with pytest.raises(ValueError, match="unknown Config field.*'attentoin'.*allowed"):
+        bsc.optimize(tiny(), attentoin=False)
+
+
+def test_optimized_module_shares_parameters_state_dict_and_signature():
+    model = tiny()
+    opt = bsc.optimize(model)
+    assert isinstance(opt, nn.Module)
+    assert [id(p) for p in opt.parameters()] == [id(p) for p in model.parameters()]
+    assert list(opt.state_dict()) == list(model.state_dict())
+    assert inspect.signature(opt) == inspect.signature(model.forward)
+    assert opt.config is model.config  # attributes of the model stay reachable
+    other = tiny()
+    opt.load_state_dict(other.state_dict())
+    assert torch.equal(model.lm_head.weight, other.lm_head.weight)
+    opt.eval()
+    assert not model.training and not opt.training
+
+
+def test_decorator_forms():
+    @bsc.optimize
+    class Plain(LlamaForCausalLM):
+        pass
+
+    @bsc.optimize(bsc.Config(fused_loss=False))
+    class WithConfig(LlamaForCausalLM):
+        pass
+
+    @bsc.optimize(attention=False)
+    class WithOverride(LlamaForCausalLM):
+        pass
+
+    cfg = tiny().config
+    assert isinstance(Plain(cfg), bsc.OptimizedModule) and Plain.__name__ == "Plain"
+    assert WithConfig(cfg).compile_config.fused_loss is False
+    assert WithOverride(cfg).compile_config.attention is False
+    assert list(inspect.signature(Plain).parameters) == ["cfg"]
+
+
+def test_cli_inspect_prints_report(capsys):
+    assert main(["inspect", "examples.models.llama:tiny", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "Pass `attention`: 2 rewritten" in out and "Pass `fused_loss`: 1 rewritten" in out
+
+
+def test_cli_inspect_json(capsys):
+    assert main(["inspect", "examples.models.llama:tiny", "--seq-len", "32", "--json", "--no-fused-loss"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    passes = report["graphs"][0]["passes"]
+    assert passes[1]["disabled"] == "Config.fused_loss=False"
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("examples.models.llama", "MODULE:FACTORY"),
+    ("no_such_module:f", "cannot import module"),
+    ("examples.models.llama:nothing", "no callable"),
+])
+def test_cli_bad_target(spec, message, capsys):
+    assert main(["inspect", spec]) == 2
+    assert message in capsys.readouterr().err
