@@ -208,3 +208,17 @@ def test_report_contents():
     md = report.to_markdown(graphs=True)
     assert "Pass `attention`: 2 rewritten" in md and "Saved activations" in md
     assert report.to_dict()["graphs"][0]["passes"][0]["name"] == ATTN
+
+
+def test_hf_padding_mask_is_not_proved_causal():
+    """A padding mask adds a term the matcher does not know: attention stays eager, output unchanged."""
+    model = hf_tiny()
+    opt = bsc.optimize(model)
+    batch = protocol_batch([24], vocab=128, hf=True)
+    batch["attention_mask"] = torch.ones(1, 24, dtype=torch.long)
+    batch["attention_mask"][0, :3] = 0
+    out = opt(**batch)
+    ref = model(**batch)
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert not opt.report.rewrites(ATTN)
+    assert all("not provably causal" in s.reason for s in opt.report.skipped(ATTN))

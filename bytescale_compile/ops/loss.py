@@ -1,0 +1,147 @@
+"""``bytescale::fused_linear_cross_entropy``: lm_head linear + cross-entropy as one custom op.
+
+The loss pass replaces ``F.linear`` (+ optional ``.float()``) + ``F.cross_entropy`` with this op so
+the full fp32 logits are never held, forward or backward. The op computes the gradients of hidden,
+weight and bias in its forward (three matmuls instead of four) and returns them as extra outputs;
+its autograd backward only scales them by the incoming gradient of the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from bytescale_compile.kernels.cross_entropy_ref import (
+    DEFAULT_CHUNK_SIZE,
+    linear_cross_entropy_chunked,
+)
+
+__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_op", "REDUCTIONS"]
+
+REDUCTIONS = ("sum", "mean")
+
+
+def _check_args(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    reduction: str,
+    chunk_size: int,
+) -> None:
+    """Raise ValueError on arguments the op cannot handle; shapes and dtypes only (fake-safe)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden.dim() < 1 or not hidden.dtype.is_floating_point:
+        raise ValueError(
+            f"hidden must be a floating tensor [..., H], got shape {tuple(hidden.shape)} "
+            f"dtype {hidden.dtype}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"weight must be [V, H={hidden.shape[-1]}] of hidden's dtype {hidden.dtype}, got shape "
+            f"{tuple(weight.shape)} dtype {weight.dtype}"
+        )
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != hidden.dtype):
+        raise ValueError(
+            f"bias must be [V={weight.shape[0]}] of hidden's dtype {hidden.dtype} or None, got "
+            f"shape {tuple(bias.shape)} dtype {bias.dtype}"
+        )
+    if target.dtype != torch.int64 or target.numel() != math.prod(hidden.shape[:-1]):
+        raise ValueError(
+            f"target must be an int64 tensor with one entry per token of hidden "
+            f"{tuple(hidden.shape)}, got shape {tuple(target.shape)} dtype {target.dtype}"
+        )
+
+
+@torch.library.custom_op("bytescale::fused_linear_cross_entropy", mutates_args=())
+def fused_linear_cross_entropy_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``cross_entropy(linear(hidden, weight, bias)[.float()], target)`` without the full logits.
+
+    hidden [..., H], weight [V, H], bias [V] or None, target [...] int64 with hidden's token count.
+    Returns (loss, grad_hidden, grad_weight, grad_bias). Only output [0], the loss, is
+    differentiable: callers use it and ignore the rest, which are the op's saved gradients (of the
+    loss itself, so not scaled by any outer factor). grad_bias is empty when bias is None.
+    """
+    _check_args(hidden, weight, bias, target, reduction, chunk_size)
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    loss, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_chunked(
+        hidden_2d, weight, bias, target.reshape(-1), ignore_index, reduction, upcast, chunk_size
+    )
+    if grad_bias is None:
+        grad_bias = hidden.new_empty(0)
+    return loss, grad_hidden.view(hidden.shape), grad_weight, grad_bias
+
+
+@fused_linear_cross_entropy_op.register_fake
+def _fake(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Shapes and dtypes only: the data-dependent target check runs in the real kernel."""
+    _check_args(hidden, weight, bias, target, reduction, chunk_size)
+    loss = hidden.new_empty((), dtype=torch.float32 if upcast else hidden.dtype)
+    grad_bias = hidden.new_empty(0) if bias is None else torch.empty_like(bias)
+    return loss, torch.empty_like(hidden), torch.empty_like(weight), grad_bias
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Keep the gradients the forward already computed; they are constants to autograd."""
+    _, grad_hidden, grad_weight, grad_bias = output
+    ctx.has_bias = inputs[2] is not None
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+    ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
+
+
+def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple:
+    """Chain rule: the saved gradients are of the loss, so scale them by d(out)/d(loss)."""
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    return (
+        grad_hidden * grad_loss,
+        grad_weight * grad_loss,
+        grad_bias * grad_loss if ctx.has_bias else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    upcast: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Loss of ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)``, fused."""
+    return fused_linear_cross_entropy_op(
+        hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size
+    )[0]

@@ -1,0 +1,171 @@
+"""bytescale::fused_linear_cross_entropy against eager linear -> float -> cross_entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bytescale_compile.ops.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_op
+
+H, V = 16, 37
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max|a-b| / max|b|, computed in fp64."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def make_inputs(
+    shape: tuple[int, ...], bias: bool, dtype: torch.dtype = torch.float32, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Leaf hidden [*shape, H], weight, optional bias and targets with every 3rd one ignored."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(*shape, H, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) * 0.5).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=gen)).to(dtype).requires_grad_() if bias else None
+    target = torch.randint(0, V, shape, generator=gen)
+    target.view(-1)[::3] = ignore_index
+    return hidden, weight, b, target
+
+
+def loss_and_grads(loss_fn, hidden, weight, bias, target) -> list[torch.Tensor]:
+    """Run forward + backward; return [loss, grad_hidden, grad_weight, (grad_bias)]."""
+    params = [p for p in (hidden, weight, bias) if p is not None]
+    for p in params:
+        p.grad = None
+    loss = loss_fn(hidden, weight, bias, target)
+    loss.backward()
+    return [loss.detach()] + [p.grad for p in params]
+
+
+def eager_loss(ignore_index: int, reduction: str, upcast: bool = True):
+    def fn(hidden, weight, bias, target):
+        logits = F.linear(hidden, weight, bias)
+        logits = logits.float() if upcast else logits
+        return F.cross_entropy(
+            logits.view(-1, V), target.view(-1), ignore_index=ignore_index, reduction=reduction
+        )
+
+    return fn
+
+
+def fused_loss(ignore_index: int, reduction: str, chunk_size: int, upcast: bool = True):
+    def fn(hidden, weight, bias, target):
+        return fused_linear_cross_entropy(
+            hidden, weight, target, bias, ignore_index, reduction, upcast, chunk_size
+        )
+
+    return fn
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck(bias: bool) -> None:
+    hidden, weight, b, target = make_inputs((2, 5), bias)
+    torch.library.opcheck(
+        fused_linear_cross_entropy_op, (hidden, weight, b, target, -100, "mean", True, 3)
+    )
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 13, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_eager_fp32(reduction: str, ignore_index: int, chunk_size: int, bias: bool) -> None:
+    inputs = make_inputs((13,), bias, ignore_index=ignore_index)
+    expected = loss_and_grads(eager_loss(ignore_index, reduction), *inputs)
+    actual = loss_and_grads(fused_loss(ignore_index, reduction, chunk_size), *inputs)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        assert rel_err(a, e) <= 1e-5
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_matches_eager_3d_hidden(reduction: str) -> None:
+    inputs = make_inputs((1, 29), bias=True)
+    expected = loss_and_grads(eager_loss(-100, reduction), *inputs)
+    actual = loss_and_grads(fused_loss(-100, reduction, chunk_size=8), *inputs)
+    assert actual[1].shape == (1, 29, H)
+    for a, e in zip(actual, expected):
+        assert rel_err(a, e) <= 1e-5
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_bf16_upcast_close_to_eager(reduction: str) -> None:
+    inputs = make_inputs((1, 29), bias=True, dtype=torch.bfloat16)
+    expected = loss_and_grads(eager_loss(-100, reduction), *inputs)
+    actual = loss_and_grads(fused_loss(-100, reduction, chunk_size=8), *inputs)
+    assert actual[0].dtype == torch.float32
+    assert [a.dtype for a in actual[1:]] == [torch.bfloat16] * 3
+    for a, e in zip(actual, expected):
+        assert rel_err(a, e) <= 2e-2
+
+
+def test_bf16_without_upcast_stays_bf16() -> None:
+    inputs = make_inputs((1, 29), bias=False, dtype=torch.bfloat16)
+    expected = loss_and_grads(eager_loss(-100, "mean", upcast=False), *inputs)
+    actual = loss_and_grads(fused_loss(-100, "mean", chunk_size=8, upcast=False), *inputs)
+    assert all(a.dtype == torch.bfloat16 for a in actual)
+    for a, e in zip(actual, expected):
+        assert rel_err(a, e) <= 3e-2
+
+
+def test_all_ignored_sum_is_zero() -> None:
+    hidden, weight, b, target = make_inputs((6,), bias=True)
+    target.fill_(-100)
+    loss, *grads = loss_and_grads(fused_loss(-100, "sum", chunk_size=4), hidden, weight, b, target)
+    assert loss.item() == 0.0
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_all_ignored_mean_is_nan_like_eager() -> None:
+    hidden, weight, b, target = make_inputs((6,), bias=True)
+    target.fill_(-100)
+    expected = loss_and_grads(eager_loss(-100, "mean"), hidden, weight, b, target)
+    loss, *grads = loss_and_grads(fused_loss(-100, "mean", chunk_size=4), hidden, weight, b, target)
+    assert torch.isnan(loss) and torch.isnan(expected[0])
+    for g, e in zip(grads, expected[1:]):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("bad", [V, -1])
+def test_out_of_range_target_raises(bad: int) -> None:
+    hidden, weight, _, target = make_inputs((6,), bias=False)
+    target[2] = bad
+    with pytest.raises(ValueError, match=f"{bad}.*V={V}"):
+        fused_linear_cross_entropy(hidden, weight, target)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"reduction": "none"}, "reduction"), ({"chunk_size": 0}, "chunk_size")],
+)
+def test_bad_arguments_raise(kwargs: dict, argument: str) -> None:
+    hidden, weight, _, target = make_inputs((6,), bias=False)
+    with pytest.raises(ValueError, match=argument):
+        fused_linear_cross_entropy(hidden, weight, target, **kwargs)
+
+
+def test_mismatched_shapes_raise() -> None:
+    hidden, weight, _, target = make_inputs((6,), bias=False)
+    with pytest.raises(ValueError, match="target"):
+        fused_linear_cross_entropy(hidden, weight, target[:5])
+    with pytest.raises(ValueError, match="weight"):
+        fused_linear_cross_entropy(hidden, weight[:, :-1], target)
+
+
+def test_torch_compile_dynamic_matches_eager() -> None:
+    def train_loss(hidden, weight, bias, target):
+        return fused_linear_cross_entropy(hidden, weight, target, bias, chunk_size=4) * 0.5
+
+    def reference(hidden, weight, bias, target):
+        return eager_loss(-100, "mean")(hidden, weight, bias, target) * 0.5
+
+    compiled = torch.compile(train_loss, backend="aot_eager", dynamic=True, fullgraph=True)
+    for tokens in (11, 17):
+        inputs = make_inputs((1, tokens), bias=True)
+        expected = loss_and_grads(reference, *inputs)
+        actual = loss_and_grads(compiled, *inputs)
+        for a, e in zip(actual, expected):
+            assert rel_err(a, e) <= 1e-5
