@@ -39,7 +39,7 @@ class OptimizedModule(nn.Module):
         self._report = CompileReport()
         self._pending: list[GraphReport] = []
         self._backends = {mode: Backend(config, mode, self._pending.append) for mode in (True, False)}
-        self._compiled = {mode: torch.compile(model, backend=b, dynamic=False if not config.dynamic else None)
+        self._compiled = {mode: torch.compile(model, backend=b, dynamic=None if config.dynamic else False)
                           for mode, b in self._backends.items()}
 
     @property
@@ -99,7 +99,9 @@ def optimize(model: Any = None, config: Config | None = None, **overrides: Any) 
     """
     if isinstance(model, Config):
         model, config = None, model
-    config = (config or Config()).with_overrides(**overrides) if overrides else (config or Config())
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a bytescale_compile.Config, got {type(config).__name__}")
+    config = (config or Config()).with_overrides(**overrides)
     if model is None:
         return functools.partial(optimize, config=config)
     if isinstance(model, OptimizedModule):

@@ -1,7 +1,5 @@
 """optimize() against the eager model: losses, every gradient, and what the report says was rewritten."""
 
-import inspect
-
 import pytest
 import torch
 from torch import nn
@@ -205,6 +203,8 @@ def test_report_contents():
     saved = report.saved_activations
     assert saved and {a.layer for a in saved} >= {0, 1}
     assert all(a.bytes_per_token > 0 for a in saved)
+    aliases = [a for a in saved if a.alias_of]  # q/k/v projections save views of one input
+    assert aliases and all(a.alias_of in {b.name for b in saved} for a in aliases)
     md = report.to_markdown(graphs=True)
     assert "Pass `attention`: 2 rewritten" in md and "Saved activations" in md
     assert report.to_dict()["graphs"][0]["passes"][0]["name"] == ATTN

@@ -7,6 +7,7 @@ import math
 import sympy
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..passes.graph import layer_index, source_module
 from ..passes.report import SavedActivation
@@ -24,6 +25,7 @@ def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: int 
     """
     outputs = fw.graph.output_node().args[0]
     table = []
+    owners: dict[StorageWeakRef, str] = {}
     for node in outputs[num_fwd_outputs:]:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if not isinstance(val, torch.Tensor):
@@ -32,6 +34,7 @@ def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: int 
         if per_token is None:
             continue
         producer = _producer(node)
+        owner = owners.setdefault(StorageWeakRef(val.untyped_storage()), node.name)
         table.append(SavedActivation(
             name=node.name,
             shape=str(tuple(val.shape)).replace("'", ""),
@@ -40,6 +43,7 @@ def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: int 
             layer=layer_index(producer),
             source=source_module(producer),
             decision="resident (no offload pass ran)",
+            alias_of=None if owner == node.name else owner,
         ))
     return table
 

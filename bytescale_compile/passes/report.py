@@ -48,6 +48,8 @@ class SavedActivation:
     layer: int | None
     source: str
     decision: str
+    alias_of: str | None = None
+    """Name of an earlier saved tensor sharing this one's storage: no memory of its own."""
 
 
 @dataclass
@@ -118,10 +120,10 @@ def _pass_markdown(p: PassResult) -> list[str]:
 def _saved_markdown(saved: list[SavedActivation]) -> list[str]:
     if not saved:
         return []
-    per_token = sum(a.bytes_per_token for a in saved)
-    lines = [f"### Saved activations: {len(saved)} tensors, {per_token} bytes per token", "",
+    per_token = sum(a.bytes_per_token for a in saved if a.alias_of is None)
+    lines = [f"### Saved activations: {len(saved)} tensors, {per_token} bytes per token (aliases counted once)", "",
              "| tensor | shape | dtype | bytes/token | layer | source | decision |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| `{a.name}` | {a.shape} | {a.dtype} | {a.bytes_per_token} | "
+    lines += [f"| `{a.name}` | {a.shape} | {a.dtype} | {a.bytes_per_token}{f' (alias of `{a.alias_of}`)' if a.alias_of else ''} | "
               f"{a.layer if a.layer is not None else '-'} | `{a.source}` | {a.decision} |" for a in saved]
     lines.append("")
     return lines
