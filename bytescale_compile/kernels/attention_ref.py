@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "layout_like",
     "check_attention_shapes",
     "causal_attention_fwd",
     "causal_attention_bwd",
@@ -28,6 +29,9 @@ __all__ = [
     "segment_causal_attention_bwd",
     "math_causal_attention_fwd",
     "math_causal_attention_bwd",
+    "math_attention_bwd_from_lse",
+    "block_attention_fwd",
+    "block_attention_bwd",
     "cpu_flash_causal_attention_fwd",
     "cpu_flash_causal_attention_bwd",
 ]
@@ -48,7 +52,7 @@ def check_attention_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"attention expects Hq a multiple of Hkv (GQA), got {shapes}")
 
 
-def _layout_like(t: Tensor, ref: Tensor) -> Tensor:
+def layout_like(t: Tensor, ref: Tensor) -> Tensor:
     """`t` in the memory layout `torch.empty_like(ref)` has, copying only when it differs."""
     want = torch.empty_like(ref, dtype=t.dtype)
     if all(a == b for a, b, n in zip(t.stride(), want.stride(), t.shape) if n > 1):
@@ -75,24 +79,25 @@ def _sum_kv_groups(grad: Tensor, n_kv_heads: int) -> Tensor:
     return grad.reshape(b, n_kv_heads, h // n_kv_heads, t, d).sum(dim=2)
 
 
-def _masked_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """Scaled scores `[B, Hq, T, T]` in the compute dtype, -inf where the key lies in the future."""
+def _masked_scores(q: Tensor, k: Tensor, scale: float, causal: bool = True) -> Tensor:
+    """Scaled scores `[B, Hq, Tq, Tk]` in the compute dtype, -inf where a causal key lies in the future."""
     ct = _compute_dtype(q.dtype)
     k = _repeat_kv(k, q.shape[1] // k.shape[1])
     scores = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
-    t = q.shape[2]
-    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    if not causal:
+        return scores
+    future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(diagonal=1)
     return scores.masked_fill(future, float("-inf"))
 
 
-def math_causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention spelled out (scores, mask, lse, softmax): slow, but obviously right."""
-    scores = _masked_scores(q, k, scale)
+def math_causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
+    """Attention spelled out (scores, mask, lse, softmax): slow, but obviously right."""
+    scores = _masked_scores(q, k, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     v = _repeat_kv(v, q.shape[1] // v.shape[1]).to(scores.dtype)
     out = torch.matmul(probs, v).to(q.dtype)
-    return _layout_like(out, q), lse.to(torch.float32).contiguous()
+    return layout_like(out, q), lse.to(torch.float32).contiguous()
 
 
 def math_causal_attention_bwd(
@@ -115,10 +120,39 @@ def math_causal_attention_bwd(
     dscores = probs * (dprobs - (dprobs * probs).sum(dim=-1, keepdim=True)) * scale
     dq = torch.matmul(dscores, k_rep)
     dk = torch.matmul(dscores.transpose(-1, -2), q.to(ct))
+    return _grads_like(dq, dk, dv, q, k, v)
+
+
+def math_attention_bwd_from_lse(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block of a larger attention, given the *final* out and lse of its queries.
+
+    With P = exp(S - lse) and D = rowsum(dO * O) taken from the merged result, each key block's
+    contribution is exact on its own: this is how a ring computes partial gradients.
+    """
+    n_kv = k.shape[1]
+    n_rep = q.shape[1] // n_kv
+    scores = _masked_scores(q, k, scale, causal)
+    ct = scores.dtype
+    probs = torch.exp(scores - lse.to(ct).unsqueeze(-1))
+    g = grad_out.to(ct)
+    dv = torch.matmul(probs.transpose(-1, -2), g)
+    dprobs = torch.matmul(g, _repeat_kv(v, n_rep).to(ct).transpose(-1, -2))
+    delta = (g * out.to(ct)).sum(dim=-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    dq = torch.matmul(dscores, _repeat_kv(k, n_rep).to(ct))
+    dk = torch.matmul(dscores.transpose(-1, -2), q.to(ct))
+    return _grads_like(dq, dk, dv, q, k, v)
+
+
+def _grads_like(dq: Tensor, dk: Tensor, dv: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Sum kv-group gradients back to Hkv heads and give each gradient its input's dtype and layout."""
+    n_kv = k.shape[1]
     return (
-        _layout_like(dq.to(q.dtype), q),
-        _layout_like(_sum_kv_groups(dk, n_kv).to(k.dtype), k),
-        _layout_like(_sum_kv_groups(dv, n_kv).to(v.dtype), v),
+        layout_like(dq.to(q.dtype), q),
+        layout_like(_sum_kv_groups(dk, n_kv).to(k.dtype), k),
+        layout_like(_sum_kv_groups(dv, n_kv).to(v.dtype), v),
     )
 
 
@@ -147,22 +181,22 @@ def _use_cpu_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
     )
 
 
-def cpu_flash_causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention through aten's fused CPU flash kernel (the one eager SDPA uses)."""
+def cpu_flash_causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
+    """Attention through aten's fused CPU flash kernel (the one eager SDPA uses)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, True, scale=scale
+        q, k, v, 0.0, causal, scale=scale
     )
-    return _layout_like(out, q), lse.to(torch.float32).contiguous()
+    return layout_like(out, q), lse.to(torch.float32).contiguous()
 
 
 def cpu_flash_causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients through aten's fused CPU flash backward, reusing the forward's out and lse."""
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, True, scale=scale
+        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale
     )
-    return _layout_like(dq, q), _layout_like(dk, k), _layout_like(dv, v)
+    return layout_like(dq, q), layout_like(dk, k), layout_like(dv, v)
 
 
 # --- dispatch -------------------------------------------------------------------------------------
@@ -234,3 +268,19 @@ def segment_causal_attention_bwd(
                 grad_out[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], scale
             )
     return dq, dk, dv
+
+
+def block_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """One block of a distributed attention: causal on the diagonal, full below it (Tq may differ from Tk)."""
+    if _use_cpu_flash(q, k, v):
+        return cpu_flash_causal_attention_fwd(q, k, v, scale, causal)
+    return math_causal_attention_fwd(q, k, v, scale, causal)
+
+
+def block_attention_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Partial gradients of one block given the merged out and lse of its queries."""
+    if _use_cpu_flash(q, k, v):
+        return cpu_flash_causal_attention_bwd(grad_out, q, k, v, out, lse, scale, causal)
+    return math_attention_bwd_from_lse(grad_out, q, k, v, out, lse, scale, causal)

@@ -5,6 +5,8 @@ micro-batches; at run time the op looks at `current_context()`: with packed `cu_
 attends causally within its own sequence (the row must then be a single one, B == 1); without them,
 `position_ids` (passed by the attention pass for Hugging Face's packed-sequence masks) split each row
 where positions restart; otherwise it is plain causal attention per row, like SDPA with `is_causal=True`.
+When the context's group has several ranks, the row holds this rank's zigzag tokens and the op runs
+the packed ring (`runtime/dist_attn.py`); a group of one stays local.
 
 The backward is a second opaque op, `bytescale::attention_backward`, rather than a Python formula:
 AOTAutograd traces the autograd formula into the backward graph with fake tensors, so anything the
@@ -20,15 +22,27 @@ import torch
 from torch import Tensor
 
 from bytescale_compile.kernels.attention_ref import (
+    layout_like,
     causal_attention_bwd,
     causal_attention_fwd,
     check_attention_shapes,
     segment_causal_attention_bwd,
     segment_causal_attention_fwd,
 )
-from bytescale_compile.runtime.context import ContextError, current_context
+from bytescale_compile.runtime.context import ContextError, MicroBatchContext, current_context
+from bytescale_compile.runtime.dist_attn import ring_attention_bwd, ring_attention_fwd
 
 __all__ = ["attention", "attention_backward"]
+
+
+def _ring_context(q: Tensor) -> MicroBatchContext | None:
+    """The context when this micro-batch is shared by several ranks (ring attention), else None."""
+    ctx = current_context()
+    if ctx is None or not ctx.is_ring:
+        return None
+    if q.shape[0] != 1:
+        raise ContextError(f"micro-batch {ctx.micro_batch_id}: a shared micro-batch needs a single row, got q {tuple(q.shape)}")
+    return ctx
 
 
 def _row_packing(q: Tensor, position_ids: Tensor | None) -> list[Tensor] | None:
@@ -73,6 +87,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optio
     cu_seqlens, else from restarts of `position_ids` (see `_row_packing`).
     """
     check_attention_shapes(q, k, v)
+    ring = _ring_context(q)
+    if ring is not None:
+        check = ring.first_use((tuple(q.shape), tuple(k.shape), q.dtype))
+        out, lse = ring_attention_fwd(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), ring.layout,
+                                      ring.group, scale, stats=ring.ring_stats, check=check, timeout_s=ring.ring_timeout_s)
+        return layout_like(out.transpose(0, 1).unsqueeze(0), q), lse.unsqueeze(0)
     packing = _row_packing(q, position_ids)
     if packing is None:
         return causal_attention_fwd(q, k, v, scale)
@@ -101,6 +121,11 @@ def attention_backward(
     the order they need, so copying it here would only add a copy.
     """
     check_attention_shapes(q, k, v)
+    ring = _ring_context(q)
+    if ring is not None:
+        dq, dk, dv = ring_attention_bwd(*(x[0].transpose(0, 1) for x in (grad_out, q, k, v, out)), lse[0], ring.layout,
+                                        ring.group, scale, stats=ring.ring_stats, timeout_s=ring.ring_timeout_s)
+        return tuple(layout_like(d.transpose(0, 1).unsqueeze(0), x) for d, x in ((dq, q), (dk, k), (dv, v)))
     packing = _row_packing(q, position_ids)
     if packing is None:
         return causal_attention_bwd(grad_out, q, k, v, out, lse, scale)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .dist_attn import DEFAULT_TIMEOUT_S, RingStats
+from .layout import ZigzagLayout
 
 __all__ = ["MicroBatchContext", "current_context", "micro_batch", "ContextError"]
 
@@ -27,13 +30,34 @@ class MicroBatchContext:
 
     cu_seqlens: int32/int64 1-D tensor [n_seq + 1] of cumulative sequence lengths of the packed
         row (starts at 0, ends at the row's token count). None means one causal sequence per row.
+    group: ordered global ranks sharing this micro-batch; with more than one, attention runs as a
+        ring over them and the row holds this rank's zigzag tokens of `layout`.
+    layout: the zigzag layout of the micro-batch's sequences over `group`.
     micro_batch_id: the micro-batch's index in the step (for counters and error messages).
+    ring_stats: bytes and blocks of every ring call under this context.
     """
 
     cu_seqlens: torch.Tensor | None = None
+    group: tuple[int, ...] | None = None
+    layout: ZigzagLayout | None = None
     micro_batch_id: int = 0
+    ring_timeout_s: float = DEFAULT_TIMEOUT_S
+    ring_stats: RingStats = field(default_factory=RingStats, compare=False)
+    _checked_shapes: set = field(default_factory=set, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.group is not None:
+            object.__setattr__(self, "group", tuple(int(r) for r in self.group))
+            if self.layout is None or self.layout.group_size != len(self.group):
+                raise ContextError(
+                    f"micro-batch {self.micro_batch_id}: group {list(self.group)} needs a zigzag layout made for "
+                    f"{len(self.group)} ranks, got {self.layout}"
+                )
+            if len(self.group) == 1 and self.cu_seqlens is None:
+                bounds = [0]
+                for n in self.layout.seq_lens:
+                    bounds.append(bounds[-1] + n)
+                object.__setattr__(self, "cu_seqlens", torch.tensor(bounds))
         cu = self.cu_seqlens
         if cu is None:
             return
@@ -54,6 +78,18 @@ class MicroBatchContext:
             return []
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
+    @property
+    def is_ring(self) -> bool:
+        """Attention runs as a ring: the group has more than one rank."""
+        return self.group is not None and len(self.group) > 1
+
+    def first_use(self, key: tuple) -> bool:
+        """True the first time `key` is seen under this context (the ring checks its group once)."""
+        if key in self._checked_shapes:
+            return False
+        self._checked_shapes.add(key)
+        return True
+
     def check_tokens(self, num_tokens: int) -> None:
         """Raise unless the packed sequences cover exactly `num_tokens` tokens."""
         if self.cu_seqlens is not None and int(self.cu_seqlens[-1]) != num_tokens:
@@ -73,11 +109,24 @@ def current_context() -> MicroBatchContext | None:
 
 
 @contextlib.contextmanager
-def micro_batch(cu_seqlens: torch.Tensor | list[int] | None = None, micro_batch_id: int = 0) -> Iterator[MicroBatchContext]:
-    """Run forward or backward of one micro-batch: `with micro_batch(cu_seqlens=[0, 5, 9]): ...`."""
-    if isinstance(cu_seqlens, list):
-        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-    ctx = MicroBatchContext(cu_seqlens=cu_seqlens, micro_batch_id=micro_batch_id)
+def micro_batch(
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    group: list[int] | tuple[int, ...] | None = None,
+    layout: ZigzagLayout | None = None,
+    micro_batch_id: int = 0,
+    ctx: MicroBatchContext | None = None,
+) -> Iterator[MicroBatchContext]:
+    """Run forward or backward of one micro-batch.
+
+        with micro_batch(cu_seqlens=[0, 5, 9]): ...                  # packed row on this rank
+        with micro_batch(group=[0, 2], layout=zigzag_layout([9], 2)): ...  # shared over ranks 0 and 2
+
+    Pass `ctx=` to re-enter the same context for the backward.
+    """
+    if ctx is None:
+        if isinstance(cu_seqlens, list):
+            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+        ctx = MicroBatchContext(cu_seqlens=cu_seqlens, group=group, layout=layout, micro_batch_id=micro_batch_id)
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []

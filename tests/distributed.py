@@ -1,0 +1,32 @@
+"""Run a test body on N gloo ranks on localhost (spawned processes, one fresh interpreter each)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    """Run `fn(rank, world_size, *args)` on every rank; an exception on any rank fails the caller."""
+    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, start_method="spawn")
