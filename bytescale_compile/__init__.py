@@ -1,8 +1,8 @@
 """bytescale_compile: ByteScale (HDP long-context training) as torch.compile passes."""
 
-from .api import OptimizedModule, explain, optimize
+from .api import OptimizedModule, RecompileLimitError, explain, optimize
 from .config import Config
 from .passes.report import CompileReport
 
-__all__ = ["optimize", "explain", "Config", "OptimizedModule", "CompileReport"]
+__all__ = ["optimize", "explain", "Config", "OptimizedModule", "CompileReport", "RecompileLimitError"]
 __version__ = "0.1.0"

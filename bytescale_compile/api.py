@@ -13,7 +13,14 @@ from .capture import Backend
 from .config import Config
 from .passes.report import CompileReport, GraphReport
 
-__all__ = ["optimize", "explain", "OptimizedModule"]
+__all__ = ["optimize", "explain", "OptimizedModule", "RecompileLimitError"]
+
+RECOMPILE_LIMIT = 64
+"""Compilations of one forward allowed per process, across all optimized instances of the class."""
+
+
+class RecompileLimitError(RuntimeError):
+    """Too many compilations of one forward: running it unoptimized instead would be a silent slowdown."""
 
 
 class OptimizedModule(nn.Module):
@@ -66,8 +73,15 @@ class OptimizedModule(nn.Module):
             for t in (*args, *kwargs.values()):
                 _mark_token_dim_dynamic(t)
         self._pending.clear()
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            out = self._compiled[self._orig_mod.training](*args, **kwargs)
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=RECOMPILE_LIMIT):
+                out = self._compiled[self._orig_mod.training](*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise RecompileLimitError(
+                f"{type(self._orig_mod).__name__}.forward was compiled {RECOMPILE_LIMIT} times in this process "
+                f"(each optimize() of the same model class and, with Config(dynamic=False), each new length "
+                f"compiles anew); call torch._dynamo.reset() between independent models, or keep dynamic=True"
+            ) from e
         if self._pending:
             self._report = CompileReport(graphs=list(self._pending))
         return out
@@ -116,13 +130,19 @@ def optimize(model: Any = None, config: Config | None = None, **overrides: Any) 
     )
 
 
-def _optimized_class(cls: type[nn.Module], config: Config) -> Any:
-    @functools.wraps(cls, updated=())
-    def make(*args: Any, **kwargs: Any) -> OptimizedModule:
+def _optimized_class(cls: type[nn.Module], config: Config) -> type[nn.Module]:
+    """A subclass of `cls` whose construction returns the optimized instance.
+
+    Being a class keeps classmethods (`from_pretrained`) and the constructor signature; `__new__`
+    returns an `OptimizedModule` around a plain `cls` instance, so `__init__` runs exactly once.
+    """
+
+    def __new__(klass: type, *args: Any, **kwargs: Any) -> OptimizedModule:
         return OptimizedModule(cls(*args, **kwargs), config)
 
-    make.__signature__ = inspect.signature(cls)
-    return make
+    namespace = {"__new__": __new__, "__module__": cls.__module__, "__doc__": cls.__doc__,
+                 "__qualname__": cls.__qualname__, "__signature__": inspect.signature(cls)}
+    return type(cls.__name__, (cls,), namespace)
 
 
 def explain(model: nn.Module, *args: Any, **kwargs: Any) -> CompileReport:

@@ -55,6 +55,11 @@ def protocol_inputs(model: nn.Module, seq_len: int, vocab_size: int | None = Non
     inputs: dict[str, Any] = {"input_ids": ids, "position_ids": torch.arange(seq_len)[None],
                               "shift_labels": labels, "num_items_in_batch": torch.tensor(seq_len - 1)}
     params = pyinspect.signature(model.forward).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    missing = [name for name in inputs if name not in params and not takes_kwargs]
+    if missing:
+        raise CLIError(f"{type(model).__name__}.forward does not take {missing}: inspect calls models with the "
+                       f"causal-LM protocol (input_ids, position_ids, shift_labels, num_items_in_batch)")
     if "labels" in params:
         inputs["labels"] = labels
     if "use_cache" in params:

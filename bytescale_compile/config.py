@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from .kernels.cross_entropy_ref import DEFAULT_CHUNK_SIZE
+
 __all__ = ["Config"]
 
 _PARTITIONERS = ("default", "min_cut")
@@ -27,7 +29,7 @@ class Config:
 
     attention: bool = True
     fused_loss: bool = True
-    loss_chunk_size: int = 1024
+    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
     dynamic: bool = True
     partitioner: str = "default"
     keep_graph_text: bool = True

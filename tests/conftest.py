@@ -27,7 +27,7 @@ def fresh_dynamo():
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (0 when both are all zero)."""
-    scale = b.detach().abs().max().item()
-    diff = (a.detach() - b.detach()).abs().max().item()
+    """max |a - b| / max |b| in fp64; plain max |a - b| where b is all zero (dq of a lone token)."""
+    a, b = a.detach().double(), b.detach().double()
+    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
     return diff / scale if scale else diff

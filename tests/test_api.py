@@ -61,10 +61,17 @@ def test_decorator_forms():
         pass
 
     cfg = tiny().config
-    assert isinstance(Plain(cfg), bsc.OptimizedModule) and Plain.__name__ == "Plain"
+    assert isinstance(Plain, type) and issubclass(Plain, LlamaForCausalLM) and Plain.__name__ == "Plain"
+    assert isinstance(Plain(cfg), bsc.OptimizedModule)
     assert WithConfig(cfg).compile_config.fused_loss is False
     assert WithOverride(cfg).compile_config.attention is False
     assert list(inspect.signature(Plain).parameters) == ["cfg"]
+
+
+def test_many_optimized_instances_of_one_class():
+    """Every optimize() compiles anew; more than Dynamo's default limit of 8 must still work."""
+    for _ in range(9):
+        bsc.optimize(tiny())(torch.randint(0, 128, (1, 9)))
 
 
 def test_cli_inspect_prints_report(capsys):
@@ -88,3 +95,8 @@ def test_cli_inspect_json(capsys):
 def test_cli_bad_target(spec, message, capsys):
     assert main(["inspect", spec]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_models_outside_the_protocol(capsys):
+    assert main(["inspect", "torch.nn:Identity", "--vocab-size", "10"]) == 2
+    assert "does not take" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from bytescale_compile.kernels.attention_ref import (
     math_causal_attention_fwd,
 )
 from bytescale_compile.runtime.context import ContextError, micro_batch
+from tests.conftest import rel_err
 
 attention = torch.ops.bytescale.attention
 attention_backward = torch.ops.bytescale.attention_backward
@@ -22,12 +23,6 @@ attention_backward = torch.ops.bytescale.attention_backward
 D = 8
 SCALE = 0.37  # not 1/sqrt(D), so a dropped or defaulted scale shows
 HEADS = pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-
-
-def rel_err(a: Tensor, b: Tensor) -> float:
-    """max|a-b| / max|b|; plain max|a-b| where b is all zero (dq at T=1)."""
-    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
 def make_qkv(

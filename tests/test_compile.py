@@ -222,3 +222,20 @@ def test_hf_padding_mask_is_not_proved_causal():
     assert rel_err(out.loss, ref.loss) <= 1e-5
     assert not opt.report.rewrites(ATTN)
     assert all("not provably causal" in s.reason for s in opt.report.skipped(ATTN))
+
+
+def test_context_reaches_backward_run_on_another_thread():
+    """Autograd runs accelerator backward on device threads: the context must be visible there."""
+    import threading
+
+    opt = bsc.optimize(tiny())
+    packed = protocol_batch([11, 3, 18], vocab=128, seed=1)
+    with micro_batch(cu_seqlens=[0, 11, 14, 32]):
+        loss = opt(**packed).loss
+        worker = threading.Thread(target=loss.backward)
+        worker.start()
+        worker.join()
+    grads = {n: p.grad.clone() for n, p in opt.named_parameters()}
+    with micro_batch(cu_seqlens=[0, 11, 14, 32]):
+        _, same_thread = loss_and_grads(opt, packed)
+    assert max(rel_err(grads[n], same_thread[n]) for n in grads) == 0

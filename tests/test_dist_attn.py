@@ -15,7 +15,7 @@ from bytescale_compile.kernels.attention_ref import block_attention_bwd, block_a
 from bytescale_compile.runtime.dist_attn import RingError, RingStats, RingTimeoutError, packed_ring_attention
 from bytescale_compile.runtime.layout import LayoutError, zigzag_layout
 from tests.conftest import rel_err
-from tests.distributed import run_distributed
+from bytescale_compile.runtime.spawn import run_distributed
 
 # --- layout ---------------------------------------------------------------------------------------
 

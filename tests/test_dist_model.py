@@ -9,7 +9,7 @@ import bytescale_compile as bsc
 from bytescale_compile.runtime.context import micro_batch
 from bytescale_compile.runtime.layout import zigzag_layout
 from examples.models.llama import tiny
-from tests.distributed import run_distributed
+from bytescale_compile.runtime.spawn import run_distributed
 from tests.helpers import loss_and_grads, protocol_batch
 
 

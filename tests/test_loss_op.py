@@ -7,14 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from bytescale_compile.ops.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_op
+from tests.conftest import rel_err
 
 H, V = 16, 37
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max|a-b| / max|b|, computed in fp64."""
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def make_inputs(

@@ -79,7 +79,11 @@ class Backend:
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
             fw, bw = base(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             inputs = [n.meta.get("val") for n in fw.graph.find_nodes(op="placeholder")]
-            report.saved_activations = saved_activations(fw, num_fwd_outputs, _token_size(inputs))
+            token_size = _token_size(inputs)
+            if isinstance(token_size, torch.SymInt):
+                report.saved_activations = saved_activations(fw, num_fwd_outputs, token_size)
+            else:  # with static sizes any dimension equal to T would pass for the token dimension
+                report.saved_activations_note = "needs a dynamic token dimension (Config(dynamic=True))"
             return fw, bw
 
         return partition

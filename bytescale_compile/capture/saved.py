@@ -15,12 +15,12 @@ from ..passes.report import SavedActivation
 __all__ = ["saved_activations"]
 
 
-def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: int | torch.SymInt | None) -> list[SavedActivation]:
+def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: torch.SymInt) -> list[SavedActivation]:
     """Describe the token-carrying tensors the partitioned forward hands to the backward.
 
-    `token_size` is the token dimension of the inputs (a SymInt when it is dynamic); a tensor has the
-    token dimension when one of its sizes equals it, and its bytes per token are then the product of
-    the other sizes times the element size. Saved weights (and their transposes) carry no tokens,
+    `token_size` is the (symbolic) token dimension of the inputs; a tensor has the token dimension
+    when one of its sizes is that symbol, and its bytes per token are then the product of the other
+    sizes times the element size. Saved weights (and their transposes) carry no tokens,
     cannot be offloaded per token and are not listed.
     """
     outputs = fw.graph.output_node().args[0]
@@ -30,9 +30,9 @@ def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: int 
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if not isinstance(val, torch.Tensor):
             continue
-        per_token = _bytes_per_token(val, token_size)
-        if per_token is None:
+        if not _has_token_dim(val, token_size):
             continue
+        per_token = _bytes_per_token(val, token_size)
         producer = _producer(node)
         owner = owners.setdefault(StorageWeakRef(val.untyped_storage()), node.name)
         table.append(SavedActivation(
@@ -42,7 +42,7 @@ def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: int 
             bytes_per_token=per_token,
             layer=layer_index(producer),
             source=source_module(producer),
-            decision="resident (no offload pass ran)",
+            decision="resident (no offload pass ran)" if per_token is not None else "resident (grows with T²)",
             alias_of=None if owner == node.name else owner,
         ))
     return table
@@ -59,13 +59,14 @@ def _producer(node: fx.Node) -> fx.Node:
     return node
 
 
-def _bytes_per_token(val: torch.Tensor, token_size: int | torch.SymInt | None) -> int | None:
-    if token_size is None:
-        return None
+def _has_token_dim(val: torch.Tensor, token_size: torch.SymInt) -> bool:
+    return _expr(token_size) in [_expr(s) for s in val.shape]
+
+
+def _bytes_per_token(val: torch.Tensor, token_size: torch.SymInt) -> int | None:
+    """Bytes per token, or None when the size is not linear in the tokens ([.., T, T] scores)."""
     token = _expr(token_size)
     sizes = [_expr(s) for s in val.shape]
-    if token not in sizes:
-        return None
     others = list(sizes)
     others.remove(token)
     per_token = sympy.simplify(math.prod(others, start=sympy.Integer(1)))

@@ -15,6 +15,7 @@ equivalent — an attention mask tensor, dropout, non-causal, a KV cache — is 
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 
@@ -23,21 +24,20 @@ import torch.nn.functional as F
 from torch import fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
-from .graph import arg, is_call, replace_with_op, same_size, source_module, value
+from .graph import NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
 from .manager import PassContext
 from .masks import segment_causal_positions
 from .report import PassResult, Rewrite, Skipped
 
 __all__ = ["rewrite_attention"]
 
+log = logging.getLogger(__name__)
+
 NAME = "attention"
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _MATMUL = (operator.matmul, torch.matmul, torch.bmm)
-_SOFTMAX = (F.softmax, torch.softmax, torch.nn.functional.softmax)
+_SOFTMAX = (F.softmax, torch.softmax)
 
-
-class _NotEquivalent(Exception):
-    """Raised by a matcher with the reason the pattern is left alone."""
 
 
 def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -52,8 +52,12 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         source = source_module(node)
         try:
             q, k, v, scale, positions, detail = match(node)
-        except _NotEquivalent as why:
+        except NotEquivalent as why:
             result.skipped.append(Skipped(node.name, _target_name(node), source, str(why)))
+            continue
+        except Exception as error:  # a shape the matcher did not foresee: leave it alone, say so
+            log.warning("attention pass: cannot analyse %s (%s): %r", node.name, source, error)
+            result.skipped.append(Skipped(node.name, _target_name(node), source, f"matcher could not analyse it: {error!r}"))
             continue
         new = replace_with_op(gm.graph, node, torch.ops.bytescale.attention.default, (q, k, v, scale, positions))
         result.rewrites.append(Rewrite(node.name, "bytescale.attention", source, detail or new.name))
@@ -64,13 +68,13 @@ _Match = tuple[fx.Node, fx.Node, fx.Node, float, "fx.Node | None", str]
 
 
 def _match_sdpa(node: fx.Node) -> _Match:
-    q, k, v = node.args[:3]
+    q, k, v = arg(node, 0, "query"), arg(node, 1, "key"), arg(node, 2, "value")
     dropout = arg(node, 4, "dropout_p", 0.0)
     if not isinstance(dropout, (int, float)) or dropout != 0.0:
-        raise _NotEquivalent(f"dropout_p={dropout}: dropout is not supported")
+        raise NotEquivalent(f"dropout_p={dropout}: dropout is not supported")
     positions = _segment_positions(arg(node, 3, "attn_mask"), q)
     if positions is None and arg(node, 5, "is_causal", False) is not True:
-        raise _NotEquivalent("is_causal=False: only causal attention is rewritten")
+        raise NotEquivalent("is_causal=False: only causal attention is rewritten")
     scale = _resolve_scale(arg(node, 6, "scale"), q)
     k, v, detail = _check_heads(q, k, v, gqa=bool(arg(node, 7, "enable_gqa", False)))
     if positions is not None:
@@ -82,12 +86,14 @@ def _segment_positions(mask: object, q: fx.Node) -> fx.Node | None:
     """None without a mask; the position_ids node for a provably segment-causal mask; else raise."""
     if mask is None:
         return None
-    positions = segment_causal_positions(mask)
     mask_val, q_val = value(mask), value(q)
-    if positions is None or mask_val is None or mask_val.dim() != 4 or not all(
+    if mask_val is None or mask_val.dtype != torch.bool:
+        raise NotEquivalent(f"attn_mask `{getattr(mask, 'name', mask)}` is not a boolean mask")
+    positions = segment_causal_positions(mask)
+    if positions is None or mask_val.dim() != 4 or not all(
         same_size(m, q_val.shape[2]) for m in mask_val.shape[-2:]
     ):
-        raise _NotEquivalent(f"attn_mask `{getattr(mask, 'name', mask)}` is not provably causal")
+        raise NotEquivalent(f"attn_mask `{getattr(mask, 'name', mask)}` is not provably causal")
     return positions
 
 
@@ -103,7 +109,7 @@ def _match_explicit(node: fx.Node) -> _Match:
     softmax = _strip_casts_and_dropout(probs, check=True)
     _single_use(softmax, "softmax output")
     if arg(softmax, 1, "dim") not in (-1, 3):
-        raise _NotEquivalent(f"softmax over dim {arg(softmax, 1, 'dim')}, not the key dimension")
+        raise NotEquivalent(f"softmax over dim {arg(softmax, 1, 'dim')}, not the key dimension")
     masked = softmax.args[0]
     _single_use(masked, "masked scores")
     scores = _unmask_causal(masked)
@@ -123,7 +129,7 @@ def _strip_casts_and_dropout(node: fx.Node, check: bool) -> fx.Node | None:
         elif is_call(node, F.dropout, methods=()):
             p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
             if check and training and p != 0.0:
-                raise _NotEquivalent(f"dropout p={p} on the attention probabilities while training")
+                raise NotEquivalent(f"dropout p={p} on the attention probabilities while training")
             node = node.args[0]
         else:
             return None
@@ -132,24 +138,24 @@ def _strip_casts_and_dropout(node: fx.Node, check: bool) -> fx.Node | None:
 
 def _single_use(node: fx.Node, what: str) -> None:
     if len(node.users) != 1:
-        raise _NotEquivalent(f"the {what} `{node.name}` is used elsewhere too, so it must stay materialised")
+        raise NotEquivalent(f"the {what} `{node.name}` is used elsewhere too, so it must stay materialised")
 
 
 def _unmask_causal(masked: fx.Node) -> fx.Node:
     """Return the unmasked scores if `masked` applies a provably causal mask, else raise why not."""
     if is_call(masked, torch.masked_fill, methods=("masked_fill",)):
-        scores, mask, fill = masked.args[:3]
+        scores, mask, fill = masked.args[0], arg(masked, 1, "mask"), arg(masked, 2, "value")
         if fill != -math.inf:
-            raise _NotEquivalent(f"masked_fill with {fill}, not -inf")
+            raise NotEquivalent(f"masked_fill with {fill}, not -inf")
         if not _is_strict_upper_triangle(mask, value(scores)):
-            raise _NotEquivalent(f"mask `{getattr(mask, 'name', mask)}` is not built in the graph as triu(ones(T, T), 1)")
+            raise NotEquivalent(f"mask `{getattr(mask, 'name', mask)}` is not built in the graph as triu(ones(T, T), 1)")
         return scores
     if is_call(masked, operator.add, torch.add):
         scores, mask = masked.args[:2]
         if not _is_additive_causal(mask, value(scores)):
-            raise _NotEquivalent(f"additive mask `{getattr(mask, 'name', mask)}` is not triu(full((T, T), -inf), 1)")
+            raise NotEquivalent(f"additive mask `{getattr(mask, 'name', mask)}` is not triu(full((T, T), -inf), 1)")
         return scores
-    raise _NotEquivalent("softmax input is not masked causally (no masked_fill/add of a triangular mask)")
+    raise NotEquivalent("softmax input is not masked causally (no masked_fill/add of a triangular mask)")
 
 
 def _is_strict_upper_triangle(mask: object, scores_val: torch.Tensor) -> bool:
@@ -186,12 +192,12 @@ def _unscale_scores(scores: fx.Node) -> tuple[fx.Node, fx.Node, float]:
             scale = float(b) if scores.target in (operator.mul, torch.mul) else 1.0 / float(b)
             scores = a
         else:
-            raise _NotEquivalent("scores are scaled by a tensor, not a constant")
+            raise NotEquivalent("scores are scaled by a tensor, not a constant")
     if not is_call(scores, *_MATMUL, methods=("matmul",)):
-        raise _NotEquivalent("scores are not q @ k^T")
+        raise NotEquivalent("scores are not q @ k^T")
     q, kt = scores.args[:2]
     if not is_call(kt, torch.transpose, methods=("transpose",)) or {d % 4 for d in kt.args[1:3]} != {2, 3}:
-        raise _NotEquivalent("scores are not q @ k.transpose(-2, -1)")
+        raise NotEquivalent("scores are not q @ k.transpose(-2, -1)")
     return q, kt.args[0], scale
 
 
@@ -199,23 +205,25 @@ def _resolve_scale(scale: object, q: fx.Node) -> float:
     if scale is None:
         return 1.0 / math.sqrt(value(q).shape[-1])
     if not isinstance(scale, (int, float)):
-        raise _NotEquivalent("scale is not a constant")
+        raise NotEquivalent("scale is not a constant")
     return float(scale)
 
 
 def _check_heads(q: fx.Node, k: fx.Node, v: fx.Node, gqa: bool) -> tuple[fx.Node, fx.Node, str]:
     """Check self-attention shapes; unwrap repeat-kv so the op sees the `Hkv` heads."""
-    qv, kv = value(q), value(k)
-    if qv is None or kv is None or qv.dim() != 4 or kv.dim() != 4:
-        raise _NotEquivalent("query/key are not 4-D [B, H, T, D] tensors")
+    qv, kv, vv = value(q), value(k), value(v)
+    if qv is None or kv is None or vv is None or qv.dim() != 4 or kv.dim() != 4:
+        raise NotEquivalent("query/key are not 4-D [B, H, T, D] tensors")
+    if vv.shape != kv.shape or not same_size(qv.shape[3], kv.shape[3]):
+        raise NotEquivalent(f"value shape {tuple(vv.shape)} differs from key shape {tuple(kv.shape)} (or query head dim)")
     if not same_size(qv.shape[2], kv.shape[2]):
-        raise _NotEquivalent("query and key lengths differ (KV cache or cross-attention): not causal self-attention")
+        raise NotEquivalent("query and key lengths differ (KV cache or cross-attention): not causal self-attention")
     k_inner, v_inner = _unrepeat_kv(k), _unrepeat_kv(v)
     if k_inner is not None and v_inner is not None:
         return k_inner, v_inner, f"repeat-kv unwrapped: {value(k_inner).shape[1]} kv heads"
     heads_q, heads_kv = qv.shape[1], kv.shape[1]
     if heads_q != heads_kv and not gqa:
-        raise _NotEquivalent(f"{heads_q} query heads vs {heads_kv} key heads without enable_gqa")
+        raise NotEquivalent(f"{heads_q} query heads vs {heads_kv} key heads without enable_gqa")
     return k, v, f"GQA {heads_q}/{heads_kv} heads" if heads_q != heads_kv else ""
 
 

@@ -10,7 +10,12 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["arg", "value", "source_module", "layer_index", "same_size", "is_call", "is_float_upcast", "replace_with_op"]
+__all__ = ["NotEquivalent", "arg", "value", "source_module", "layer_index", "same_size", "is_call", "is_float_upcast",
+           "replace_with_op", "has_side_effects"]
+
+class NotEquivalent(Exception):
+    """Raised by a matcher with the reason a pattern is left alone."""
+
 
 _META_TO_KEEP = ("nn_module_stack", "stack_trace", "source_fn_stack")
 _LAYER = re.compile(r"\.(\d+)(?:\.|$)")
@@ -83,3 +88,15 @@ def is_float_upcast(node: fx.Node) -> bool:
     if is_call(node, methods=("float",)):
         return True
     return is_call(node, methods=("to",)) and torch.float32 in (*node.args[1:], *node.kwargs.values())
+
+
+def has_side_effects(node: fx.Node) -> bool:
+    """Whether dead-code elimination must keep `node` although nothing uses its result.
+
+    FX's own rule misses in-place tensor methods in Dynamo graphs (`y.mul_(2)` is a call_method
+    whose result is often unused), so names ending in a single underscore count as mutations.
+    """
+    if node.is_impure() or node.target is operator.setitem:
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")

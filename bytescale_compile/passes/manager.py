@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from ..config import Config
+from .graph import has_side_effects
 from .report import PassResult
 
 __all__ = ["Pass", "PassContext", "PassManager"]
@@ -46,7 +47,7 @@ class PassManager:
                 continue
             results.append(p.run(gm, ctx))
         if any(r.rewrites for r in results):
-            gm.graph.eliminate_dead_code()
+            gm.graph.eliminate_dead_code(is_impure_node=has_side_effects)
             gm.graph.lint()
             gm.recompile()
         return results

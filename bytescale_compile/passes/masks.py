@@ -37,7 +37,11 @@ def segment_causal_positions(mask: object) -> fx.Node | None:
 
 
 def _strip(node: object, *methods: str) -> object:
+    """Look through the given methods; `.to` only while it keeps a boolean tensor (a device move)."""
     while is_call(node, methods=methods):
+        val = node.meta.get("example_value")
+        if node.target == "to" and (val is None or val.dtype != torch.bool):
+            break
         node = node.args[0]
     return node
 

@@ -44,7 +44,8 @@ class SavedActivation:
     name: str
     shape: str
     dtype: str
-    bytes_per_token: int
+    bytes_per_token: int | None
+    """Bytes per token of the token dimension; None when the size grows with T² ([.., T, T] scores)."""
     layer: int | None
     source: str
     decision: str
@@ -59,6 +60,8 @@ class GraphReport:
     graph_id: int
     passes: list[PassResult] = field(default_factory=list)
     saved_activations: list[SavedActivation] = field(default_factory=list)
+    saved_activations_note: str = ""
+    """Why the table is empty although the graph has a backward, when it is."""
     graph_before: str = ""
     graph_after: str = ""
     forward_graph: str = ""
@@ -95,6 +98,8 @@ class CompileReport:
             for p in g.passes:
                 lines += _pass_markdown(p)
             lines += _saved_markdown(g.saved_activations)
+            if g.saved_activations_note:
+                lines += [f"### Saved activations: not listed ({g.saved_activations_note})", ""]
             if graphs:
                 for title, text in (("before passes", g.graph_before), ("after passes", g.graph_after),
                                     ("forward (partitioned)", g.forward_graph), ("backward (partitioned)", g.backward_graph)):
@@ -120,10 +125,10 @@ def _pass_markdown(p: PassResult) -> list[str]:
 def _saved_markdown(saved: list[SavedActivation]) -> list[str]:
     if not saved:
         return []
-    per_token = sum(a.bytes_per_token for a in saved if a.alias_of is None)
+    per_token = sum(a.bytes_per_token or 0 for a in saved if a.alias_of is None)
     lines = [f"### Saved activations: {len(saved)} tensors, {per_token} bytes per token (aliases counted once)", "",
              "| tensor | shape | dtype | bytes/token | layer | source | decision |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| `{a.name}` | {a.shape} | {a.dtype} | {a.bytes_per_token}{f' (alias of `{a.alias_of}`)' if a.alias_of else ''} | "
+    lines += [f"| `{a.name}` | {a.shape} | {a.dtype} | {a.bytes_per_token if a.bytes_per_token is not None else 'T²'}{f' (alias of `{a.alias_of}`)' if a.alias_of else ''} | "
               f"{a.layer if a.layer is not None else '-'} | `{a.source}` | {a.decision} |" for a in saved]
     lines.append("")
     return lines

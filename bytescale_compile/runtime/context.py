@@ -99,13 +99,15 @@ class MicroBatchContext:
             )
 
 
-_local = threading.local()
+# Process-wide, not thread-local: autograd runs the backward of accelerator tensors on its own
+# device threads, and `with ctx: loss.backward()` must still reach the ops there.
+_stack: list[MicroBatchContext] = []
+_lock = threading.Lock()
 
 
 def current_context() -> MicroBatchContext | None:
-    """The innermost active context of this thread, or None (plain causal attention)."""
-    stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else None
+    """The innermost active context, or None (plain causal attention)."""
+    return _stack[-1] if _stack else None
 
 
 @contextlib.contextmanager
@@ -127,11 +129,10 @@ def micro_batch(
         if isinstance(cu_seqlens, list):
             cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
         ctx = MicroBatchContext(cu_seqlens=cu_seqlens, group=group, layout=layout, micro_batch_id=micro_batch_id)
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    stack.append(ctx)
+    with _lock:
+        _stack.append(ctx)
     try:
         yield ctx
     finally:
-        stack.pop()
+        with _lock:
+            _stack.remove(ctx)

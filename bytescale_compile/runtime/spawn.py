@@ -1,4 +1,7 @@
-"""Run a test body on N gloo ranks on localhost (spawned processes, one fresh interpreter each)."""
+"""Run a function on N gloo ranks on localhost (spawned processes): for tests and CPU benchmarks.
+
+Training runs use `torchrun`; this is for code that needs a few ranks inside one command.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import os
 import socket
 from collections.abc import Callable
 from typing import Any
+
+__all__ = ["run_distributed", "free_port"]
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
