@@ -1,0 +1,97 @@
+"""What the three planners share: input checks, best-fit packing, micro-batch time, plan assembly."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .plan import MicroBatch, Plan, local_tokens
+
+if TYPE_CHECKING:
+    from .cost_model import CostModel
+
+__all__ = ["check_lengths", "best_fit_pack", "micro_batch_time", "PlanBuilder"]
+
+
+def check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Lengths as int64; non-integers or lengths <= 0 raise ValueError naming the first offender."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be a flat list of sequence lengths, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        as_int = arr.astype(np.int64) if np.issubdtype(arr.dtype, np.floating) else None
+        if as_int is None or (as_int != arr).any():
+            i = 0 if as_int is None else int(np.flatnonzero(as_int != arr)[0])
+            raise ValueError(f"sequence lengths must be integers; sequence {i} has {arr[i]!r}")
+        arr = as_int
+    arr = arr.astype(np.int64)
+    if (arr <= 0).any():
+        i = int(np.flatnonzero(arr <= 0)[0])
+        raise ValueError(f"sequence lengths must be positive; sequence {i} has {int(arr[i])}")
+    return arr
+
+
+def best_fit_pack(lens: np.ndarray, ids: np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: each sequence goes to the fullest bin it still fits (Alg. 1, lines 7-9)."""
+    order = ids[np.argsort(-lens[ids], kind="stable")]
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (remaining capacity, bin index), sorted
+    for i in order.tolist():
+        n = int(lens[i])
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):
+            left, b = room.pop(at)
+            bins[b].append(i)
+            bisect.insort(room, (left - n, b))
+        else:
+            bins.append([i])
+            bisect.insort(room, (capacity - n, len(bins) - 1))
+    return bins
+
+
+def micro_batch_time(cost_model: CostModel, lens: np.ndarray, group_size: int, ratio: float) -> float:
+    """Seconds for one micro-batch on each of its ranks: attention/MLP compute split evenly by zigzag,
+    overlapped with the ring P2P and with the offload copies (DMA), whichever is longest."""
+    compute = float(cost_model.seq_time(lens).sum()) / group_size
+    ring = float(cost_model.ring_time(local_tokens(lens, group_size), group_size)) if group_size > 1 else 0.0
+    offload = float(cost_model.offload_time(lens, ratio).sum()) / group_size if ratio > 0 else 0.0
+    return max(compute, ring, offload)
+
+
+class PlanBuilder:
+    """Collects micro-batches in a global order; each rank runs its own in that order (deadlock-free)."""
+
+    def __init__(self, strategy: str, lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
+                 pp_size: int = 1, layers_per_rank: int = 0) -> None:
+        self.strategy, self.lens, self.world_size, self.capacity = strategy, lens, world_size, capacity
+        self.cost_model, self.pp_size, self.layers_per_rank = cost_model, pp_size, layers_per_rank
+        self.seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
+        self.micro_batches: list[MicroBatch] = []
+
+    def time_of(self, sequences: Sequence[int], group_size: int, ratio: float) -> float:
+        """Estimated seconds of a micro-batch; a packed one is the sum of its sequences' precomputed times."""
+        if group_size == 1 and ratio == 0:
+            return float(self.seq_time[list(sequences)].sum())
+        return micro_batch_time(self.cost_model, self.lens[list(sequences)], group_size, ratio)
+
+    def add(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float = 0.0) -> MicroBatch:
+        lens = self.lens[list(sequences)]
+        tokens = int(lens.sum()) if len(ranks) == 1 else local_tokens(lens, len(ranks))
+        mb = MicroBatch(id=len(self.micro_batches), ranks=tuple(int(r) for r in ranks),
+                        sequences=tuple(int(s) for s in sequences), offload_ratio=float(ratio),
+                        tokens_per_rank=tokens, est_time=self.time_of(sequences, len(ranks), ratio))
+        self.micro_batches.append(mb)
+        return mb
+
+    def build(self, order: Sequence[int] | None = None, **meta: object) -> Plan:
+        """The plan; `order` (micro-batch ids) is the global execution order, default creation order."""
+        schedule: list[list[int]] = [[] for _ in range(self.world_size)]
+        for i in (order if order is not None else range(len(self.micro_batches))):
+            for r in self.micro_batches[i].ranks:
+                schedule[r].append(i)
+        return Plan(strategy=self.strategy, world_size=self.world_size, capacity=self.capacity, pp_size=self.pp_size,
+                    sequences=self.lens.tolist(), micro_batches=self.micro_batches, schedule=schedule,
+                    layers_per_rank=self.layers_per_rank, meta=dict(meta))

@@ -1,0 +1,416 @@
+"""The planner's cost model (paper §4.2, Eq. 2): per-layer time T(s), activation bytes Act(s), and the
+ranks D(s) and offload ratio r a long sequence needs.
+
+The equations are sympy expressions over symbolic coefficients, solved once at import and lambdified
+to numpy, so one CostModel evaluates them on arrays of 10^5 sequence lengths in about a millisecond.
+Coefficients come from a model shape and a hardware description (`CostModel.analytic`, the Table 1
+presets of `CostModel.preset`) or from the profiler (`planner/profiler.py`, source "profiled").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import sympy
+
+__all__ = ["CEIL_RTOL", "EXPRS", "KERNELS_PER_LAYER", "PRESETS", "CostModel", "Hardware", "ModelShape"]
+
+BF16 = 2
+"""Bytes per element of the bf16 activations, gradients and parameters the analytic model assumes."""
+
+KERNELS_PER_LAYER = 20
+"""Launches per layer that the analytic gamma charges `Hardware.latency` for."""
+
+CEIL_RTOL = 1e-12
+"""D's ceiling forgives this relative float error, so a sequence of exactly k x Act(C) gets k ranks."""
+
+_FORMAT = "bytescale_compile.cost_model"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the analytic model needs of a transformer. MoE: FFN FLOPs and activations scale by top_k,
+    FFN parameters by experts."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    experts: int = 1
+    top_k: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "experts", "top_k"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ModelShape {self.name!r}: {f} must be >= 1, got {getattr(self, f)}")
+        if self.top_k > self.experts:
+            raise ValueError(f"ModelShape {self.name!r}: top_k {self.top_k} > experts {self.experts}")
+
+    @property
+    def head_dim(self) -> int:
+        """hidden // heads (Table 1's LLaMA-30B, 6656 over 56 heads, rounds down to 118)."""
+        return self.hidden // self.heads
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        """Forward FLOPs of a layer's matmuls per token: qkv, o and the SwiGLU gate/up/down of top_k
+        experts, 2 FLOPs per multiply-add."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        return 2 * (h * (h + 2 * kv) + h * h + 3 * h * self.ffn * self.top_k)
+
+    @property
+    def act_bytes_per_token(self) -> int:
+        """bf16 bytes a layer saves for backward per token, no recompute, flash attention (which keeps
+        no s x s matrix): the input-norm input, the qkv input, q (after RoPE), k and v, the attention
+        output (also the o-proj input), the post-norm input and the MLP input: 6 x hidden + 2 x kv dim;
+        a fused SwiGLU keeps gate and up outputs and their product (the down-proj input): 3 x ffn per
+        routed expert. Per-token fp32 norm statistics and the attention log-sum-exp are left out."""
+        return BF16 * (6 * self.hidden + 2 * self.kv_heads * self.head_dim + 3 * self.ffn * self.top_k)
+
+    @property
+    def params(self) -> int:
+        """Parameters: per layer qkv, o, experts x SwiGLU, the router (MoE) and two norms; untied
+        embedding and lm_head; the final norm."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        router = h * self.experts if self.experts > 1 else 0
+        layer = h * (h + 2 * kv) + h * h + 3 * h * self.ffn * self.experts + router + 2 * h
+        return self.layers * layer + 2 * self.vocab * h + h
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One HDP rank: a GPU, or a TP group seen as one rank."""
+
+    name: str = "h100"
+    matmul_flops: float = 989e12
+    """Dense bf16 peak, FLOP/s."""
+    mfu: float = 0.45
+    """Fraction of the peak that training achieves."""
+    hbm_bytes: float = 80e9
+    d2h_bandwidth: float = 25e9
+    """Bytes/s, PCIe device to host (offload)."""
+    h2d_bandwidth: float = 25e9
+    """Bytes/s, PCIe host to device (reload)."""
+    network_bandwidth: float = 25e9
+    """Bytes/s per rank, for ring P2P and all-reduce."""
+    latency: float = 10e-6
+    """Seconds per message or kernel launch (the gamma of T(s))."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "name" and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"Hardware {self.name!r}: {f.name} must be a positive number, got {value}")
+        if self.mfu > 1:
+            raise ValueError(f"Hardware {self.name!r}: mfu must be <= 1, got {self.mfu}")
+
+
+PRESETS: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        ModelShape("llama-7b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000),
+        ModelShape("llama-13b", layers=40, hidden=5120, heads=40, kv_heads=8, ffn=13824, vocab=32000),
+        ModelShape("llama-30b", layers=60, hidden=6656, heads=56, kv_heads=8, ffn=17920, vocab=32000),
+        ModelShape("llama-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+        ModelShape("mistral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8, top_k=2),
+        ModelShape("mistral-8x22b", layers=56, hidden=6144, heads=48, kv_heads=8, ffn=16384, vocab=32000, experts=8, top_k=2),
+    )
+}
+"""The paper's Table 1 models (vocab 32000 throughout)."""
+
+
+# --- Eq. 2, symbolically -------------------------------------------------------------------------
+# s: sequence length, r: offload ratio, C: capacity (tokens per rank), l: layers per rank,
+# W: ranks available (max_sequence only), B: min(B_d2h, B_h2d).
+s_, r_, C_, l_, W_ = sympy.symbols("s r C l W", positive=True)
+alpha1_, beta1_, gamma_, alpha2_, beta2_, B_ = sympy.symbols("alpha1 beta1 gamma alpha2 beta2 B", positive=True)
+_COEFFS = (alpha1_, beta1_, gamma_, alpha2_, beta2_, B_)
+
+_T = alpha1_ * s_**2 + beta1_ * s_ + gamma_
+_ACT = alpha2_ * s_ + beta2_
+_D_FRAC = (2 * _ACT + (1 - r_) * (l_ - 2) * _ACT) / (l_ * _ACT.subs(s_, C_))
+_R_OVERLAP = sympy.solve(sympy.Eq(_T, _ACT * r_ / B_), r_)[0]
+"""The largest r whose offload of one layer's Act(s) still hides under T(s)."""
+_R_SAVES_ONE = sympy.solve(sympy.Eq(_D_FRAC.subs(r_, 0) - _D_FRAC, 1), r_)[0]
+"""The r at which offloading frees exactly one rank's worth, l x Act(C)."""
+_R_NEED = sympy.solve(sympy.Eq(_D_FRAC, W_), r_)[0]
+"""The r at which D(s, r) reaches W ranks."""
+
+EXPRS: dict[str, sympy.Expr] = {
+    "T": _T,
+    "Act": _ACT,
+    "D": sympy.ceiling(_D_FRAC),
+    "r_overlap": _R_OVERLAP,
+    "r_low": sympy.Min(1, _R_SAVES_ONE),
+}
+"""Eq. 2 over symbolic coefficients; `CostModel.exprs` has them with a model's numbers substituted."""
+
+_ARGS = (s_, r_, C_, l_, *_COEFFS)
+_T_FN = sympy.lambdify(_ARGS, _T, "numpy")
+_ACT_FN = sympy.lambdify(_ARGS, _ACT, "numpy")
+_D_FRAC_FN = sympy.lambdify(_ARGS, _D_FRAC, "numpy")
+_R_OVERLAP_FN = sympy.lambdify(_ARGS, _R_OVERLAP, "numpy")
+_R_SAVES_ONE_FN = sympy.lambdify(_ARGS, _R_SAVES_ONE, "numpy")
+
+# Where, along s, D(s) <= W can switch: r_overlap crossing 1, r_low or r_need; r_low reaching 1;
+# r_need reaching 0 (s = W x C without offload) or 1 (s = W x C x l / 2 with full offload). Numerators
+# of the differences, as polynomials in s, lambdified to their coefficient lists.
+_BOUNDARIES = [
+    sympy.Poly(sympy.fraction(sympy.together(e))[0], s_).all_coeffs()
+    for e in (_R_OVERLAP - 1, _R_OVERLAP - _R_SAVES_ONE, _R_SAVES_ONE - 1, _R_OVERLAP - _R_NEED, _R_NEED - 1, _R_NEED)
+]
+_BOUNDARIES_FN = sympy.lambdify((C_, l_, W_, *_COEFFS), _BOUNDARIES, "numpy")
+
+
+def _ceil(x: np.ndarray) -> np.ndarray:
+    return np.ceil(x * (1 - CEIL_RTOL))
+
+
+def _real_roots(poly: list[float]) -> list[float]:
+    """Real roots of a polynomial (highest degree first). Coefficients below 1e-60 of the largest are
+    dropped from the front: their roots lie beyond 1e30, and np.roots would overflow dividing by them."""
+    p = np.asarray(poly, np.float64)
+    top = np.abs(p).max()
+    if top == 0:
+        return []
+    p = p / top
+    p = p[np.argmax(np.abs(p) >= 1e-60):]
+    return [x.real for x in np.roots(p) if abs(x.imag) <= 1e-9 * max(1.0, abs(x.real))]
+
+
+def _check_capacity(capacity: int) -> None:
+    if not (isinstance(capacity, (int, np.integer)) and capacity >= 1):
+        raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """T(s) = alpha1 s^2 + beta1 s + gamma (seconds, one layer, fwd+bwd), Act(s) = alpha2 s + beta2 (bytes,
+    one layer), plus what the planner needs beside them: total layers, the K/V bytes a ring step moves per
+    token and layer, the parameter bytes, the hardware's bandwidths and latency."""
+
+    alpha1: float
+    beta1: float
+    gamma: float
+    alpha2: float
+    beta2: float
+    layers: int
+    kv_bytes_per_token: int
+    param_bytes: float
+    hardware: Hardware
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("alpha1", "beta1", "gamma", "alpha2", "beta2", "param_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"CostModel ({self.source}): {name} must be a finite number >= 0, got {value!r}")
+        if self.alpha2 <= 0:
+            raise ValueError(f"CostModel ({self.source}): alpha2 must be > 0 (activations grow with tokens), got {self.alpha2}")
+        if not (isinstance(self.layers, int) and self.layers >= 1):
+            raise ValueError(f"CostModel ({self.source}): layers must be an int >= 1, got {self.layers!r}")
+        if not (isinstance(self.kv_bytes_per_token, int) and self.kv_bytes_per_token >= 0):
+            raise ValueError(f"CostModel ({self.source}): kv_bytes_per_token must be an int >= 0, got {self.kv_bytes_per_token!r}")
+        if not isinstance(self.hardware, Hardware):
+            raise TypeError(f"CostModel ({self.source}): hardware must be a Hardware, got {type(self.hardware).__name__}")
+
+    # --- construction ----------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, hardware: Hardware | None = None) -> CostModel:
+        """The analytic model of a Table 1 model by name."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown cost-model preset {name!r}; presets: {', '.join(PRESETS)}")
+        return cls.analytic(PRESETS[name], hardware)
+
+    @classmethod
+    def analytic(cls, shape: ModelShape, hardware: Hardware | None = None) -> CostModel:
+        """Coefficients from FLOP and byte counts. Backward costs twice the forward, so a layer's fwd+bwd is
+        3 x its forward FLOPs, run at matmul_flops x mfu: alpha1 = 3 x 2 hidden / rate (causal attention's
+        QK^T and PV, 4 s^2 hidden halved by the mask), beta1 = 3 x linear_flops_per_token / rate,
+        gamma = KERNELS_PER_LAYER launches of `latency`. alpha2 = act_bytes_per_token, beta2 = 0."""
+        hw = hardware or Hardware()
+        rate = hw.matmul_flops * hw.mfu
+        return cls(
+            alpha1=3 * 2 * shape.hidden / rate,
+            beta1=3 * shape.linear_flops_per_token / rate,
+            gamma=KERNELS_PER_LAYER * hw.latency,
+            alpha2=float(shape.act_bytes_per_token),
+            beta2=0.0,
+            layers=shape.layers,
+            kv_bytes_per_token=2 * shape.kv_heads * shape.head_dim * BF16,
+            param_bytes=float(BF16 * shape.params),
+            hardware=hw,
+            source=f"analytic:{shape.name}",
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        """A model written by `save` (the profiler's output); errors name the file."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"cost model file {path} does not exist") from None
+        try:
+            data = json.loads(text)
+            if data.get("format") != _FORMAT:
+                raise ValueError(f"'format' is {data.get('format')!r}, expected {_FORMAT!r}")
+            return cls(**data["coefficients"], layers=data["layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
+                       param_bytes=data["param_bytes"], hardware=Hardware(**data["hardware"]), source=data["source"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"cost model file {path} is not a valid cost model: {type(e).__name__}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        """JSON: coefficients, layers, byte counts, hardware and source; `load` reads it back exactly."""
+        data = {
+            "format": _FORMAT,
+            "source": self.source,
+            "coefficients": {k: getattr(self, k) for k in ("alpha1", "beta1", "gamma", "alpha2", "beta2")},
+            "layers": self.layers,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "param_bytes": self.param_bytes,
+            "hardware": asdict(self.hardware),
+        }
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+    # --- hardware views --------------------------------------------------------------------------
+    @property
+    def d2h_bandwidth(self) -> float:
+        return self.hardware.d2h_bandwidth
+
+    @property
+    def h2d_bandwidth(self) -> float:
+        return self.hardware.h2d_bandwidth
+
+    @property
+    def network_bandwidth(self) -> float:
+        return self.hardware.network_bandwidth
+
+    @property
+    def latency(self) -> float:
+        return self.hardware.latency
+
+    @property
+    def offload_bandwidth(self) -> float:
+        """min(B_d2h, B_h2d): an offloaded activation has to go out and come back."""
+        return min(self.d2h_bandwidth, self.h2d_bandwidth)
+
+    @cached_property
+    def exprs(self) -> dict[str, sympy.Expr]:
+        """EXPRS with this model's coefficients; free symbols s, r, C, l."""
+        values = dict(zip(_COEFFS, (self.alpha1, self.beta1, self.gamma, self.alpha2, self.beta2, self.offload_bandwidth)))
+        return {k: e.subs(values) for k, e in EXPRS.items()}
+
+    def _coeffs(self) -> tuple[float, ...]:
+        return (self.alpha1, self.beta1, self.gamma, self.alpha2, self.beta2, self.offload_bandwidth)
+
+    # --- evaluations (vectorised) ----------------------------------------------------------------
+    def layer_time(self, s) -> np.ndarray:
+        """T(s): seconds, fwd+bwd of one layer over s tokens."""
+        return np.asarray(_T_FN(np.asarray(s, np.float64), 0, 0, 0, *self._coeffs()), np.float64)
+
+    def act(self, s) -> np.ndarray:
+        """Act(s): bytes one layer saves for backward over s tokens."""
+        return np.asarray(_ACT_FN(np.asarray(s, np.float64), 0, 0, 0, *self._coeffs()), np.float64)
+
+    def seq_time(self, s) -> np.ndarray:
+        """All layers, fwd+bwd: layers x T(s)."""
+        return self.layers * self.layer_time(s)
+
+    def flops(self, s) -> np.ndarray:
+        """Model FLOPs of a sequence, fwd+bwd, all layers: the compute part of T (gamma, the launch
+        overhead, left out) at matmul_flops x mfu. Exact for analytic models; for profiled ones the FLOPs
+        this hardware would need for the measured time, which is what FLOP-equal buckets balance."""
+        s = np.asarray(s, np.float64)
+        return self.layers * (self.alpha1 * s * s + self.beta1 * s) * (self.hardware.matmul_flops * self.hardware.mfu)
+
+    def ranks_needed(self, s, r, capacity: int, layers_per_rank: int | None = None) -> np.ndarray:
+        """D(s, r) of Eq. 2 at a given offload ratio r (no constraint checked): int64, 0 for s <= C (such
+        sequences are packed, Alg. 1 line 3), at least 1 above it."""
+        l = self._layers_per_rank(layers_per_rank)
+        _check_capacity(capacity)
+        s = np.asarray(s, np.float64)
+        long = s > capacity
+        d = np.zeros(s.shape, np.int64)
+        d[long] = self._ranks_long(s[long], np.broadcast_to(np.asarray(r, np.float64), s.shape)[long], capacity, l)
+        return d
+
+    def ranks_and_ratio(
+        self, s, capacity: int, layers_per_rank: int | None = None, offload: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Eq. 2 per sequence: (D int64, r float64). D decreases in r, so the argmin is the largest r the
+        constraints allow, r* = min(1, r_overlap) with r_overlap = T(s) x B / Act(s), B = min(B_d2h, B_h2d).
+        As the paper writes it, T(s) here is ONE layer's fwd+bwd time and Act(s) one layer's activations:
+        each layer's offload must hide under that layer's compute. r* must also reach
+        r_low = min(1, l x Act(C) / ((l-2) x Act(s))), below which offloading frees no rank; where it does
+        not (or offload=False, or l <= 2, where only 2 layers' worth ever stay on the GPU anyway), r = 0
+        and D = ceil(Act(s) / Act(C)). s <= C gives D = 0, r = 0 (packed).
+        Only the sequences longer than C are evaluated: in real batches they are a small minority."""
+        l = self._layers_per_rank(layers_per_rank)
+        _check_capacity(capacity)
+        s = np.asarray(s, np.float64)
+        long = s > capacity
+        s_long = s[long]
+        r_long = np.zeros_like(s_long)
+        if offload and l > 2:
+            args = (s_long, 0, capacity, l, *self._coeffs())
+            r_star = np.minimum(1.0, _R_OVERLAP_FN(*args))
+            r_long = np.where(r_star >= np.minimum(1.0, _R_SAVES_ONE_FN(*args)), r_star, 0.0)
+        d, r = np.zeros(s.shape, np.int64), np.zeros(s.shape)
+        d[long], r[long] = self._ranks_long(s_long, r_long, capacity, l), r_long
+        return d, r
+
+    def _ranks_long(self, s: np.ndarray, r: np.ndarray, capacity: int, l: int) -> np.ndarray:
+        """D(s, r) for s > C: the ceiling of Eq. 2's fraction, at least 1."""
+        return np.maximum(_ceil(_D_FRAC_FN(s, r, capacity, l, *self._coeffs())), 1)
+
+    def max_sequence(
+        self, world_size: int, capacity: int, layers_per_rank: int | None = None, offload: bool = True
+    ) -> int:
+        """The longest s with D(s) <= world_size, D and r as `ranks_and_ratio` chooses them. D(s) is not
+        monotone (offloading becomes feasible only once T(s) is long enough to hide it), so this takes the
+        real roots of Eq. 2's boundary polynomials between C and the full-offload bound
+        Act(s) = world x l x Act(C) / 2, and checks the integers around each one."""
+        if not (isinstance(world_size, (int, np.integer)) and world_size >= 1):
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        l = self._layers_per_rank(layers_per_rank)
+        _check_capacity(capacity)
+        act_c = float(self.act(capacity))
+        hi = (world_size * max(l, 2) * act_c / 2 - self.beta2) / self.alpha2
+        points = [float(capacity), hi]
+        for poly in _BOUNDARIES_FN(capacity, l, world_size, *self._coeffs()):
+            points += [x for x in _real_roots(poly) if capacity <= x <= hi + 1]
+        window = np.arange(-16, 17)
+        candidates = np.unique(np.clip(np.floor(np.asarray(points))[:, None] + window, capacity, np.floor(hi) + 16))
+        d, _ = self.ranks_and_ratio(candidates, capacity, l, offload)
+        return int(candidates[d <= world_size].max())
+
+    def ring_time(self, tokens_per_rank, group_size) -> np.ndarray:
+        """Ring P2P seconds per rank for one micro-batch, all layers, fwd+bwd: each of (group_size - 1) steps
+        moves the rank's K/V once forward and K/V plus their gradients backward (3 transfers), each paying
+        `latency`. 0 for a group of one."""
+        tokens = np.asarray(tokens_per_rank, np.float64)
+        steps = self.layers * 3 * (np.asarray(group_size, np.float64) - 1)
+        return steps * (tokens * self.kv_bytes_per_token / self.network_bandwidth + self.latency)
+
+    def offload_time(self, s, r) -> np.ndarray:
+        """Seconds to move a fraction r of s tokens' activations over PCIe, all layers."""
+        return self.layers * self.act(s) * np.asarray(r, np.float64) / self.offload_bandwidth
+
+    def allreduce_time(self) -> float:
+        """Ring all-reduce of the gradients (param_bytes of them): each rank sends and receives 2x."""
+        return 2 * self.param_bytes / self.network_bandwidth
+
+    def _layers_per_rank(self, layers_per_rank: int | None) -> int:
+        l = self.layers if layers_per_rank is None else layers_per_rank
+        if not (isinstance(l, (int, np.integer)) and l >= 1):
+            raise ValueError(f"layers_per_rank must be an int >= 1, got {layers_per_rank!r}")
+        return int(l)

@@ -1,0 +1,47 @@
+"""The static baseline: a fixed DP×CP mesh, as Megatron-style long-context training runs it.
+
+CP is the smallest divisor of the world size whose ranks can hold one context-length row
+(CP·C ≥ context length); sequences are packed to the context length and every packed row is
+zigzag-sharded over its whole CP group, short sequences included — the redundant communication
+HDP removes (§3.2).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .common import PlanBuilder, best_fit_pack
+from .plan import Plan, PlanError
+
+if TYPE_CHECKING:
+    from .cost_model import CostModel
+
+__all__ = ["plan_static", "cp_degree"]
+
+
+def cp_degree(world_size: int, capacity: int, context_length: int) -> int:
+    """Smallest divisor of the world size with CP·C ≥ context length."""
+    for cp in range(1, world_size + 1):
+        if world_size % cp == 0 and cp * capacity >= context_length:
+            return cp
+    raise PlanError(f"context length {context_length} needs more than the {world_size} ranks of capacity {capacity} "
+                    f"(at most {world_size * capacity} tokens per row)")
+
+
+def plan_static(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
+                context_length: int | None = None) -> Plan:
+    context = int(context_length or (lens.max() if lens.size else capacity))
+    if lens.size and lens.max() > context:
+        i = int(lens.argmax())
+        raise PlanError(f"sequence {i} has {int(lens[i])} tokens, longer than the static mesh's context length {context}")
+    cp = cp_degree(world_size, capacity, context)
+    builder = PlanBuilder("static", lens, world_size, capacity, cost_model, pp_size)
+    tokens = [(0, g) for g in range(world_size // cp)]  # heap of (tokens, DP group)
+    for row in best_fit_pack(lens, np.arange(lens.size), context):
+        t, g = heapq.heappop(tokens)
+        builder.add(range(g * cp, (g + 1) * cp), row)
+        heapq.heappush(tokens, (t + int(lens[row].sum()), g))
+    return builder.build(cp=cp, dp=world_size // cp, context_length=context)

@@ -1,0 +1,113 @@
+"""Plans of every strategy are valid; bad input fails with the limit; validation names what broke."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bytescale_compile.planner import CostModel, MicroBatch, Plan, PlanError, plan
+from bytescale_compile.sim.lengths import sample_global_batch
+from bytescale_compile.sim.simulator import lower_bound, simulate
+
+COST = CostModel.preset("llama-7b")
+CAPACITY = 1024
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 12_000), max_size=60), world=st.integers(1, 24),
+       strategy=st.sampled_from(["balance", "naive", "static", "naive-no-offload"]))
+def test_every_plan_is_valid(lengths, world, strategy):
+    name, offload = ("naive", False) if strategy == "naive-no-offload" else (strategy, True)
+    try:
+        result = plan(lengths, world, CAPACITY, COST, strategy=name, offload=offload)
+    except PlanError as e:  # only "too long for this cluster" may refuse a batch
+        assert "more than" in str(e) or "needs more than" in str(e)
+        return
+    result.validate()
+    assert sorted(s for m in result.micro_batches for s in m.sequences) == list(range(len(lengths)))
+    timeline = simulate(result, COST)
+    assert timeline.step_time >= 0
+
+
+def test_world_size_one_and_empty_batch():
+    for strategy in ("balance", "naive", "static"):
+        empty = plan([], 4, CAPACITY, COST, strategy=strategy)
+        empty.validate()
+        assert empty.micro_batches == [] and empty.schedule == [[], [], [], []]
+        single = plan([100, 900, 1000], 1, CAPACITY, COST, strategy=strategy)
+        single.validate()
+        assert all(m.ranks == (0,) for m in single.micro_batches)
+
+
+def test_sequence_too_long_for_the_cluster_names_it_and_the_limit():
+    limit = COST.max_sequence(8, CAPACITY)
+    with pytest.raises(PlanError, match=rf"sequence 1 has {limit + 1} tokens, more than the {limit} .*8 ranks.*offload"):
+        plan([10, limit + 1], 8, CAPACITY, COST)
+    plan([10, limit], 8, CAPACITY, COST).validate()
+
+
+@pytest.mark.parametrize("bad,message", [([5, 0], "positive"), ([5, -3], "positive"), ([5, 2.5], "integers"), (["x"], "integers")])
+def test_bad_lengths_raise_value_error(bad, message):
+    with pytest.raises(ValueError, match=message):
+        plan(bad, 4, CAPACITY, COST)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        plan([5], 4, CAPACITY, COST, strategy="fastest")
+    with pytest.raises(ValueError, match="world_size"):
+        plan([5], 0, CAPACITY, COST)
+
+
+def test_json_round_trip():
+    result = plan([3000, 200, 700, 5000, 90], 6, CAPACITY, COST)
+    again = Plan.from_json(result.to_json())
+    assert again == result
+    data = json.loads(result.to_json())
+    assert set(data) >= {"strategy", "world_size", "capacity", "pp_size", "sequences", "micro_batches", "schedule"}
+    with pytest.raises(PlanError, match="malformed plan JSON"):
+        Plan.from_json('{"strategy": "balance"}')
+
+
+def _plan(micro_batches, schedule, lens=(100, 100, 100), world=3):
+    return Plan("balance", world, CAPACITY, 1, list(lens), micro_batches, schedule)
+
+
+def _mb(i, ranks, seqs, lens=(100, 100, 100)):
+    from bytescale_compile.planner.plan import local_tokens
+    return MicroBatch(i, tuple(ranks), tuple(seqs), 0.0, local_tokens([lens[s] for s in seqs], len(ranks)), 1.0)
+
+
+def test_validation_rejects_a_schedule_that_would_deadlock():
+    mbs = [_mb(0, [0, 1], [0]), _mb(1, [1, 2], [1]), _mb(2, [2, 0], [2])]
+    cyclic = _plan(mbs, [[2, 0], [0, 1], [1, 2]])
+    with pytest.raises(PlanError, match="deadlock.*cycle"):
+        cyclic.validate()
+    _plan(mbs, [[0, 2], [0, 1], [1, 2]]).validate()
+
+
+@pytest.mark.parametrize("broken,message", [
+    (lambda: _plan([_mb(0, [0], [0, 1])], [[0], [], []]), "sequence 2 .* in 0 micro-batches"),
+    (lambda: _plan([_mb(0, [0], [0, 1, 2])], [[0], [0], []]), "scheduled on"),
+    (lambda: _plan([_mb(0, [0, 5], [0, 1, 2])], [[0], [], []]), "distinct ranks"),
+    (lambda: _plan([_mb(0, [0], [0], lens=(5000,))], [[0]], lens=(5000,), world=1), "exceed the capacity"),
+])
+def test_validation_names_the_broken_invariant(broken, message):
+    with pytest.raises(PlanError, match=message):
+        broken().validate()
+
+
+def test_balance_gives_ranks_different_numbers_of_micro_batches_and_beats_naive():
+    lens = sample_global_batch("byted", 2_000_000, seed=1, max_len=256 * 1024)
+    world, capacity = 64, 8192
+    timelines = {s: simulate(plan(lens, world, capacity, COST, strategy=s), COST) for s in ("naive", "balance")}
+    balanced = plan(lens, world, capacity, COST, strategy="balance")
+    counts = {len(ids) for ids in balanced.schedule}
+    assert len(counts) > 1
+    bound = lower_bound(np.asarray(lens), world, capacity, COST)
+    assert timelines["balance"].step_time <= timelines["naive"].step_time
+    assert timelines["balance"].step_time / bound <= 1.10
