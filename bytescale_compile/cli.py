@@ -1,4 +1,4 @@
-"""`bytescale-compile`: command-line entry points (`inspect` now; plan, simulate, profile as they land)."""
+"""`bytescale-compile`: inspect a model's compilation, plan and simulate HDP steps, profile a cost model."""
 
 from __future__ import annotations
 
@@ -79,6 +79,88 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cost_model(name: str) -> Any:
+    from .planner import CostModel
+
+    return CostModel.load(name) if name.endswith(".json") else CostModel.preset(name)
+
+
+def _sizes(text: str) -> list[int]:
+    from .sim.experiments import parse_size
+
+    try:
+        return [parse_size(t) for t in text.split(",") if t]
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import PlanError
+    from .sim.experiments import run_strategy
+    from .sim.lengths import sample_global_batch
+
+    (tokens,), (capacity,) = _sizes(args.global_tokens), _sizes(args.capacity)
+    context = _sizes(args.context)[0] if args.context else None
+    lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
+    try:
+        outcome = run_strategy(args.strategy, lens, args.ranks, capacity, _cost_model(args.model), context, args.pp)
+        outcome.plan.validate()
+    except PlanError as e:
+        raise CLIError(str(e)) from e
+    if args.json:
+        print(outcome.plan.to_json())
+        return 0
+    mbs = outcome.plan.micro_batches
+    shared = [m for m in mbs if m.shared]
+    print(f"{args.strategy}: {len(lens)} sequences, {int(lens.sum())} tokens over {args.ranks} ranks (C={capacity})")
+    print(f"  micro-batches: {len(mbs)} ({len(shared)} shared, largest group {max((len(m.ranks) for m in shared), default=1)})")
+    print(f"  per-rank micro-batches: {min(map(len, outcome.plan.schedule))}..{max(map(len, outcome.plan.schedule))}")
+    print(f"  planned in {outcome.plan_seconds * 1e3:.1f} ms; simulated step {outcome.step_time:.3f} s, "
+          f"{outcome.tokens_per_second:,.0f} tokens/s, busy spread {outcome.busy_spread:.2f}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .planner import PlanError
+    from .sim.experiments import run_strategy
+    from .sim.lengths import sample_global_batch
+    from .sim.timeline import plot_throughput, plot_timelines
+
+    (tokens,), (capacity,) = _sizes(args.global_tokens), _sizes(args.capacity)
+    contexts, strategies = _sizes(args.context), [s for s in args.strategies.split(",") if s]
+    cost_model = _cost_model(args.model)
+    table: dict[str, list[float]] = {s: [] for s in strategies}
+    print(f"{'context':>8} " + " ".join(f"{s + ' tok/s':>22}" for s in strategies) + "   speedup over first")
+    last = []
+    for context in contexts:
+        lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
+        try:
+            last = [run_strategy(s, lens, args.ranks, capacity, cost_model, context, args.pp) for s in strategies]
+        except (PlanError, ValueError) as e:
+            raise CLIError(str(e)) from e
+        for o in last:
+            table[o.name].append(o.tokens_per_second)
+        speedups = " ".join(f"{o.tokens_per_second / last[0].tokens_per_second:.2f}x" for o in last)
+        print(f"{context // 1024:>7}K " + " ".join(f"{o.tokens_per_second:>22,.0f}" for o in last) + f"   {speedups}")
+    if args.plot:
+        plot_throughput(contexts, table, args.plot, title=f"{args.model}, {args.dataset}, {args.ranks} ranks")
+        print(f"throughput plot: {args.plot}")
+    if args.timeline and last:
+        plot_timelines([o.timeline for o in last], args.timeline,
+                       title=f"{args.model}, {args.dataset}, context {contexts[-1] // 1024}K, {args.ranks} ranks")
+        print(f"timelines: {args.timeline}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .planner.profiler import profile_model
+
+    result = profile_model(args.target, _sizes(args.lengths), args.out, repeats=args.repeats)
+    print(result.summary())
+    print(f"cost model written to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bytescale-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +174,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphs", action="store_true", help="append the graphs before/after as text")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_inspect)
+
+    datasets = ("byted", "github", "python")
+    p = sub.add_parser("plan", help="plan one global batch and print a summary or the plan JSON")
+    p.add_argument("--dataset", choices=datasets, default="byted")
+    p.add_argument("--global-tokens", default="32M")
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--capacity", default="8K", help="tokens per rank, C")
+    p.add_argument("--strategy", default="balance", help="balance | naive | naive-nooffload | static")
+    p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
+    p.add_argument("--context", default=None, help="context length (truncates longer samples; the static mesh's row)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages per HDP rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="simulate strategies over context lengths and print tokens/s")
+    p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
+    p.add_argument("--dataset", choices=datasets, default="github")
+    p.add_argument("--context", default="256K,512K,1M,2M")
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--capacity", default="8K")
+    p.add_argument("--global-tokens", default="32M")
+    p.add_argument("--strategies", default="static,naive,balance")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="write a throughput-vs-context PNG here")
+    p.add_argument("--timeline", default=None, help="write per-rank timelines of the last context here (PNG)")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("profile", help="fit T(s) and Act(s) of one layer of a model on this device")
+    p.add_argument("target", help="MODULE:FACTORY, e.g. examples.models.llama:small")
+    p.add_argument("--lengths", default="256,512,1K,2K")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="cost_model.json")
+    p.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -7,6 +7,11 @@ more micro-batches, so all finish together (§5 "Redefine micro-batch"). With pp
 taken in order, so ranks run sequences of the same length level at the same time (DP-Balance); with
 pipelines they are taken round-robin so every pipeline gets a mix (PP-Balance).
 
+D(s) is the fewest ranks that can *hold* a sequence; a sequence whose work on D(s) ranks exceeds the
+balanced per-rank time (total work / ranks) would alone set the step time, so it gets
+ceil(work / balanced time) ranks instead (with r = 0 once its tokens fit) — but never more than make
+it faster: past `fastest_group` the ring's P2P outlasts the compute it splits.
+
 `delta` is the paper's threshold δ: a short sequence may go to a rank up to δ seconds busier than
 the least-loaded one when that rank's open micro-batch still has room, so balance within δ buys
 fewer, fuller micro-batches.
@@ -14,12 +19,14 @@ fewer, fuller micro-batches.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .common import PlanBuilder
+from .common import PlanBuilder, fastest_group
 from .hdp import ranks_needed
 from .plan import Plan
 
@@ -50,48 +57,116 @@ def _interleave(buckets: list[np.ndarray]) -> np.ndarray:
     return flat[flat >= 0]
 
 
+@dataclass
+class _Packed:
+    """A packed micro-batch being filled: its sequences, tokens, and (for a gap) the seconds left."""
+
+    rank: int
+    sequences: list[int] = field(default_factory=list)
+    tokens: int = 0
+    room: float = 0.0
+
+
 class _Ranks:
-    """Per-rank busy time (a heap) and the open packed micro-batch of each rank."""
+    """Per-rank busy time (a heap), each rank's micro-batches in order, and the idle gaps to backfill.
+
+    A shared micro-batch starts when its busiest rank is free; the others would idle until then. Each
+    such gap becomes a packed micro-batch placed just before the shared one, and later (shorter)
+    sequences fill it first: work that costs the step nothing.
+    """
 
     def __init__(self, builder: PlanBuilder, world_size: int, capacity: int) -> None:
         self.builder, self.capacity = builder, capacity
         self.heap = [(0.0, r) for r in range(world_size)]
-        self.open: list[list[int]] = [[] for _ in range(world_size)]
-        self.open_tokens = [0] * world_size
+        self.entries: list[list[int | _Packed]] = [[] for _ in range(world_size)]
+        self.open = [_Packed(r) for r in range(world_size)]
+        self.gaps: list[tuple[float, int, _Packed]] = []  # sorted by seconds left
+        self._gap_ids = 0
 
     def close(self, rank: int) -> None:
-        if self.open[rank]:
-            self.builder.add([rank], self.open[rank])
-            self.open[rank], self.open_tokens[rank] = [], 0
+        if self.open[rank].sequences:
+            self.entries[rank].append(self.open[rank])
+            self.open[rank] = _Packed(rank)
 
     def add_shared(self, seq: int, group_size: int, ratio: float) -> None:
         group = [heapq.heappop(self.heap) for _ in range(group_size)]
         start = max(t for t, _ in group)
-        for _, r in group:
+        mb = self.builder.add(sorted(r for _, r in group), [seq], ratio)
+        for t, r in group:
             self.close(r)
-        self.builder.add(sorted(r for _, r in group), [seq], ratio)
-        end = start + self.builder.micro_batches[-1].est_time
-        for _, r in group:
-            heapq.heappush(self.heap, (end, r))
+            if start - t > 0:
+                gap = _Packed(r, room=start - t)
+                self.entries[r].append(gap)
+                bisect.insort(self.gaps, (gap.room, self._next_gap_id(), gap))
+            self.entries[r].append(mb.id)
+            heapq.heappush(self.heap, (start + mb.est_time, r))
+
+    def _next_gap_id(self) -> int:
+        self._gap_ids += 1
+        return self._gap_ids
+
+    def _fill_gap(self, seq: int, tokens: int, seconds: float) -> bool:
+        """Put the sequence in the tightest idle gap it fits (time and tokens)."""
+        at = bisect.bisect_left(self.gaps, (seconds, -1))
+        for i in range(at, min(at + _DELTA_CANDIDATES, len(self.gaps))):
+            room, _, gap = self.gaps[i]
+            if gap.tokens + tokens <= self.capacity:
+                del self.gaps[i]
+                gap.sequences.append(seq)
+                gap.tokens += tokens
+                gap.room = room - seconds
+                bisect.insort(self.gaps, (gap.room, self._next_gap_id(), gap))
+                return True
+        return False
 
     def add_packed(self, seq: int, tokens: int, seconds: float, delta: float) -> None:
+        if self._fill_gap(seq, tokens, seconds):
+            return
         least = heapq.heappop(self.heap)
         chosen, others = least, []
-        if self.open_tokens[least[1]] + tokens > self.capacity:
+        if self.open[least[1]].tokens + tokens > self.capacity:
             while self.heap and len(others) < _DELTA_CANDIDATES and self.heap[0][0] <= least[0] + delta:
                 candidate = heapq.heappop(self.heap)
-                if self.open_tokens[candidate[1]] + tokens <= self.capacity:
+                if self.open[candidate[1]].tokens + tokens <= self.capacity:
                     chosen, others = candidate, [*others, least]
                     break
                 others.append(candidate)
         for item in others:
             heapq.heappush(self.heap, item)
         t, r = chosen
-        if self.open_tokens[r] + tokens > self.capacity:
+        if self.open[r].tokens + tokens > self.capacity:
             self.close(r)
-        self.open[r].append(seq)
-        self.open_tokens[r] += tokens
+        self.open[r].sequences.append(seq)
+        self.open[r].tokens += tokens
         heapq.heappush(self.heap, (t + seconds, r))
+
+    def schedule(self) -> list[list[int]]:
+        """Every rank's micro-batch ids in execution order; packed ones get their ids here."""
+        order = []
+        for r, entries in enumerate(self.entries):
+            self.close(r)
+            ids = []
+            for e in entries:
+                if isinstance(e, int):
+                    ids.append(e)
+                elif e.sequences:
+                    ids.append(self.builder.add([r], e.sequences).id)
+            order.append(ids)
+        return order
+
+
+def _spread_heavy(lens: np.ndarray, ranks: np.ndarray, ratio: np.ndarray, work: np.ndarray, world_size: int,
+                  capacity: int, cost_model: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """Give sequences heavier than the balanced per-rank time enough ranks to finish within it, but no
+    more than make them faster (the ring's P2P floor, `fastest_group`)."""
+    if lens.size == 0:
+        return ranks, ratio
+    balanced = float(work.sum()) / world_size
+    wanted = np.minimum(np.ceil(work / balanced - 1e-9).astype(np.int64), fastest_group(cost_model, lens, work, world_size))
+    heavy = wanted > np.maximum(ranks, 1)
+    ranks = np.where(heavy, wanted, ranks)
+    ratio = np.where(heavy & (lens <= ranks * capacity), 0.0, ratio)
+    return ranks, ratio
 
 
 def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
@@ -105,6 +180,7 @@ def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: C
     sequence = (np.concatenate(buckets) if pp_size == 1 else _interleave(buckets)) if buckets else order
     if delta is None:
         delta = 0.01 * float(builder.seq_time.sum()) / world_size
+    ranks, ratio = _spread_heavy(lens, ranks, ratio, builder.seq_time, world_size, capacity, cost_model)
     state = _Ranks(builder, world_size, capacity)
     seq_time, lens_list, ranks_list, ratio_list = builder.seq_time.tolist(), lens.tolist(), ranks.tolist(), ratio.tolist()
     for i in sequence.tolist():
@@ -112,6 +188,4 @@ def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: C
             state.add_shared(i, ranks_list[i], ratio_list[i])
         else:
             state.add_packed(i, lens_list[i], seq_time[i], delta)
-    for r in range(world_size):
-        state.close(r)
-    return builder.build(delta=delta, buckets=len(buckets), balance="dp" if pp_size == 1 else "pp")
+    return builder.build(state.schedule(), delta=delta, buckets=len(buckets), balance="dp" if pp_size == 1 else "pp")

@@ -13,7 +13,7 @@ from .plan import MicroBatch, Plan, local_tokens
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["check_lengths", "best_fit_pack", "micro_batch_time", "PlanBuilder"]
+__all__ = ["check_lengths", "best_fit_pack", "fastest_group", "fastest_time", "micro_batch_time", "PlanBuilder"]
 
 
 def check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -61,6 +61,26 @@ def micro_batch_time(cost_model: CostModel, lens: np.ndarray, group_size: int, r
     return max(compute, ring, offload)
 
 
+def fastest_group(cost_model: CostModel, lens: np.ndarray, work: np.ndarray, world_size: int) -> np.ndarray:
+    """Group size past which a sequence gets no faster: per-rank compute falls as work/d while the
+    ring's per-rank P2P grows toward its floor A = ring_time(s, 2) (then (d-1)·T_local = s), so the
+    two cross at d* = 1 + work / A."""
+    floor = np.maximum(cost_model.ring_time(lens, 2), 1e-12)
+    return np.clip(1 + np.floor(work / floor), 1, np.minimum(world_size, lens)).astype(np.int64)
+
+
+def fastest_time(cost_model: CostModel, lens: np.ndarray, work: np.ndarray, world_size: int,
+                 min_ranks: np.ndarray) -> np.ndarray:
+    """The least time each sequence can take on any allowed group size (compute split vs ring P2P)."""
+    best = np.maximum(fastest_group(cost_model, lens, work, world_size), np.maximum(min_ranks, 1))
+    times = []
+    for d in (best, np.minimum(best + 1, np.minimum(world_size, lens))):
+        ring = np.array([float(cost_model.ring_time(np.array([n / g]), int(g))[0]) if g > 1 else 0.0
+                         for n, g in zip(lens.tolist(), d.tolist())])
+        times.append(np.maximum(work / d, ring))
+    return np.minimum(*times)
+
+
 class PlanBuilder:
     """Collects micro-batches in a global order; each rank runs its own in that order (deadlock-free)."""
 
@@ -86,12 +106,14 @@ class PlanBuilder:
         self.micro_batches.append(mb)
         return mb
 
-    def build(self, order: Sequence[int] | None = None, **meta: object) -> Plan:
-        """The plan; `order` (micro-batch ids) is the global execution order, default creation order."""
-        schedule: list[list[int]] = [[] for _ in range(self.world_size)]
-        for i in (order if order is not None else range(len(self.micro_batches))):
-            for r in self.micro_batches[i].ranks:
-                schedule[r].append(i)
+    def build(self, schedule: list[list[int]] | None = None, **meta: object) -> Plan:
+        """The plan; `schedule` is each rank's order of micro-batch ids, by default creation order
+        (which keeps shared micro-batches in one global order: deadlock-free)."""
+        if schedule is None:
+            schedule = [[] for _ in range(self.world_size)]
+            for mb in self.micro_batches:
+                for r in mb.ranks:
+                    schedule[r].append(mb.id)
         return Plan(strategy=self.strategy, world_size=self.world_size, capacity=self.capacity, pp_size=self.pp_size,
                     sequences=self.lens.tolist(), micro_batches=self.micro_batches, schedule=schedule,
                     layers_per_rank=self.layers_per_rank, meta=dict(meta))

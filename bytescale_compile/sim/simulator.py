@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..planner.common import fastest_time
 from ..planner.plan import Plan, PlanError
 from .timeline import Span, Timeline
 
@@ -76,13 +77,20 @@ def busy_times(timeline: Timeline) -> np.ndarray:
 
 
 def lower_bound(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel) -> float:
-    """No plan is faster than max(total work / ranks, heaviest sequence on its fewest ranks D(s))."""
+    """No plan is faster than max(total work / ranks, heaviest sequence's share).
+
+    The share is the least time the heaviest sequences can take on any group size from D(s) up: its
+    compute split d ways, but no less than the ring's P2P at that d (which grows with d). Plus the
+    gradient all-reduce, which every plan pays after its last micro-batch.
+    """
     if lens.size == 0:
         return 0.0
     work = cost_model.seq_time(lens)
-    ranks, _ = cost_model.ranks_and_ratio(lens, capacity)
-    heaviest = float((work / np.maximum(ranks, 1)).max())
-    return max(float(work.sum()) / world_size, heaviest)
+    heaviest = np.argsort(-work)[:64]
+    min_ranks, _ = cost_model.ranks_and_ratio(lens[heaviest], capacity)
+    share = float(fastest_time(cost_model, lens[heaviest], work[heaviest], world_size, min_ranks).max())
+    sync = cost_model.allreduce_time() if world_size > 1 else 0.0
+    return max(float(work.sum()) / world_size, share) + sync
 
 
 def throughput(plan: Plan, timeline: Timeline) -> float:
