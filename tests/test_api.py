@@ -100,3 +100,35 @@ def test_cli_bad_target(spec, message, capsys):
 def test_cli_rejects_models_outside_the_protocol(capsys):
     assert main(["inspect", "torch.nn:Identity", "--vocab-size", "10"]) == 2
     assert "does not take" in capsys.readouterr().err
+
+
+def test_cli_plan_json_is_a_valid_plan(capsys):
+    from bytescale_compile.planner import Plan
+
+    assert main(["plan", "--dataset", "github", "--global-tokens", "2M", "--ranks", "64", "--capacity", "8K",
+                 "--context", "256K", "--json"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    plan.validate()
+    assert plan.strategy == "balance" and plan.world_size == 64
+
+
+def test_cli_plan_too_long_for_the_cluster(capsys):
+    assert main(["plan", "--dataset", "byted", "--global-tokens", "8M", "--ranks", "2", "--capacity", "1K"]) == 2
+    assert "more than the" in capsys.readouterr().err
+
+
+def test_cli_simulate_writes_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot, timeline = tmp_path / "t.png", tmp_path / "tl.png"
+    assert main(["simulate", "--dataset", "github", "--global-tokens", "2M", "--ranks", "64", "--context", "128K,256K",
+                 "--strategies", "static,balance", "--plot", str(plot), "--timeline", str(timeline)]) == 0
+    out = capsys.readouterr().out
+    assert "256K" in out and plot.stat().st_size > 0 and timeline.stat().st_size > 0
+
+
+def test_cli_profile_writes_a_loadable_cost_model(tmp_path, capsys):
+    from bytescale_compile.planner import CostModel
+
+    out = tmp_path / "cost.json"
+    assert main(["profile", "examples.models.llama:tiny", "--lengths", "32,64,128", "--repeats", "1", "--out", str(out)]) == 0
+    assert CostModel.load(out).source == "profiled"

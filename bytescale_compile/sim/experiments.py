@@ -44,6 +44,7 @@ def run_strategy(name: str, lens: np.ndarray, world_size: int, capacity: int, co
                   context_length=context_length, offload=offload)
     seconds = time.perf_counter() - start
     timeline = simulate(result, cost_model)
+    timeline.strategy = name  # "naive" and "naive-nooffload" share a planner but not a label
     busy = busy_times(timeline)
     busy = busy[busy > 0]
     spread = float(busy.max() / busy.min()) if busy.size else 1.0

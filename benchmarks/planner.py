@@ -1,0 +1,121 @@
+"""Planner speed, balance quality, and the paper's case study, on the simulator.
+
+Prints:
+  1. median planning time of a 32M-token Byted-like global batch at 1024 and 12,288 ranks per strategy
+     (goal: <= 50 ms at 1024, <= 500 ms at 12,288 on the project's 2-core machine);
+  2. balance quality: simulated step time / lower bound (max(total work / ranks, heaviest sequence's
+     fastest share) + all-reduce), per strategy, for Byted- and GitHub-like batches at 256K..2M context;
+  3. the case study (LLaMA-7B, Byted-like, 2M context, 1024 ranks, C = 8K): step time and speedup over
+     static of naive without offload, naive with offload and balance (paper: 1.59x / 2.01x / 3.69x);
+  4. GitHub-like throughput from 256K to 2M per strategy and the mean slowdown per context doubling
+     (paper: static ~2x, naive 1.23x, balance 1.08x).
+With --figures DIR it also writes the case-study timelines and the throughput plot as PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bytescale_compile.planner import CostModel, plan  # noqa: E402
+from bytescale_compile.sim.experiments import STRATEGY_SPECS, run_strategy  # noqa: E402
+from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
+from bytescale_compile.sim.simulator import lower_bound  # noqa: E402
+
+K, M = 2 ** 10, 2 ** 20
+TOKENS, CAPACITY = 32 * M, 8 * K
+STRATEGIES = ["static", "naive-nooffload", "naive", "balance"]
+
+
+def planning_times(cost: CostModel, repeats: int) -> None:
+    print(f"1. planning time, 32M Byted-like tokens, C=8K, median of {repeats} (ms)")
+    print(f"{'ranks':>7} " + " ".join(f"{s:>16}" for s in STRATEGIES))
+    lens = sample_global_batch("byted", TOKENS, seed=0)
+    for ranks in (1024, 12288):
+        row = []
+        for name in STRATEGIES:
+            strategy, offload = STRATEGY_SPECS[name]
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                plan(lens, ranks, CAPACITY, cost, strategy=strategy, offload=offload)
+                times.append(time.perf_counter() - start)
+            row.append(statistics.median(times) * 1e3)
+        goal = 50 if ranks == 1024 else 500
+        print(f"{ranks:>7} " + " ".join(f"{t:>16.1f}" for t in row) + f"   goal <= {goal} ms: "
+              + ("met" if max(row) <= goal else "NOT met"))
+
+
+def balance_quality(cost: CostModel) -> None:
+    print("\n2. simulated step / lower bound, 32M tokens, 1024 ranks, C=8K")
+    print(f"{'batch':>14} " + " ".join(f"{s:>16}" for s in STRATEGIES))
+    for dataset in ("byted", "github"):
+        for context in (256 * K, 512 * K, M, 2 * M):
+            lens = sample_global_batch(dataset, TOKENS, seed=0, max_len=context)
+            bound = lower_bound(lens, 1024, CAPACITY, cost)
+            ratios = [run_strategy(s, lens, 1024, CAPACITY, cost, context).step_time / bound for s in STRATEGIES]
+            print(f"{dataset + ' ' + str(context // K) + 'K':>14} " + " ".join(f"{r:>16.3f}" for r in ratios))
+
+
+def case_study(cost: CostModel, figures: Path | None) -> None:
+    print("\n3. case study: LLaMA-7B, Byted-like, 2M context, 1024 ranks, C=8K")
+    lens = sample_global_batch("byted", TOKENS, seed=0, max_len=2 * M)
+    outcomes = [run_strategy(s, lens, 1024, CAPACITY, cost, 2 * M) for s in STRATEGIES]
+    paper = {"static": 1.0, "naive-nooffload": 1.59, "naive": 2.01, "balance": 3.69}
+    print(f"{'strategy':>16} {'step s':>9} {'tokens/s':>12} {'speedup':>8} {'paper':>6} {'busy max/min':>13}")
+    for o in outcomes:
+        print(f"{o.name:>16} {o.step_time:>9.2f} {o.tokens_per_second:>12,.0f} "
+              f"{outcomes[0].step_time / o.step_time:>7.2f}x {paper[o.name]:>5.2f}x {o.busy_spread:>13.2f}")
+    if figures:
+        from bytescale_compile.sim.timeline import plot_timelines
+
+        path = figures / "case_study_timelines.png"
+        plot_timelines([o.timeline for o in outcomes], str(path), title="LLaMA-7B, Byted-like, 2M context, 1024 ranks")
+        print(f"timelines: {path}")
+
+
+def github_scaling(cost: CostModel, figures: Path | None) -> None:
+    print("\n4. GitHub-like throughput (tokens/s), 32M tokens, 1024 ranks, C=8K")
+    contexts = [256 * K, 512 * K, M, 2 * M]
+    table: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+    for context in contexts:
+        lens = sample_global_batch("github", TOKENS, seed=0, max_len=context)
+        for s in STRATEGIES:
+            table[s].append(run_strategy(s, lens, 1024, CAPACITY, cost, context).tokens_per_second)
+    print(f"{'strategy':>16} " + " ".join(f"{c // K:>10}K" for c in contexts) + "   slowdown per doubling")
+    paper = {"static": "~2x", "naive": "1.23x", "balance": "1.08x", "naive-nooffload": "-"}
+    for s, row in table.items():
+        per_doubling = float(np.exp(np.mean(np.log(np.array(row[:-1]) / np.array(row[1:])))))
+        print(f"{s:>16} " + " ".join(f"{t:>11,.0f}" for t in row) + f"   {per_doubling:.2f}x (paper {paper[s]})")
+    if figures:
+        from bytescale_compile.sim.timeline import plot_throughput
+
+        path = figures / "github_throughput.png"
+        plot_throughput(contexts, table, str(path), title="LLaMA-7B, GitHub-like, 1024 ranks")
+        print(f"throughput: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-7b")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--figures", type=Path, default=None, help="write PNG figures into this directory")
+    args = parser.parse_args()
+    cost = CostModel.preset(args.model)
+    if args.figures:
+        args.figures.mkdir(parents=True, exist_ok=True)
+    planning_times(cost, args.repeats)
+    balance_quality(cost)
+    case_study(cost, args.figures)
+    github_scaling(cost, args.figures)
+
+
+if __name__ == "__main__":
+    main()
