@@ -119,3 +119,13 @@ def test_balance_is_within_five_percent_of_the_lower_bound_at_scale(dataset):
     balanced.validate()
     bound = lower_bound(lens, 1024, 8192, COST)
     assert simulate(balanced, COST).step_time / bound <= 1.05
+
+
+def test_pipeline_plans_are_valid_and_pay_a_bubble():
+    lens = sample_global_batch("github", 1_000_000, seed=2, max_len=64 * 1024)
+    for strategy in ("balance", "naive", "static"):
+        piped = plan(lens, 16, CAPACITY * 8, COST, strategy=strategy, pp_size=4)
+        piped.validate()
+        assert piped.meta.get("balance", "pp") == "pp"
+        flat_stages = sum(m.est_time for m in piped.micro_batches if 0 in m.ranks) / 4
+        assert simulate(piped, COST).step_time > flat_stages  # the 1F1B bubble is paid
