@@ -1,0 +1,87 @@
+"""Micro-batch building: a plan's micro-batch → this rank's model inputs and micro-batch context.
+
+Packed (one rank): the sequences concatenated, positions restarting per sequence, `cu_seqlens` in the
+context. Shared (a ring): this rank's zigzag chunks of every sequence, their original positions, and
+the group and layout in the context. Either way `shift_labels` hold each token's true next token —
+read one token past every chunk, so a label that lives on another rank's chunk is still right — and
+-100 at every sequence's last token. `num_items_in_batch` counts the targets of the whole global
+batch, so every rank's summed loss is already token-level (paper §4.1, Eq. 2 = Eq. 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..planner.plan import MicroBatch
+from .context import MicroBatchContext
+from .layout import zigzag_layout
+
+__all__ = ["MicroBatchInputs", "TokenReader", "build_micro_batch", "num_targets"]
+
+IGNORE_INDEX = -100
+TokenReader = Callable[[int, int, int], torch.Tensor]
+"""read(seq, start, end) -> int64 tokens [start, end) of the global batch's sequence `seq`."""
+
+
+@dataclass(frozen=True)
+class MicroBatchInputs:
+    micro_batch: MicroBatch
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    shift_labels: torch.Tensor
+    num_items_in_batch: torch.Tensor
+    context: MicroBatchContext
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                "shift_labels": self.shift_labels, "num_items_in_batch": self.num_items_in_batch}
+
+
+def num_targets(lengths: np.ndarray) -> int:
+    """Valid next-token targets of a global batch: every token but each sequence's last."""
+    return int((np.asarray(lengths) - 1).sum())
+
+
+def _chunk(read: TokenReader, seq: int, seq_len: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [start, end) of a sequence and their next-token labels (one token read past the end)."""
+    tokens = read(seq, start, min(end + 1, seq_len))
+    labels = tokens[1:]
+    if end == seq_len:
+        labels = torch.cat([labels, torch.tensor([IGNORE_INDEX], dtype=labels.dtype)])
+    return tokens[: end - start], labels
+
+
+def build_micro_batch(mb: MicroBatch, rank: int, lengths: np.ndarray, read: TokenReader, num_items: int) -> MicroBatchInputs:
+    """This rank's inputs for micro-batch `mb` of a plan over the global batch `lengths`."""
+    if rank not in mb.ranks:
+        raise ValueError(f"rank {rank} is not among micro-batch {mb.id}'s ranks {list(mb.ranks)}")
+    lens = [int(lengths[s]) for s in mb.sequences]
+    ids, positions, labels = [], [], []
+    if mb.shared:
+        layout = zigzag_layout(lens, len(mb.ranks))
+        for piece in layout.rank(mb.ranks.index(rank)).pieces:
+            if piece.length == 0:  # sequences shorter than 2N leave some chunks empty
+                continue
+            lo = layout.chunk_bounds(piece.seq)[piece.chunk]
+            tokens, next_tokens = _chunk(read, mb.sequences[piece.seq], lens[piece.seq], lo, lo + piece.length)
+            ids.append(tokens)
+            labels.append(next_tokens)
+            positions.append(torch.arange(lo, lo + piece.length))
+        context = MicroBatchContext(group=mb.ranks, layout=layout, micro_batch_id=mb.id)
+    else:
+        for seq, n in zip(mb.sequences, lens):
+            tokens, next_tokens = _chunk(read, seq, n, 0, n)
+            ids.append(tokens)
+            labels.append(next_tokens)
+            positions.append(torch.arange(n))
+        context = MicroBatchContext(cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(lens)])), micro_batch_id=mb.id)
+    return MicroBatchInputs(mb, torch.cat(ids)[None], torch.cat(positions)[None], torch.cat(labels)[None],
+                            torch.tensor(num_items), context)

@@ -1,0 +1,250 @@
+"""Token dataset on disk and the global-batch sampler (runtime/data.py)."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from bytescale_compile.runtime.data import (
+    DatasetError,
+    GlobalBatch,
+    GlobalBatchSampler,
+    TokenDataset,
+    build_from_python_sources,
+    build_from_text_files,
+    write_dataset,
+)
+
+DOCS = [b"hello world", b"", b"x", bytes(range(256)), "na\u00efve caf\u00e9".encode(), b"a" * 1000]
+NON_EMPTY = [d for d in DOCS if d]
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    assert t.dtype == torch.int64
+    return bytes(t.tolist())
+
+
+@pytest.fixture
+def dataset(tmp_path) -> TokenDataset:
+    return write_dataset(tmp_path / "corpus.v1", DOCS, source="test")
+
+
+def skewed_dataset(tmp_path, n: int = 200) -> TokenDataset:
+    """Lengths 1..~2000, heavy-tailed, so budgets, truncation and min_len all bite."""
+    rng = np.random.default_rng(1)
+    lengths = np.minimum(rng.pareto(1.2, n) * 40 + 1, 2000).astype(int)
+    docs = (bytes(rng.integers(0, 256, size=k, dtype=np.uint8)) for k in lengths)
+    return write_dataset(tmp_path / "skewed", docs, source="synthetic")
+
+
+# --- dataset -------------------------------------------------------------------------------------
+
+
+def test_round_trip_skips_empty_documents(dataset, tmp_path):
+    assert len(dataset) == len(NON_EMPTY)
+    assert [as_bytes(dataset.tokens(i)) for i in range(len(dataset))] == NON_EMPTY
+    reopened = TokenDataset.open(tmp_path / "corpus.v1")
+    assert [as_bytes(reopened.tokens(i)) for i in range(len(reopened))] == NON_EMPTY
+    assert dataset.vocab_size == 256
+
+
+def test_lengths_and_metadata(dataset, tmp_path):
+    lengths = dataset.lengths
+    assert lengths.dtype == np.int64 and lengths.tolist() == [len(d) for d in NON_EMPTY]
+    with pytest.raises(ValueError):
+        lengths[0] = 7
+    meta = json.loads((tmp_path / "corpus.v1.json").read_text())
+    assert meta == {
+        "dtype": "uint8",
+        "vocab_size": 256,
+        "num_sequences": len(NON_EMPTY),
+        "num_tokens": sum(map(len, NON_EMPTY)),
+        "source": "test",
+    }
+    assert isinstance(np.load(tmp_path / "corpus.v1.idx", mmap_mode="r"), np.memmap)
+
+
+def test_slices(dataset):
+    assert as_bytes(dataset.tokens(0, 6)) == b"world"
+    assert as_bytes(dataset.tokens(0, 2, 4)) == b"ll"
+    assert as_bytes(dataset.tokens(2, 10, 20)) == bytes(range(10, 20))
+    assert dataset.tokens(1, 1, 1).numel() == 0
+    with pytest.raises(IndexError):
+        dataset.tokens(0, 5, 100)
+    with pytest.raises(IndexError):
+        dataset.tokens(len(dataset))
+
+
+def test_pickles_as_prefix(dataset):
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert clone == dataset and as_bytes(clone.tokens(3)) == NON_EMPTY[3]
+
+
+def test_jsonl_and_text_files(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"plain text file")
+    lines = [json.dumps({"content": "first", "id": 1}), "", json.dumps({"content": "s\u00e9cond"})]
+    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+    paths = [tmp_path / "a.txt", str(tmp_path / "b.jsonl")]
+    ds = build_from_text_files(tmp_path / "ds", paths, jsonl_key="content")
+    assert [as_bytes(ds.tokens(i)) for i in range(len(ds))] == [
+        b"plain text file",
+        b"first",
+        "s\u00e9cond".encode(),
+    ]
+
+
+def test_jsonl_missing_key_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    with pytest.raises(DatasetError, match=rf"{path}, line 2: no 'text' field"):
+        build_from_text_files(tmp_path / "ds", [path])
+    with pytest.raises(FileNotFoundError, match="ds.json"):
+        TokenDataset.open(tmp_path / "ds")  # the failed write left no dataset behind
+
+
+def test_python_sources_per_file_and_per_package(tmp_path):
+    per_file = build_from_python_sources(tmp_path / "files", per="file", max_documents=50)
+    per_package = build_from_python_sources(tmp_path / "packages", per="package", max_documents=50)
+    assert len(per_file) == len(per_package) == 50
+    assert per_file.lengths.min() > 0
+    assert per_package.lengths.mean() > per_file.lengths.mean()
+    assert per_package.lengths.max() > 10 * np.median(per_package.lengths)  # the long tail
+    assert b"def " in as_bytes(per_file.tokens(int(per_file.lengths.argmax())))
+    again = build_from_python_sources(tmp_path / "again", per="package", max_documents=50)
+    assert np.array_equal(again.lengths, per_package.lengths)
+    with pytest.raises(ValueError, match="per"):
+        build_from_python_sources(tmp_path / "x", per="module")
+
+
+def test_missing_bin(dataset, tmp_path):
+    (tmp_path / "corpus.v1.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"corpus\.v1\.bin"):
+        TokenDataset.open(tmp_path / "corpus.v1")
+
+
+def test_truncated_bin(dataset, tmp_path):
+    path = tmp_path / "corpus.v1.bin"
+    total = sum(map(len, NON_EMPTY))
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(DatasetError, match=rf"{path}: expected {total} bytes .* found {total - 5} bytes"):
+        TokenDataset.open(tmp_path / "corpus.v1")
+
+
+def test_decreasing_idx(dataset, tmp_path):
+    path = tmp_path / "corpus.v1.idx"
+    offsets = np.load(path).copy()
+    offsets[1], offsets[2] = offsets[2], offsets[1]
+    with open(path, "wb") as f:
+        np.save(f, offsets)
+    with pytest.raises(DatasetError, match=rf"{path}: offsets decrease"):
+        TokenDataset.open(tmp_path / "corpus.v1")
+
+
+def test_idx_inconsistent_with_metadata(dataset, tmp_path):
+    path = tmp_path / "corpus.v1.idx"
+    offsets = np.load(path)
+    with open(path, "wb") as f:
+        np.save(f, offsets[:-1])
+    with pytest.raises(DatasetError, match=rf"{path}: expected int64 offsets of shape"):
+        TokenDataset.open(tmp_path / "corpus.v1")
+    path.write_bytes(b"")
+    with pytest.raises(DatasetError, match=rf"{path}: not a readable"):
+        TokenDataset.open(tmp_path / "corpus.v1")
+
+
+def test_rewrite_replaces_dataset(dataset, tmp_path):
+    ds = write_dataset(tmp_path / "corpus.v1", [b"new"], source="again")
+    assert len(ds) == 1 and as_bytes(ds.tokens(0)) == b"new"
+    with pytest.raises(DatasetError, match="no non-empty documents"):
+        write_dataset(tmp_path / "empty", [b"", b""], source="none")
+
+
+# --- sampler -------------------------------------------------------------------------------------
+
+
+def take(sampler: GlobalBatchSampler, n: int) -> list[GlobalBatch]:
+    it = iter(sampler)
+    return [next(it) for _ in range(n)]
+
+
+def test_token_budget(tmp_path):
+    ds = skewed_dataset(tmp_path)
+    for batch in take(GlobalBatchSampler(ds, global_tokens=3000, seed=3), 30):
+        assert batch.num_tokens >= 3000
+        assert batch.num_tokens - batch.lengths[-1] < 3000
+        assert np.array_equal(batch.lengths, ds.lengths[batch.indices])
+        assert len(set(batch.indices.tolist())) == len(batch.indices)
+
+
+def test_deterministic_across_instances(tmp_path):
+    ds = skewed_dataset(tmp_path)
+    a = take(GlobalBatchSampler(ds, 2500, seed=7, max_len=500), 40)
+    b = take(GlobalBatchSampler(TokenDataset.open(ds.prefix), 2500, seed=7, max_len=500), 40)
+    for x, y in zip(a, b):
+        assert np.array_equal(x.indices, y.indices) and np.array_equal(x.lengths, y.lengths)
+    c = take(GlobalBatchSampler(ds, 2500, seed=8, max_len=500), 1)
+    assert not np.array_equal(a[0].indices, c[0].indices)
+
+
+def test_truncation_and_min_len(tmp_path):
+    ds = skewed_dataset(tmp_path)
+    assert ds.lengths.max() > 300 and (ds.lengths < 5).any()
+    batches = take(GlobalBatchSampler(ds, 2000, max_len=300, min_len=5), 40)
+    seen = np.concatenate([b.indices for b in batches])
+    assert (ds.lengths[seen] >= 5).all()
+    lengths = np.concatenate([b.lengths for b in batches])
+    assert lengths.max() == 300
+    assert np.array_equal(lengths, np.minimum(ds.lengths[seen], 300))
+
+
+def test_epochs_reshuffle_and_cover(tmp_path):
+    ds = skewed_dataset(tmp_path)
+    eligible = set(np.flatnonzero(ds.lengths >= 2).tolist())
+    sampler = GlobalBatchSampler(ds, 1000, seed=0)
+    epochs: dict[int, list[int]] = {0: [], 1: []}
+    for batch in sampler:
+        epoch = sampler.state_dict()["epoch"]  # the epoch of the batch just handed out
+        if epoch == 2:
+            break
+        epochs[epoch].extend(batch.indices.tolist())
+    first, second = epochs[0], epochs[1]
+    assert len(set(first)) == len(first) and set(first) <= eligible
+    assert len(eligible - set(first)) < 20  # only the tail short of one budget is left out
+    assert first[:20] != second[:20]
+
+
+def test_resume_from_state_dict(tmp_path):
+    ds = skewed_dataset(tmp_path)
+    reference = take(GlobalBatchSampler(ds, 1500, seed=5, max_len=400), 60)  # spans several epochs
+    first = GlobalBatchSampler(ds, 1500, seed=5, max_len=400)
+    take(first, 37)
+    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint round trip
+    resumed = GlobalBatchSampler(ds, 1500, seed=5, max_len=400)
+    resumed.load_state_dict(state)
+    for want, got in zip(reference[37:], take(resumed, 23)):
+        assert np.array_equal(want.indices, got.indices) and np.array_equal(want.lengths, got.lengths)
+    assert resumed.state_dict()["epoch"] > state["epoch"]
+
+
+def test_global_batch_tokens(tmp_path):
+    ds = skewed_dataset(tmp_path)
+    batch = take(GlobalBatchSampler(ds, 3000, max_len=200), 1)[0]
+    for seq, index in enumerate(batch.indices):
+        whole = ds.tokens(int(index))
+        assert torch.equal(batch.tokens(seq), whole[: batch.lengths[seq]])
+        assert torch.equal(batch.tokens(seq, 1, 2), whole[1:2])
+    long_seq = int(np.argmax(batch.lengths))
+    with pytest.raises(IndexError):
+        batch.tokens(long_seq, 0, int(batch.lengths[long_seq]) + 1)  # beyond the truncation
+
+
+def test_sampler_rejects_bad_arguments(tmp_path):
+    ds = skewed_dataset(tmp_path)
+    with pytest.raises(ValueError, match="global_tokens"):
+        GlobalBatchSampler(ds, 0)
+    with pytest.raises(ValueError, match="fewer than global_tokens"):
+        GlobalBatchSampler(ds, int(ds.lengths.sum()) + 1)
+    with pytest.raises(ValueError, match="min_len"):
+        GlobalBatchSampler(ds, 100, max_len=1)
