@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo inspect test test-all bench clean
 
 setup: $(STAMP)
 
@@ -16,7 +16,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+COST := .cache/cost_small_cpu.json
+
+$(COST): $(STAMP)
+	mkdir -p .cache
+	$(VENV)/bin/bytescale-compile profile examples.models.llama:small --lengths 256,512,1K,2K,4K --repeats 2 --out $(COST)
+
+demo: $(STAMP) $(COST)
+	$(VENV)/bin/torchrun --nproc_per_node=4 examples/train.py --strategy all --steps 3 --global-tokens 16K \
+		--cost-model $(COST)
+
+inspect: $(STAMP)
 	$(VENV)/bin/bytescale-compile inspect examples.models.llama:small --seq-len 2048
 
 test: $(STAMP)
@@ -28,6 +38,8 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/loss_memory.py
 	$(PY) benchmarks/compile_overhead.py
+	$(PY) benchmarks/ring_attention.py
+	$(PY) benchmarks/planner.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .cache

@@ -24,13 +24,18 @@ class CLIError(Exception):
     """A command-line argument that cannot be used, with what to pass instead."""
 
 
+def _cwd_importable() -> None:
+    """MODULE:FACTORY specs name modules of the current project, like `python -m` would find them."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def load_factory(spec: str) -> nn.Module:
     """`package.module:factory` → the model the factory builds (the current directory is importable)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise CLIError(f"expected MODULE:FACTORY (e.g. examples.models.llama:small), got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _cwd_importable()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -155,6 +160,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from .planner.profiler import profile_model
 
+    _cwd_importable()
     result = profile_model(args.target, _sizes(args.lengths), args.out, repeats=args.repeats)
     print(result.summary())
     print(f"cost model written to {args.out}")

@@ -1,0 +1,261 @@
+"""Training checkpoints with `torch.distributed.checkpoint` (DCP): model, optimizer and a small train state.
+
+Layout of one checkpoint:
+
+    <root>/step_00000042/
+        .metadata            DCP metadata (written by the coordinator, rank 0)
+        __<rank>_0.distcp    DCP data files (replicated tensors are deduplicated: each is written once)
+        train_state.json     the caller's JSON-able dict (sampler state, step, seeds, run config), rank 0
+        COMPLETE             the commit marker: a directory without it is not a checkpoint
+
+Saving is atomic: every rank writes into `<root>/step_<step>.tmp/`; after a barrier rank 0 writes
+`train_state.json` and the `COMPLETE` marker there, then renames the directory to its final name (one
+`rename`, so the final name only ever exists complete). A crash mid-save leaves a `.tmp` directory that
+`latest_checkpoint` ignores, so the previous checkpoint stays the latest.
+
+The model is replicated on every rank (data-parallel style): state dicts come from
+`torch.distributed.checkpoint.state_dict.get_state_dict` (optimizer state keyed by parameter FQN) and go
+back through `set_state_dict`. Everything also works without `torch.distributed` initialised (one
+process). The root directory must be on a file system every rank sees (one machine, or a shared mount).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "TRAIN_STATE_FILE",
+    "CheckpointError",
+    "checkpoint_dir",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+COMPLETE_MARKER = "COMPLETE"
+TRAIN_STATE_FILE = "train_state.json"
+_DCP_METADATA = ".metadata"
+_PREFIX = "step_"
+_TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that is corrupt or incomplete (the message names it and what is missing)."""
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    """The final directory of the checkpoint of `step` under `root`: `<root>/step_<step:08d>`."""
+    return Path(root) / f"{_PREFIX}{step:08d}"
+
+
+# -- distributed helpers --------------------------------------------------------------------------------
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _on_rank0(what: str, fn: Any) -> Any:
+    """Run `fn()` on rank 0 and share its outcome, so a failure raises on every rank instead of hanging them."""
+    result: Any = None
+    error: str | None = None
+    if _rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            if not _distributed():
+                raise
+            error = f"{what} failed on rank 0: {type(e).__name__}: {e}"
+    if _distributed():
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+        if error is not None:
+            raise CheckpointError(error)
+    return result
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Without a process group DCP runs in one process (what we want) but warns on every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*uninitialized", category=UserWarning)
+        yield
+
+
+def _model_for_dcp(model: nn.Module) -> nn.Module:
+    """`get_state_dict` on the plain model: an `OptimizedModule` shares its dicts, so the FQNs are equal."""
+    return model.original_module if hasattr(model, "original_module") else model
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- save -----------------------------------------------------------------------------------------------
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+) -> Path:
+    """Save model, optimizer and `train_state` as `<root>/step_<step:08d>/`; every rank must call it.
+
+    Returns the final directory. `train_state` must be JSON-able (it is checked on every rank before any
+    I/O, so a bad value fails everywhere at once). Re-saving a step that already has a checkpoint
+    replaces it. Note: `get_state_dict` initialises an optimizer that has never stepped (one zero-lr step
+    with zero gradients), so save after the first optimizer step to keep Adam's step count untouched.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if not isinstance(train_state, dict):
+        raise TypeError(f"train_state must be a dict, got {type(train_state).__name__}")
+    try:
+        state_text = json.dumps(train_state, indent=2, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"train_state must be JSON-serialisable: {e}") from e
+
+    root = Path(root)
+    final = checkpoint_dir(root, step)
+    tmp = final.with_name(final.name + _TMP_SUFFIX)
+
+    def prepare() -> None:  # a stale .tmp from a crashed save must not mix its files into this one
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+
+    _on_rank0(f"preparing {tmp}", prepare)
+
+    model_sd, optim_sd = get_state_dict(_model_for_dcp(model), optimizer)
+    with _quiet_single_process():  # collective when distributed; replicated tensors are written once
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    if _distributed():
+        dist.barrier()
+
+    def commit() -> None:
+        _write_file(tmp / TRAIN_STATE_FILE, state_text)
+        _write_file(tmp / COMPLETE_MARKER, f"step {step}\n")
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # re-save of the same step: move the old one aside, then drop it after the commit
+            old = final.with_name(final.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+        tmp.rename(final)
+        _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    _on_rank0(f"committing {tmp} as {final}", commit)  # the broadcast doubles as the final barrier
+    return final
+
+
+# -- find -----------------------------------------------------------------------------------------------
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(_PREFIX):
+        return None
+    digits = name[len(_PREFIX):]
+    return int(digits) if digits.isdigit() else None  # ".tmp" / ".old" suffixes are not digits
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete `step_*` directory with the highest step under `root`, or None.
+
+    Ignores `.tmp` directories (a save in progress or crashed) and directories without the COMPLETE marker.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for child in root.iterdir():
+        step = _step_of(child)
+        if step is None or not child.is_dir() or not (child / COMPLETE_MARKER).is_file():
+            continue
+        if best is None or step > best[0]:
+            best = (step, child)
+    return None if best is None else best[1]
+
+
+# -- load -----------------------------------------------------------------------------------------------
+
+def _short(e: BaseException) -> str:
+    """One line per failing rank instead of DCP's tracebacks (the chained exception keeps them)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        causes = {f"{type(exc).__name__}: {exc}" for exc, _ in e.failures.values()}
+        return f"on rank(s) {sorted(e.failures)}: " + "; ".join(sorted(causes))
+    return f"{type(e).__name__}: {e}"
+
+
+def _check_complete(path: Path) -> None:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    missing = [name for name in (COMPLETE_MARKER, _DCP_METADATA, TRAIN_STATE_FILE) if not (path / name).is_file()]
+    if missing:
+        what = ", ".join(missing)
+        hint = " (an interrupted save?)" if COMPLETE_MARKER in missing else ""
+        raise CheckpointError(f"checkpoint directory {path} is incomplete: missing {what}{hint}")
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore `model` and `optimizer` in place from the checkpoint at `path`; return its train_state.
+
+    Every rank must call it. A directory without the COMPLETE marker, DCP metadata or train state, or
+    whose contents do not match the model/optimizer, raises `CheckpointError` naming the directory.
+    """
+    path = Path(path)
+    _check_complete(path)
+    try:
+        train_state = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint directory {path}: unreadable {TRAIN_STATE_FILE}: {e}") from e
+
+    target = _model_for_dcp(model)
+    model_sd, optim_sd = get_state_dict(target, optimizer)  # templates: tensors on their destination devices
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint directory {path}: could not load model/optimizer state: {_short(e)}") from e
+    set_state_dict(target, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return train_state
