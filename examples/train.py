@@ -89,7 +89,7 @@ def train(strategy: str, args: argparse.Namespace, dataset: TokenDataset, cost: 
     for step in progress:
         batch = next(batches)
         stats = runtime.step(batch)
-        predicted = simulate(runtime.plan(batch.lengths), cost).step_time
+        predicted = simulate(stats.plan, cost).step_time
         result.losses.append(stats.loss)
         result.tokens_per_second.append(stats.tokens_per_second)
         result.spreads.append(stats.busy_spread)

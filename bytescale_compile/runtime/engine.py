@@ -56,6 +56,8 @@ class StepStats:
     """Ring bytes sent by all ranks together, forward and backward."""
     allreduce_bytes: int
     """Gradient bytes each rank all-reduced."""
+    plan: Plan
+    """The plan this step ran (the same on every rank)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -135,7 +137,7 @@ class Runtime:
         return StepStats(step=self.steps, strategy=self.strategy, loss=float(totals[:, 0].sum()),
                          tokens=int(np.asarray(batch.lengths).sum()), time=time.perf_counter() - start,
                          plan_time=plan_time, busy=totals[:, 1].tolist(), micro_batches=totals[:, 2].astype(int).tolist(),
-                         p2p_bytes=int(totals[:, 3].sum()), allreduce_bytes=allreduce_bytes)
+                         p2p_bytes=int(totals[:, 3].sum()), allreduce_bytes=allreduce_bytes, plan=step_plan)
 
     def _sync_gradients(self) -> int:
         """Sum gradients over all ranks in ~25 MiB buckets; ranks without micro-batches add zeros."""
