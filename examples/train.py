@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,6 +31,7 @@ from bytescale_compile.planner import CostModel  # noqa: E402
 from bytescale_compile.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from bytescale_compile.runtime.data import GlobalBatchSampler, TokenDataset, build_from_python_sources  # noqa: E402
 from bytescale_compile.runtime.engine import default_cost_model  # noqa: E402
+from bytescale_compile.runtime.launch import init_distributed  # noqa: E402
 from bytescale_compile.sim.experiments import parse_size  # noqa: E402
 from bytescale_compile.sim.simulator import simulate  # noqa: E402
 from examples.models import llama  # noqa: E402
@@ -72,18 +74,20 @@ def make_model(name: str, seed: int) -> torch.nn.Module:
 
 def train(strategy: str, args: argparse.Namespace, dataset: TokenDataset, cost: CostModel) -> RunResult:
     model = make_model(args.model, args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.zero:  # ZeRO-1: optimizer state sharded over the ranks; checkpoints keep one shard per rank
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     runtime = bsc.Runtime(model, optimizer, cost_model=cost, strategy=strategy, capacity=args.capacity,
                           context_length=args.max_len if strategy == "static" else None)
     sampler = GlobalBatchSampler(dataset, args.global_tokens, seed=args.seed, max_len=args.max_len)
     ckpt_dir = Path(args.checkpoint_dir) / strategy if args.checkpoint_dir else None
-    first_step = 0
+    first_step, result = 0, RunResult(strategy)
     if args.resume and ckpt_dir and (found := latest_checkpoint(ckpt_dir)):
         state = load_checkpoint(found, runtime.model, optimizer)
         sampler.load_state_dict(state["sampler"])
-        first_step = state["step"]
+        first_step, result.losses = state["step"], state["losses"]
         log(f"[{strategy}] resumed from {found} at step {first_step}")
-    result = RunResult(strategy)
     batches = iter(sampler)
     progress = _progress(range(first_step, args.steps), strategy)
     for step in progress:
@@ -149,12 +153,14 @@ def main() -> None:
     parser.add_argument("--cost-model", default=None, help="profiled cost model JSON (default: analytic)")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir if there is one (so a "
+                             "torchrun restart after a failure picks up where the run stopped)")
+    parser.add_argument("--zero", action="store_true", help="ZeRO-1: shard the optimizer state over the ranks")
     parser.add_argument("--report-json", default=None, help="write the per-step figures here (rank 0)")
     args = parser.parse_args()
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    backend = init_distributed()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:
         dataset = open_dataset(args)

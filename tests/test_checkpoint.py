@@ -172,3 +172,37 @@ def test_round_trip_two_gloo_ranks(tmp_path: Path, wrap: bool) -> None:
     files = json.loads((tmp_path / "ok_0").read_text())
     assert {COMPLETE_MARKER, ".metadata", "train_state.json"} <= set(files)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step_")] == ["step_00000002"]
+
+
+def _zero(model: torch.nn.Module) -> torch.optim.Optimizer:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+
+def _zero_round_trip(rank: int, world: int, root: str) -> None:
+    torch.manual_seed(0)
+    model = tiny()
+    optimizer = _zero(model)
+    _train(model, optimizer, 2)
+    optimizer.param_groups[0]["lr"] = 5e-3  # a scheduler's change must survive the round trip
+    saved = save_checkpoint(root, 2, model, optimizer, {"step": 2})
+    torch.manual_seed(100 + rank)
+    model2 = tiny()
+    optimizer2 = _zero(model2)
+    load_checkpoint(saved, model2, optimizer2)
+    _assert_same(model, optimizer.optim, model2, optimizer2.optim)  # this rank's shard, not a gathered copy
+    assert optimizer2.param_groups[0]["lr"] == 5e-3
+    _train(model, optimizer, 1, seed=1)
+    _train(model2, optimizer2, 1, seed=1)
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), name
+    replicated_model, replicated = _fresh(0)
+    with pytest.raises(CheckpointError, match="holds ZeRO optimizer shards"):
+        load_checkpoint(saved, replicated_model, replicated)
+    Path(root, f"ok_{rank}").touch()
+
+
+def test_zero_shards_round_trip_two_gloo_ranks(tmp_path: Path) -> None:
+    run_distributed(_zero_round_trip, 2, str(tmp_path))
+    assert (tmp_path / "ok_0").exists() and (tmp_path / "ok_1").exists()

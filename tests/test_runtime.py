@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import bytescale_compile as bsc
 from bytescale_compile.planner import PlanError
@@ -38,12 +39,17 @@ def _reference_step(model: torch.nn.Module, batch: list[torch.Tensor], lr: float
     return total.item(), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _equivalence_worker(rank: int, world: int, strategy: str) -> None:
+def _equivalence_worker(rank: int, world: int, strategy: str, zero: bool) -> None:
     torch.manual_seed(0)
     model = tiny()
     reference = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.5), strategy=strategy, capacity=CAPACITY)
+    if zero:  # ZeRO-1: each rank updates its shard of the parameters, then broadcasts it
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.5)
+        assert len(optimizer.optim.param_groups[0]["params"]) < len(list(model.parameters()))
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    runtime = bsc.Runtime(model, optimizer, strategy=strategy, capacity=CAPACITY)
     step_plan = runtime.plan(torch.tensor(LENGTHS).numpy())
     if strategy != "static":
         groups = sorted(len(m.ranks) for m in step_plan.micro_batches if m.shared)
@@ -60,10 +66,11 @@ def _equivalence_worker(rank: int, world: int, strategy: str) -> None:
     assert stats.micro_batches[rank] == len(step_plan.schedule[rank])
 
 
-@pytest.mark.parametrize("strategy", ["balance", pytest.param("naive", marks=pytest.mark.slow),
-                                      pytest.param("static", marks=pytest.mark.slow)])
-def test_one_step_equals_single_process_step(strategy):
-    run_distributed(_equivalence_worker, 4, strategy)
+@pytest.mark.parametrize("strategy,zero", [("balance", False), ("balance", True),
+                                           pytest.param("naive", False, marks=pytest.mark.slow),
+                                           pytest.param("static", False, marks=pytest.mark.slow)])
+def test_one_step_equals_single_process_step(strategy, zero):
+    run_distributed(_equivalence_worker, 4, strategy, zero)
 
 
 def _too_long_worker(rank: int, world: int) -> None:

@@ -15,7 +15,9 @@ Saving is atomic: every rank writes into `<root>/step_<step>.tmp/`; after a barr
 
 The model is replicated on every rank (data-parallel style): state dicts come from
 `torch.distributed.checkpoint.state_dict.get_state_dict` (optimizer state keyed by parameter FQN) and go
-back through `set_state_dict`. Everything also works without `torch.distributed` initialised (one
+back through `set_state_dict`. A ZeRO-1 `ZeroRedundancyOptimizer` holds only this rank's shard of the
+optimizer state: each rank writes its shard under its own key (`zero_rank<r>_of_<W>`), so nothing is
+gathered to one rank, and a resume needs the same number of ranks. Everything also works without `torch.distributed` initialised (one
 process). The root directory must be on a file system every rank sees (one machine, or a shared mount).
 """
 
@@ -35,7 +37,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -106,6 +114,68 @@ def _model_for_dcp(model: nn.Module) -> nn.Module:
     return model.original_module if hasattr(model, "original_module") else model
 
 
+def _zero_key(optimizer: ZeroRedundancyOptimizer) -> str:
+    return f"zero_rank{optimizer.rank}_of_{optimizer.world_size}"
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of an optimizer that never stepped (a zero-lr step on zero gradients), as DCP's
+    `get_state_dict` does, so there are tensors to save and to load into."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or any(optimizer.state.get(p) for p in params):
+        return
+    lrs, grads = [group["lr"] for group in optimizer.param_groups], [p.grad for p in params]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p, grad in zip(params, grads):
+        p.grad = grad
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What DCP saves and loads in place: {"model": ..., "optim": ...}."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+    local = optimizer.optim
+    _init_optimizer_state(local)
+    names = {p: name for name, p in model.named_parameters()}
+    shard: dict[str, Any] = {
+        f"{names[p]}.{key}": value
+        for group in local.param_groups for p in group["params"] for key, value in local.state[p].items()
+    }
+    shard["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"model": get_model_state_dict(model), "optim": {_zero_key(optimizer): shard}}
+
+
+def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return
+    set_model_state_dict(model, state["model"])  # the shard's tensors were loaded in place
+    for group, saved in zip(optimizer.param_groups, state["optim"][_zero_key(optimizer)]["param_groups"]):
+        group.update(saved)
+
+
+def _check_optimizer_kind(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    """A ZeRO checkpoint needs a ZeRO optimizer over as many ranks, and a replicated one a replicated one."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = sorted({k.split(".")[1] for k in keys if k.startswith("optim.zero_rank")})
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        wanted = _zero_key(optimizer)
+        if not any(k.startswith(f"optim.{wanted}.") for k in keys):
+            found = f"ZeRO shards {saved[0]}..{saved[-1]}" if saved else "a replicated (non-ZeRO) optimizer state"
+            raise CheckpointError(f"checkpoint directory {path} holds {found}, but this run needs {wanted}: "
+                                  "resume with the optimizer and number of ranks it was saved with")
+    elif saved:
+        raise CheckpointError(f"checkpoint directory {path} holds ZeRO optimizer shards ({saved[0]}..): "
+                              "resume it with a ZeroRedundancyOptimizer (--zero) on the same number of ranks")
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -163,9 +233,9 @@ def save_checkpoint(
 
     _on_rank0(f"preparing {tmp}", prepare)
 
-    model_sd, optim_sd = get_state_dict(_model_for_dcp(model), optimizer)
+    state = _state_dicts(_model_for_dcp(model), optimizer)
     with _quiet_single_process():  # collective when distributed; replicated tensors are written once
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp))
     if _distributed():
         dist.barrier()
 
@@ -249,13 +319,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint directory {path}: unreadable {TRAIN_STATE_FILE}: {e}") from e
 
+    _check_optimizer_kind(path, optimizer)
     target = _model_for_dcp(model)
-    model_sd, optim_sd = get_state_dict(target, optimizer)  # templates: tensors on their destination devices
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _state_dicts(target, optimizer)  # templates: tensors on their destination devices
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint directory {path}: could not load model/optimizer state: {_short(e)}") from e
-    set_state_dict(target, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _restore(target, optimizer, state)
     return train_state
