@@ -21,11 +21,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from bytescale_compile.kernels.attention_ref import (
-    layout_like,
+from bytescale_compile.kernels.attention_ref import check_attention_shapes, layout_like
+from bytescale_compile.kernels.dispatch import (
     causal_attention_bwd,
     causal_attention_fwd,
-    check_attention_shapes,
     segment_causal_attention_bwd,
     segment_causal_attention_fwd,
 )

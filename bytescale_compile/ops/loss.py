@@ -14,10 +14,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from bytescale_compile.kernels.cross_entropy_ref import (
-    DEFAULT_CHUNK_SIZE,
-    linear_cross_entropy_chunked,
-)
+from bytescale_compile.kernels.cross_entropy_ref import DEFAULT_CHUNK_SIZE
+from bytescale_compile.kernels.dispatch import linear_cross_entropy_chunked
 
 __all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_op", "REDUCTIONS"]
 

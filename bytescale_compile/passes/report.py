@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..kernels.dispatch import last_used
+
 __all__ = ["Rewrite", "Skipped", "PassResult", "SavedActivation", "GraphReport", "CompileReport"]
 
 
@@ -73,6 +75,13 @@ class CompileReport:
     """The report of the latest compilation: every graph compiled by that call."""
 
     graphs: list[GraphReport] = field(default_factory=list)
+    kernels: dict[str, str] | None = None
+    """Kernel entry point -> "triton" or "reference" (`kernels.dispatch.last_used()`), as the compiling
+    call left it: what ran for the example inputs' device. Taken when the report is made from graphs."""
+
+    def __post_init__(self) -> None:
+        if self.kernels is None:
+            self.kernels = last_used() if self.graphs else {}
 
     def pass_results(self, name: str) -> list[PassResult]:
         return [p for g in self.graphs for p in g.passes if p.name == name]
@@ -93,6 +102,8 @@ class CompileReport:
     def to_markdown(self, graphs: bool = False) -> str:
         """Human-readable report; `graphs=True` appends the graphs before/after as text."""
         lines = [f"# bytescale_compile report ({len(self.graphs)} graph(s))", ""]
+        if self.kernels:
+            lines += ["Kernels: " + ", ".join(f"`{op}` {impl}" for op, impl in sorted(self.kernels.items())), ""]
         for g in self.graphs:
             lines += [f"## Graph {g.graph_id}", ""]
             for p in g.passes:

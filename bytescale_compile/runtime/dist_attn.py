@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..kernels.attention_ref import block_attention_bwd, block_attention_fwd
+from ..kernels.dispatch import block_attention_bwd, block_attention_fwd
 from .layout import ZigzagLayout
 
 __all__ = ["packed_ring_attention", "ring_attention_fwd", "ring_attention_bwd", "RingStats", "RingError",

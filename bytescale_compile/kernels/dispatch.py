@@ -1,0 +1,177 @@
+"""Choose the Triton kernels or the torch references per call, and remember which ran.
+
+The custom ops and the ring import their kernels from here, under the references' names and
+signatures. CUDA tensors with Triton importable run the Triton kernels; everything else runs the
+references. `BYTESCALE_KERNELS=reference|triton` (read at every call) overrides the choice;
+`triton` with CPU tensors runs the kernels in Triton's interpreter, which needs `TRITON_INTERPRET=1`
+set when the process starts (see `triton_mode`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from . import attention_ref, cross_entropy_ref
+
+__all__ = [
+    "ENV_VAR",
+    "KernelUnavailableError",
+    "choose",
+    "last_used",
+    "causal_attention_fwd",
+    "causal_attention_bwd",
+    "segment_causal_attention_fwd",
+    "segment_causal_attention_bwd",
+    "block_attention_fwd",
+    "block_attention_bwd",
+    "linear_cross_entropy_chunked",
+]
+
+ENV_VAR = "BYTESCALE_KERNELS"
+_CHOICES = ("auto", "reference", "triton")
+_last_used: dict[str, str] = {}
+
+
+class KernelUnavailableError(RuntimeError):
+    """The Triton kernels were asked for but cannot run on these tensors in this process."""
+
+
+def last_used() -> dict[str, str]:
+    """Entry point name -> "triton" or "reference", for the latest call of each in this process."""
+    return dict(_last_used)
+
+
+def choose(device: torch.device) -> str:
+    """"triton" or "reference" for tensors on `device`, after the environment override."""
+    wanted = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    if wanted not in _CHOICES:
+        raise ValueError(f"{ENV_VAR} must be one of {_CHOICES} (or unset), got {os.environ[ENV_VAR]!r}")
+    if wanted == "auto":
+        return "triton" if device.type == "cuda" and _triton_importable() else "reference"
+    if wanted == "triton" and device.type not in ("cuda", "cpu"):
+        raise KernelUnavailableError(f"{ENV_VAR}=triton, but the Triton kernels run on CUDA (or CPU under "
+                                     f"TRITON_INTERPRET=1) tensors, got {device.type} tensors")
+    return wanted
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _kernels(name: str, device: torch.device) -> ModuleType:
+    """The Triton kernel module `name`, imported on first use and checked to be able to run on `device`."""
+    try:
+        module = importlib.import_module(f"{__package__}.{name}")
+    except ImportError as e:
+        raise KernelUnavailableError(
+            f"the Triton kernels were chosen but cannot be imported ({e}); install Triton or set {ENV_VAR}=reference"
+        ) from e
+    if device.type == "cpu" and not module.INTERPRETED:
+        raise KernelUnavailableError(
+            f"{ENV_VAR}=triton with CPU tensors needs Triton's interpreter, but {module.__name__} was built for "
+            f"the GPU: start the process with TRITON_INTERPRET=1 in its environment (triton reads it at import, "
+            f"and torch imports triton early)"
+        )
+    return module
+
+
+def _pick(entry: str, device: torch.device, kernels: str) -> ModuleType | None:
+    """The Triton module to use for `entry`, or None for the reference; records the choice."""
+    impl = choose(device)
+    module = _kernels(kernels, device) if impl == "triton" else None
+    _last_used[entry] = impl
+    return module
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+def causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """`attention_ref.causal_attention_fwd`, on the chosen implementation."""
+    triton_ = _pick("causal_attention_fwd", q.device, "attention_triton")
+    if triton_ is None:
+        return attention_ref.causal_attention_fwd(q, k, v, scale)
+    return triton_.attention_fwd(q, k, v, scale, causal=True)
+
+
+def causal_attention_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`attention_ref.causal_attention_bwd`, on the chosen implementation."""
+    triton_ = _pick("causal_attention_bwd", q.device, "attention_triton")
+    if triton_ is None:
+        return attention_ref.causal_attention_bwd(grad_out, q, k, v, out, lse, scale)
+    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=True)
+
+
+def segment_causal_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | Sequence[int], scale: float
+) -> tuple[Tensor, Tensor]:
+    """`attention_ref.segment_causal_attention_fwd`, on the chosen implementation."""
+    triton_ = _pick("segment_causal_attention_fwd", q.device, "attention_triton")
+    if triton_ is None:
+        return attention_ref.segment_causal_attention_fwd(q, k, v, cu_seqlens, scale)
+    attention_ref._check_single_row(q)
+    return triton_.attention_fwd(q, k, v, scale, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
+
+
+def segment_causal_attention_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    cu_seqlens: Tensor | Sequence[int], scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`attention_ref.segment_causal_attention_bwd`, on the chosen implementation."""
+    triton_ = _pick("segment_causal_attention_bwd", q.device, "attention_triton")
+    if triton_ is None:
+        return attention_ref.segment_causal_attention_bwd(grad_out, q, k, v, out, lse, cu_seqlens, scale)
+    attention_ref._check_single_row(q)
+    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=True,
+                                 cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
+
+
+def block_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """`attention_ref.block_attention_fwd`, on the chosen implementation."""
+    triton_ = _pick("block_attention_fwd", q.device, "attention_triton")
+    if triton_ is None:
+        return attention_ref.block_attention_fwd(q, k, v, scale, causal)
+    return triton_.attention_fwd(q, k, v, scale, causal=causal)
+
+
+def block_attention_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`attention_ref.block_attention_bwd`, on the chosen implementation."""
+    triton_ = _pick("block_attention_bwd", q.device, "attention_triton")
+    if triton_ is None:
+        return attention_ref.block_attention_bwd(grad_out, q, k, v, out, lse, scale, causal)
+    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=causal)
+
+
+# --- loss -----------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy_chunked(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """`cross_entropy_ref.linear_cross_entropy_chunked`, on the chosen implementation."""
+    triton_ = _pick("linear_cross_entropy_chunked", hidden.device, "cross_entropy_triton")
+    impl = cross_entropy_ref.linear_cross_entropy_chunked if triton_ is None else triton_.linear_cross_entropy_chunked_triton
+    return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size)

@@ -1,0 +1,329 @@
+"""Triton kernels against the torch references, on CPU in Triton's interpreter (fp32 and fp16).
+
+Triton picks GPU or interpreter when a function is decorated, from TRITON_INTERPRET, and its own
+helpers are decorated when triton is first imported, which torch does early; so the variable must be
+set when the process starts (`kernels.triton_mode`). The kernel tests therefore run in a child pytest
+started with TRITON_INTERPRET=1 (`test_kernels_in_interpreter_process`); in a process without it they
+are skipped, and the variable never leaks into other test modules.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import bytescale_compile as bsc
+from bytescale_compile.kernels import attention_ref as ref
+from bytescale_compile.kernels import attention_triton as attn_triton
+from bytescale_compile.kernels import cross_entropy_triton as ce_triton
+from bytescale_compile.kernels import dispatch
+from bytescale_compile.kernels.cross_entropy_ref import linear_cross_entropy_chunked
+from bytescale_compile.passes.report import CompileReport, GraphReport
+from bytescale_compile.runtime.context import micro_batch
+from bytescale_compile.runtime.dist_attn import packed_ring_attention
+from bytescale_compile.runtime.layout import zigzag_layout
+from examples.models.llama import tiny
+from tests.conftest import rel_err
+from tests.helpers import loss_and_grads, protocol_batch
+
+IN_INTERPRETER = attn_triton.INTERPRETED and ce_triton.INTERPRETED
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD_TIMEOUT_S = 600
+
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
+LSE_TOL = {torch.float32: 1e-5, torch.float16: 1e-4}  # the fp16 CPU flash reference rounds scores differently
+
+needs_interpreter = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in the TRITON_INTERPRET=1 child process "
+                                                                   "of test_kernels_in_interpreter_process")
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the kernel tests in the interpreter")
+def test_kernels_in_interpreter_process():
+    """Run this module in a fresh pytest with TRITON_INTERPRET=1; all its tests but this one must pass."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop(dispatch.ENV_VAR, None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], check=False,
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-8000:]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|error)", output)}
+    assert counts.get("skipped") == 1 and counts.get("passed", 0) > 1, output[-8000:]
+
+
+@pytest.fixture
+def use_triton(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+
+
+def _close(got, want, tol, what=""):
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
+    assert not got.isnan().any(), what
+    err = rel_err(got, want)
+    assert err <= tol, (what, err)
+
+
+# --- cross-entropy --------------------------------------------------------------------------------
+
+
+def _torch_ce(logits, target, ignore_index, reduction, z_loss_weight):
+    """Per-row loss and d(reduced loss)/d(logits), by autograd on an fp32 copy."""
+    x = logits.float().requires_grad_()
+    valid = target != ignore_index
+    lse = x.logsumexp(dim=1)
+    picked = x.gather(1, torch.where(valid, target, 0)[:, None])[:, 0]
+    rows = torch.where(valid, lse - picked + z_loss_weight * lse ** 2, 0.0)
+    scale = 1 / valid.sum().clamp(min=1) if reduction == "mean" else 1.0
+    (rows.sum() * scale).backward()
+    return rows.detach(), x.grad.to(logits.dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
+@pytest.mark.parametrize("vocab", [300, 8192 + 77], ids=["one_block", "several_blocks"])
+def test_cross_entropy_kernel_matches_torch(dtype, reduction, z_loss_weight, vocab):
+    g = torch.Generator().manual_seed(0)
+    rows = 9 if vocab < 1000 else 3
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    target[1] = -100
+    want_loss, want_grad = _torch_ce(logits, target, -100, reduction, z_loss_weight)
+    n_valid = int((target != -100).sum())
+    weight = torch.tensor([1.0 / n_valid if reduction == "mean" else 1.0])
+    work = logits.clone()
+    loss = ce_triton.cross_entropy_grad_(work, target, -100, weight, z_loss_weight)
+    _close(loss, want_loss, 1e-5, "loss")
+    _close(work, want_grad, TOL[dtype], "grad")
+    assert loss[1] == 0 and not work[1].any()
+
+
+@needs_interpreter
+def test_cross_entropy_kernel_all_ignored_rows_are_zero():
+    logits = torch.randn(4, 50) * 100
+    work = logits.clone()
+    loss = ce_triton.cross_entropy_grad_(work, torch.full((4,), -1), -1, torch.ones(1), 0.1)
+    assert not loss.any() and not work.any() and not work.isnan().any()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_cross_entropy_matches_reference(dtype, reduction, with_bias):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(21, 16, generator=g).to(dtype)
+    weight = (torch.randn(70, 16, generator=g) * 0.5).to(dtype)
+    bias = torch.randn(70, generator=g).to(dtype) if with_bias else None
+    target = torch.randint(0, 70, (21,), generator=g)
+    target[::4] = -100
+    args = (hidden, weight, bias, target, -100, reduction, True, 8)
+    got = ce_triton.linear_cross_entropy_chunked_triton(*args)
+    want = linear_cross_entropy_chunked(*args)
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), got, want):
+        if b is None:
+            assert a is None
+        else:
+            _close(a, b, 1e-5 if name == "loss" else TOL[dtype], name)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_linear_cross_entropy_all_ignored(reduction):
+    """Like the reference (and eager): sum gives 0, mean gives nan; gradients are zero either way."""
+    hidden, weight = torch.randn(5, 8), torch.randn(30, 8)
+    target = torch.full((5,), -100)
+    loss, gh, gw, _ = ce_triton.linear_cross_entropy_chunked_triton(hidden, weight, None, target, -100, reduction, True, 4)
+    assert (loss.isnan() if reduction == "mean" else loss == 0)
+    assert not gh.any() and not gw.any() and not gh.isnan().any()
+
+
+@needs_interpreter
+def test_linear_cross_entropy_z_loss_matches_torch():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(13, 16, generator=g).requires_grad_()
+    weight = (torch.randn(40, 16, generator=g) * 0.5).requires_grad_()
+    target = torch.randint(0, 40, (13,), generator=g)
+    target[3] = -100
+    logits = F.linear(hidden, weight)
+    valid = target != -100
+    lse = logits.logsumexp(dim=1)
+    want = F.cross_entropy(logits, target, reduction="mean") + 1e-3 * (lse[valid] ** 2).mean()
+    want.backward()
+    loss, gh, gw, _ = ce_triton.linear_cross_entropy_chunked_triton(
+        hidden.detach(), weight.detach(), None, target, -100, "mean", True, 5, z_loss_weight=1e-3)
+    _close(loss, want.detach(), 1e-6, "loss")
+    _close(gh, hidden.grad, 1e-5, "grad_hidden")
+    _close(gw, weight.grad, 1e-5, "grad_weight")
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+def _qkv(dtype, t_q, t_k, hq=4, hkv=2, d=24, batch=1, seed=0, tokens_first=False):
+    """q/k/v; `tokens_first` gives the transposed [B, T, H, D] views models pass."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(h, t):
+        if tokens_first:
+            return torch.randn(batch, t, h, d, generator=g).to(dtype).transpose(1, 2)
+        return torch.randn(batch, h, t, d, generator=g).to(dtype)
+
+    return make(hq, t_q), make(hkv, t_k), make(hkv, t_k)
+
+
+def _check_attention(got_fwd, want_fwd, got_bwd, want_bwd, dtype):
+    (out, lse), (want_out, want_lse) = got_fwd, want_fwd
+    _close(out, want_out, TOL[dtype], "out")
+    assert out.stride() == want_out.stride()
+    _close(lse, want_lse, LSE_TOL[dtype], "lse")
+    assert lse.is_contiguous()
+    for name, a, b in zip(("dq", "dk", "dv"), got_bwd, want_bwd):
+        _close(a, b, TOL[dtype], name)
+        assert a.stride() == b.stride(), name
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cu", [[0, 1, 18, 19, 20, 45], [0, 45], [0, 7, 7, 45]], ids=["ragged", "one", "empty_segment"])
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_segment_causal_attention_matches_reference(dtype, cu, hkv, use_triton):
+    q, k, v = _qkv(dtype, 45, 45, hkv=hkv, tokens_first=True)
+    scale = 24 ** -0.5
+    got = dispatch.segment_causal_attention_fwd(q, k, v, torch.tensor(cu), scale)
+    want = ref.segment_causal_attention_fwd(q, k, v, cu, scale)
+    grad = torch.randn_like(want[0])
+    got_bwd = dispatch.segment_causal_attention_bwd(grad, q, k, v, *got, cu, scale)
+    want_bwd = ref.segment_causal_attention_bwd(grad, q, k, v, *want, cu, scale)
+    _check_attention(got, want, got_bwd, want_bwd, dtype)
+    assert dispatch.last_used()["segment_causal_attention_fwd"] == "triton"
+    assert dispatch.last_used()["segment_causal_attention_bwd"] == "triton"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,t_q,t_k", [(True, 40, 40), (False, 23, 50), (False, 50, 17), (True, 20, 37), (True, 37, 20)])
+def test_block_attention_matches_reference(dtype, causal, t_q, t_k, use_triton):
+    q, k, v = _qkv(dtype, t_q, t_k, hq=6, hkv=2, d=16, seed=1)
+    got = dispatch.block_attention_fwd(q, k, v, 0.3, causal)
+    want = ref.math_causal_attention_fwd(q, k, v, 0.3, causal)
+    grad = torch.randn_like(want[0])
+    got_bwd = dispatch.block_attention_bwd(grad, q, k, v, *want, 0.3, causal)
+    want_bwd = ref.math_attention_bwd_from_lse(grad, q, k, v, *want, 0.3, causal)
+    _check_attention(got, want, got_bwd, want_bwd, dtype)
+
+
+@needs_interpreter
+def test_block_backward_with_merged_lse_matches_reference(use_triton):
+    """Ring use: an off-diagonal and a diagonal block merged by lse; each block's backward is exact alone."""
+    q, k, v = _qkv(torch.float32, 20, 36, seed=2)
+    blocks = ((slice(0, 16), False), (slice(16, 36), True))
+    parts = [ref.math_causal_attention_fwd(q, k[:, :, keys], v[:, :, keys], 0.2, causal) for keys, causal in blocks]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o * (l - lse).exp().unsqueeze(-1) for o, l in parts)
+    grad = torch.randn_like(out)
+    for keys, causal in blocks:
+        got = dispatch.block_attention_bwd(grad, q, k[:, :, keys], v[:, :, keys], out, lse, 0.2, causal)
+        want = ref.math_attention_bwd_from_lse(grad, q, k[:, :, keys], v[:, :, keys], out, lse, 0.2, causal)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            _close(a, b, 2e-5, name)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_attention_batch_rows_match_reference(dtype, use_triton):
+    q, k, v = _qkv(dtype, 33, 33, batch=2, d=32, tokens_first=True, seed=3)
+    got = dispatch.causal_attention_fwd(q, k, v, 0.2)
+    want = ref.causal_attention_fwd(q, k, v, 0.2)
+    grad = torch.randn_like(want[0])
+    _check_attention(got, want, dispatch.causal_attention_bwd(grad, q, k, v, *got, 0.2),
+                     ref.causal_attention_bwd(grad, q, k, v, *want, 0.2), dtype)
+
+
+@needs_interpreter
+def test_ring_of_one_rank_runs_triton_blocks(monkeypatch):
+    """dist_attn goes through dispatch: packed ring attention (diagonal and full blocks) on Triton = reference."""
+    layout = zigzag_layout([9, 1, 14], 1)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(24, h, 16, generator=g) for h in (4, 2, 2))
+    grad = torch.randn(24, 4, 16, generator=g)
+    results = {}
+    for impl in ("reference", "triton"):
+        monkeypatch.setenv(dispatch.ENV_VAR, impl)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = packed_ring_attention(*leaves, layout, [0])
+        out.backward(grad)
+        results[impl] = (out.detach(), *(x.grad for x in leaves))
+        assert dispatch.last_used()["block_attention_bwd"] == impl
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["triton"], results["reference"]):
+        _close(a, b, 2e-5, name)
+
+
+# --- dispatch -------------------------------------------------------------------------------------
+
+
+def test_dispatch_defaults_to_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.choose(torch.device("cpu")) == "reference"
+    q, k, v = _qkv(torch.float32, 8, 8)
+    dispatch.causal_attention_fwd(q, k, v, 0.5)
+    assert dispatch.last_used()["causal_attention_fwd"] == "reference"
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    assert dispatch.choose(torch.device("cpu")) == "triton"
+
+
+def test_dispatch_errors_are_actionable(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="BYTESCALE_KERNELS must be one of"):
+        dispatch.choose(torch.device("cpu"))
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    monkeypatch.setattr(attn_triton, "INTERPRETED", False)
+    q, k, v = _qkv(torch.float32, 8, 8)
+    with pytest.raises(dispatch.KernelUnavailableError, match="TRITON_INTERPRET=1"):
+        dispatch.block_attention_fwd(q, k, v, 0.5, True)
+
+
+@needs_interpreter
+def test_report_names_the_kernels_that_ran(use_triton):
+    q, k, v = _qkv(torch.float32, 8, 8)
+    dispatch.block_attention_fwd(q, k, v, 0.5, True)
+    report = CompileReport(graphs=[GraphReport(graph_id=0)])
+    assert report.kernels["block_attention_fwd"] == "triton"
+    assert "`block_attention_fwd` triton" in report.to_markdown()
+    assert CompileReport().kernels == {}
+
+
+# --- the compiled example model -------------------------------------------------------------------
+
+
+@needs_interpreter
+def test_compiled_llama_on_triton_matches_reference(monkeypatch):
+    """tiny() optimized: loss and every gradient with the Triton kernels = with the references."""
+    torch.manual_seed(0)
+    opt = bsc.optimize(tiny())
+    batch = protocol_batch([13, 1, 10], vocab=128, seed=5)
+    results = {}
+    for impl in ("reference", "triton"):
+        monkeypatch.setenv(dispatch.ENV_VAR, impl)
+        plain = loss_and_grads(opt, batch)
+        with micro_batch(cu_seqlens=[0, 13, 14, 24]):
+            packed = loss_and_grads(opt, batch)
+        results[impl] = (plain, packed)
+        used = dispatch.last_used()
+        assert {used[name] for name in ("causal_attention_fwd", "causal_attention_bwd", "segment_causal_attention_fwd",
+                                         "segment_causal_attention_bwd", "linear_cross_entropy_chunked")} == {impl}
+    assert opt.report.kernels["linear_cross_entropy_chunked"] == "reference"  # compiled on the first call
+    for (loss, grads), (want_loss, want_grads) in zip(results["triton"], results["reference"]):
+        assert rel_err(loss, want_loss) <= 1e-5
+        assert grads.keys() == want_grads.keys()
+        worst = max(grads, key=lambda n: rel_err(grads[n], want_grads[n]))
+        assert rel_err(grads[worst], want_grads[worst]) <= 1e-5, worst
