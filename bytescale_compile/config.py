@@ -10,6 +10,7 @@ from .kernels.cross_entropy_ref import DEFAULT_CHUNK_SIZE
 __all__ = ["Config"]
 
 _PARTITIONERS = ("default", "min_cut")
+_OFFLOAD_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,10 @@ class Config:
     partitioner: how AOTAutograd splits forward from backward: "default" saves what eager saves,
         "min_cut" recomputes cheap ops to save memory.
     keep_graph_text: keep the graphs before and after the passes as text in the report.
+    offload: selective activation offload (paper §4.2): "auto" takes each micro-batch's ratio r from
+        the plan, a number in [0, 1] uses that r for every micro-batch, "off" leaves the graphs alone.
+        The ratio is read at run time under the act_ctx (`runtime.offload.get_act_ctx`); without one,
+        nothing is offloaded.
     """
 
     attention: bool = True
@@ -33,6 +38,7 @@ class Config:
     dynamic: bool = True
     partitioner: str = "default"
     keep_graph_text: bool = True
+    offload: str | float = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -41,6 +47,9 @@ class Config:
                 raise ValueError(f"Config.{f.name} must be True or False, got {value!r}")
         if isinstance(self.loss_chunk_size, bool) or not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 1:
             raise ValueError(f"Config.loss_chunk_size must be an int >= 1, got {self.loss_chunk_size!r}")
+        if not (self.offload in _OFFLOAD_MODES or (isinstance(self.offload, (int, float)) and not isinstance(self.offload, bool)
+                                                   and 0.0 <= self.offload <= 1.0)):
+            raise ValueError(f"Config.offload must be one of {_OFFLOAD_MODES} or a ratio in [0, 1], got {self.offload!r}")
         if self.partitioner not in _PARTITIONERS:
             raise ValueError(f"Config.partitioner must be one of {_PARTITIONERS}, got {self.partitioner!r}")
 

@@ -174,11 +174,12 @@ def test_training_output_holds_loss_and_empty_logits():
 
 def test_passes_switch_off_through_config():
     model = tiny()
-    opt = bsc.optimize(model, attention=False, fused_loss=False)
+    opt = bsc.optimize(model, attention=False, fused_loss=False, offload="off")
     assert_matches_eager(opt, eager_copy(model), protocol_batch([17], vocab=128))
     report = opt.report
     assert not report.rewrites(ATTN) and not report.rewrites(LOSS)
-    assert [p.disabled for g in report.graphs for p in g.passes] == ["Config.attention=False", "Config.fused_loss=False"]
+    assert [p.disabled for g in report.graphs for p in g.passes] == [
+        "Config.attention=False", "Config.fused_loss=False", 'Config.offload="off"']
 
 
 def test_token_dimension_is_dynamic():

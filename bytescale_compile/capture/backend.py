@@ -2,7 +2,7 @@
 
     Dynamo graph ──PassManager (attention, fused_loss)──▶ aot_module_simplified
         └─ joint graph ──partition hook (default or min-cut)──▶ forward graph + backward graph
-                                 └─ saved-activation table (the offload pass will act on it)
+                                 └─ saved-activation table ──offload pass──▶ offload/reload nodes
 
 The partitioned graphs run as FX code over aten ops: the rewrites themselves are where the time and
 memory go, and no code generation stands between a user and their eager model's numerics.
@@ -25,7 +25,8 @@ from ..config import Config
 from ..passes.attention import NAME as ATTENTION, rewrite_attention
 from ..passes.loss import NAME as FUSED_LOSS, rewrite_loss
 from ..passes.manager import Pass, PassContext, PassManager
-from ..passes.report import GraphReport
+from ..passes.offload import NAME as OFFLOAD, apply_offload
+from ..passes.report import GraphReport, PassResult
 from .saved import saved_activations
 
 __all__ = ["Backend", "default_passes"]
@@ -80,10 +81,16 @@ class Backend:
             fw, bw = base(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             inputs = [n.meta.get("val") for n in fw.graph.find_nodes(op="placeholder")]
             token_size = _token_size(inputs)
-            if isinstance(token_size, torch.SymInt):
-                report.saved_activations = saved_activations(fw, num_fwd_outputs, token_size)
-            else:  # with static sizes any dimension equal to T would pass for the token dimension
+            if not isinstance(token_size, torch.SymInt):  # with static sizes any size equal to T looks like tokens
                 report.saved_activations_note = "needs a dynamic token dimension (Config(dynamic=True))"
+                return fw, bw
+            table = saved_activations(fw, num_fwd_outputs, token_size)
+            if self.config.offload == "off":
+                report.passes.append(PassResult(OFFLOAD, disabled='Config.offload="off"'))
+            else:
+                result, table = apply_offload(fw, bw, num_fwd_outputs, table, token_size)
+                report.passes.append(result)
+            report.saved_activations = table
             return fw, bw
 
         return partition

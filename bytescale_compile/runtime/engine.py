@@ -3,7 +3,8 @@
 Every rank sees the same sequence lengths and plans identically (the planner is deterministic), so a
 bad batch fails on every rank with the planner's message before any communication. Each rank then
 runs its own micro-batches in plan order — different counts on different ranks — forward and backward
-under each micro-batch's context; ranks sharing a micro-batch meet in its ring. One bucketed
+under each micro-batch's context and the step's act_ctx (which offloads the micro-batch's share r of
+its saved activations, paper §4.2); ranks sharing a micro-batch meet in its ring. One bucketed
 all-reduce sums the gradients (the loss is token-level, so a plain sum equals data parallelism's
 gradient, paper Eq. 2 = Eq. 1), then clipping and the optimizer step. Strategies differ only in
 the plan: "balance", "naive" and "static" all run through this code.
@@ -24,9 +25,10 @@ from torch import nn
 
 from ..api import OptimizedModule, optimize
 from ..config import Config
-from ..planner import CostModel, ModelShape, Plan, plan
+from ..planner import CostModel, MicroBatch, ModelShape, Plan, plan
 from .batch import build_micro_batch, num_targets
 from .context import micro_batch
+from .offload import get_act_ctx
 
 __all__ = ["Runtime", "StepStats", "BatchLike"]
 
@@ -56,6 +58,10 @@ class StepStats:
     """Ring bytes sent by all ranks together, forward and backward."""
     allreduce_bytes: int
     """Gradient bytes each rank all-reduced."""
+    offloaded_bytes: int
+    """Saved-activation bytes all ranks together copied to host memory (paper §4.2)."""
+    peak_saved_bytes: list[int]
+    """Per rank: the most saved-activation bytes resident on the device in any of its micro-batches."""
     plan: Plan
     """The plan this step ran (the same on every rank)."""
 
@@ -116,20 +122,24 @@ class Runtime:
         self.optimizer.zero_grad(set_to_none=False)
         loss, busy, p2p = torch.zeros(()), 0.0, 0
         mine = step_plan.micro_batches_of(self.rank)
-        for mb in mine:
+        act_ctx = get_act_ctx(len(mine), [self._offload_ratio(mb) for mb in mine])
+        for i, mb in enumerate(mine):
             began = time.perf_counter()
             inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
             kwargs = inputs.model_kwargs()
             if self._hf_labels:
                 kwargs["labels"] = kwargs["shift_labels"]
-            with micro_batch(ctx=inputs.context):
+            act_ctx.update_micro_batch_id(i)
+            with micro_batch(ctx=inputs.context), act_ctx:
                 mb_loss = self.model(**kwargs).loss
                 mb_loss.backward()
             loss += mb_loss.detach()
             busy += time.perf_counter() - began
             p2p += inputs.context.ring_stats.bytes_sent
         allreduce_bytes = self._sync_gradients()
-        totals = self._gather([loss.item(), busy, float(len(mine)), float(p2p)])
+        offloaded = sum(s.offloaded_bytes for s in act_ctx.stats)
+        peak_saved = max((s.peak_resident_bytes for s in act_ctx.stats), default=0)
+        totals = self._gather([loss.item(), busy, float(len(mine)), float(p2p), float(offloaded), float(peak_saved)])
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
@@ -137,7 +147,16 @@ class Runtime:
         return StepStats(step=self.steps, strategy=self.strategy, loss=float(totals[:, 0].sum()),
                          tokens=int(np.asarray(batch.lengths).sum()), time=time.perf_counter() - start,
                          plan_time=plan_time, busy=totals[:, 1].tolist(), micro_batches=totals[:, 2].astype(int).tolist(),
-                         p2p_bytes=int(totals[:, 3].sum()), allreduce_bytes=allreduce_bytes, plan=step_plan)
+                         p2p_bytes=int(totals[:, 3].sum()), allreduce_bytes=allreduce_bytes,
+                         offloaded_bytes=int(totals[:, 4].sum()), peak_saved_bytes=totals[:, 5].astype(int).tolist(),
+                         plan=step_plan)
+
+    def _offload_ratio(self, mb: MicroBatch) -> float:
+        """The plan's r ("auto"), Config's fixed ratio, or 0 ("off")."""
+        mode = self.model.compile_config.offload
+        if mode == "auto":
+            return mb.offload_ratio
+        return 0.0 if mode == "off" else float(mode)
 
     def _sync_gradients(self) -> int:
         """Sum gradients over all ranks in ~25 MiB buckets; ranks without micro-batches add zeros."""

@@ -1,0 +1,334 @@
+"""The act_ctx of the paper's Listing 1: where offloaded activations wait between forward and backward.
+
+    act_ctx = get_act_ctx(num_micro_batch, offload_ratios)
+    act_ctx.update_micro_batch_id(i)
+    with act_ctx: loss = model(...)        # saved activations: first ⌊r·T⌋ tokens go to host memory
+    with act_ctx: loss.backward()          # ... and come back, one layer ahead of their use
+
+The offload pass (`passes/offload.py`) routes every token-carrying saved activation of the compiled
+forward through `offload_saved` and hands the backward only small handle tensors — {micro-batch, call,
+member} — so the graph carries no activation and never changes when r does: r is read here, at run
+time, from the micro-batch's entry in `offload_ratios`. A saved storage is token-major (the token
+dimension is outermost in memory), so its first ⌊r·T⌋ tokens are one contiguous prefix: that prefix
+goes to a pooled host buffer, the rest stays on the device as its own (smaller) tensor, and the
+original storage is released. On CUDA the copies run on a device-to-host and a host-to-device stream
+ordered by events (host buffers pinned); on CPU the same code runs with plain copies and no streams.
+
+Without an active act_ctx the ops pass tensors through untouched (the eager model's behaviour).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .context import ContextError
+
+__all__ = [
+    "ActivationContext",
+    "OffloadStats",
+    "current_act_ctx",
+    "get_act_ctx",
+    "offload_saved",
+    "reload_saved",
+]
+
+_HANDLE_DTYPE = torch.int64
+
+
+@dataclass
+class OffloadStats:
+    """Counters of one micro-batch."""
+
+    micro_batch_id: int
+    offload_ratio: float
+    offloaded_bytes: int = 0
+    """Bytes copied to host memory in the forward."""
+    reloaded_bytes: int = 0
+    """Bytes copied back in the backward (equal to offloaded_bytes once the backward has run)."""
+    resident_bytes: int = 0
+    """Saved-activation bytes on the device now, offloadable and kept alike (a layer's storages count
+    until the backward moves below that layer)."""
+    peak_resident_bytes: int = 0
+    """The most saved-activation bytes on the device at any point of the micro-batch."""
+
+    def add_resident(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+
+@dataclass
+class _Saved:
+    """One saved storage of one forward call: its members, split into a host prefix and a device rest."""
+
+    layer: int
+    members: list[tuple[torch.Size, tuple[int, ...], int]]
+    """(size, stride, storage_offset) of every saved tensor viewing the storage."""
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    offloaded: int
+    """Elements of the host prefix."""
+    rest: Tensor | None
+    """The device part: the whole storage when nothing is offloaded, else the elements after the prefix."""
+    host: Tensor | None = None
+    copied: torch.cuda.Event | None = None
+    """CUDA: recorded once the prefix is on the host and the rest cloned."""
+    full: Tensor | None = None
+    """The reassembled storage once fetched back."""
+    ready: torch.cuda.Event | None = None
+    """CUDA: recorded once `full` is complete."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.offloaded * self.dtype.itemsize
+
+    @property
+    def rest_bytes(self) -> int:
+        return self.nbytes - self.offloaded_bytes
+
+
+class _HostPool:
+    """Reusable host buffers (pinned with CUDA): pinning is slow, so buffers outlive micro-batches.
+
+    Sizes are rounded up to a power of two, so micro-batches of other lengths reuse the same buffers
+    and the pool stays bounded by the most that one step ever has offloaded at once.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, int], list[tuple[Tensor, torch.cuda.Event | None]]] = defaultdict(list)
+
+    def get(self, dtype: torch.dtype, numel: int, pin: bool) -> Tensor:
+        """A buffer of at least `numel` elements."""
+        size = 1 << max(numel - 1, 0).bit_length()
+        free = self._free[(dtype, size)]
+        for i, (buf, done) in enumerate(free):
+            if done is None or done.query():
+                del free[i]
+                return buf
+        return torch.empty(size, dtype=dtype, pin_memory=pin)
+
+    def put(self, buf: Tensor, done: torch.cuda.Event | None) -> None:
+        """Return `buf`; it is reused once `done` (its last copy) has completed."""
+        self._free[(buf.dtype, buf.numel())].append((buf, done))
+
+
+class _Streams:
+    """Copy streams on CUDA; on CPU every copy is synchronous and there is nothing to order."""
+
+    def __init__(self) -> None:
+        self._cuda: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+
+    def for_device(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+        if device.type != "cuda":
+            return None
+        if self._cuda is None:
+            self._cuda = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._cuda
+
+
+_pool = _HostPool()
+_streams = _Streams()
+_uids = itertools.count(1)
+
+
+class ActivationContext:
+    """One training step's offload state: ratios per micro-batch, the waiting activations, counters."""
+
+    def __init__(self, num_micro_batch: int, offload_ratios: Sequence[float]) -> None:
+        ratios = [float(r) for r in offload_ratios]
+        if len(ratios) != num_micro_batch:
+            raise ValueError(f"get_act_ctx: {num_micro_batch} micro-batches but {len(ratios)} offload ratios")
+        bad = [r for r in ratios if not 0.0 <= r <= 1.0]
+        if bad:
+            raise ValueError(f"offload ratios must lie in [0, 1], got {bad}")
+        self.uid = next(_uids)
+        self.offload_ratios = ratios
+        self.micro_batch_id = 0
+        self.stats = [OffloadStats(i, r) for i, r in enumerate(ratios)]
+        self._waiting: list[dict[int, _Saved]] = [{} for _ in ratios]
+        self._in_use: list[list[_Saved]] = [[] for _ in ratios]
+        self._calls = itertools.count()
+
+    def update_micro_batch_id(self, micro_batch_id: int) -> None:
+        if not 0 <= micro_batch_id < len(self.offload_ratios):
+            raise ValueError(f"micro-batch id {micro_batch_id} out of range: this act_ctx has "
+                             f"{len(self.offload_ratios)} micro-batches")
+        self.micro_batch_id = micro_batch_id
+
+    def __enter__(self) -> ActivationContext:
+        with _lock:
+            _stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _lock:
+            _stack.remove(self)
+
+    def waiting(self, micro_batch_id: int) -> int:
+        """Saved storages of a micro-batch that its backward has not taken back yet."""
+        return len(self._waiting[micro_batch_id])
+
+    # --- forward --------------------------------------------------------------------------------
+    def offload(self, layer: int, token_dim: int, keep: bool, members: Sequence[Tensor]) -> list[Tensor]:
+        """Take the storage `members` share; return one handle per member for the backward."""
+        mb = self.micro_batch_id
+        flat, per_token = _token_major_storage(members[0], token_dim)
+        tokens = flat.numel() // per_token if per_token else 0
+        offloaded = 0 if keep or not per_token else math.floor(self.offload_ratios[mb] * tokens) * per_token
+        saved = _Saved(layer=layer, members=[(m.shape, m.stride(), m.storage_offset()) for m in members],
+                       numel=flat.numel(), dtype=flat.dtype, device=flat.device, offloaded=offloaded, rest=flat)
+        if offloaded:
+            self._to_host(saved, flat)
+        stats = self.stats[mb]
+        stats.offloaded_bytes += saved.offloaded_bytes
+        stats.add_resident(saved.rest_bytes)
+        call = next(self._calls)
+        self._waiting[mb][call] = saved
+        return [torch.tensor([self.uid, mb, call, i], dtype=_HANDLE_DTYPE) for i in range(len(members))]
+
+    def _to_host(self, saved: _Saved, flat: Tensor) -> None:
+        streams = _streams.for_device(flat.device)
+        host = _pool.get(flat.dtype, saved.offloaded, pin=streams is not None)
+        saved.rest = flat[saved.offloaded:].clone()
+        if streams is None:
+            host[: saved.offloaded].copy_(flat[: saved.offloaded])
+        else:
+            d2h = streams[0]
+            d2h.wait_stream(torch.cuda.current_stream(flat.device))  # after the producer and the clone above
+            with torch.cuda.stream(d2h):
+                host[: saved.offloaded].copy_(flat[: saved.offloaded], non_blocking=True)
+                saved.copied = torch.cuda.Event()
+                saved.copied.record(d2h)
+            flat.record_stream(d2h)  # the allocator keeps the source until the copy is done
+        saved.host = host
+
+    # --- backward -------------------------------------------------------------------------------
+    def reload(self, layer: int, handles: Sequence[Tensor]) -> list[Tensor]:
+        """The members again, from the handles the forward returned; prefetches the next layer down."""
+        uid, mb, call, _ = (int(x) for x in handles[0])
+        if uid != self.uid or mb != self.micro_batch_id:
+            raise ContextError(
+                f"saved activations of layer {layer} belong to micro-batch {mb} of act_ctx #{uid}, but the backward "
+                f"runs under micro-batch {self.micro_batch_id} of act_ctx #{self.uid}: call "
+                f"update_micro_batch_id({mb}) on the act_ctx of the forward before the backward")
+        saved = self._waiting[mb].pop(call, None)
+        if saved is None:
+            raise ContextError(f"saved activations of layer {layer}, micro-batch {mb}, were already reloaded: "
+                               "a backward through the same forward can run only once (retain_graph is not supported "
+                               "with offloading)")
+        if layer >= 0:  # storages outside the layers (rotary tables, say) are read throughout
+            self._release_above(mb, layer)
+        self._fetch(saved, mb)
+        if layer >= 0:
+            self._prefetch_below(mb, layer)
+        full = saved.full
+        if saved.ready is not None:
+            torch.cuda.current_stream(full.device).wait_event(saved.ready)
+        self._in_use[mb].append(saved)
+        return [full.as_strided(size, stride, offset) for size, stride, offset in saved.members]
+
+    def _release_above(self, mb: int, layer: int) -> None:
+        """The backward moved down to `layer`: storages of the layers above it are done with (freed)."""
+        done = [s for s in self._in_use[mb] if s.layer > layer]
+        self._in_use[mb] = [s for s in self._in_use[mb] if s.layer <= layer]
+        self.stats[mb].resident_bytes -= sum(s.nbytes for s in done)
+
+    def _fetch(self, saved: _Saved, mb: int) -> None:
+        """Reassemble `saved`'s storage: the host prefix copied back, the device rest moved in (once)."""
+        if saved.full is not None:
+            return
+        if not saved.offloaded:
+            saved.full, saved.rest = saved.rest, None
+            return
+        streams = _streams.for_device(saved.device)
+        full = torch.empty(saved.numel, dtype=saved.dtype, device=saved.device)
+        if streams is None:
+            full[: saved.offloaded].copy_(saved.host[: saved.offloaded])
+            full[saved.offloaded:].copy_(saved.rest)
+            _pool.put(saved.host, None)
+        else:
+            h2d = streams[1]
+            h2d.wait_stream(torch.cuda.current_stream(saved.device))  # `full` may reuse memory compute just freed
+            h2d.wait_event(saved.copied)
+            with torch.cuda.stream(h2d):
+                full[: saved.offloaded].copy_(saved.host[: saved.offloaded], non_blocking=True)
+                full[saved.offloaded:].copy_(saved.rest, non_blocking=True)
+                saved.ready = torch.cuda.Event()
+                saved.ready.record(h2d)
+            saved.rest.record_stream(h2d)
+            _pool.put(saved.host, saved.ready)
+        stats = self.stats[mb]
+        stats.reloaded_bytes += saved.offloaded_bytes
+        stats.add_resident(saved.nbytes)
+        stats.resident_bytes -= saved.rest_bytes
+        saved.host, saved.rest, saved.full = None, None, full
+
+    def _prefetch_below(self, mb: int, layer: int) -> None:
+        """Fetch the storages of the next layer down, so their copy overlaps this layer's backward."""
+        below = [s for s in self._waiting[mb].values() if 0 <= s.layer < layer]
+        if below:
+            nxt = max(s.layer for s in below)
+            for saved in below:
+                if saved.layer == nxt:
+                    self._fetch(saved, mb)
+
+
+def _token_major_storage(t: Tensor, token_dim: int) -> tuple[Tensor, int]:
+    """The whole storage `t` views, flat, and its elements per token; 0 per token when the storage is not
+    token-major (tokens outermost, exactly T of them), so no token prefix of it is contiguous."""
+    numel = t.untyped_storage().nbytes() // t.element_size()
+    flat = t.new_empty(0).set_(t.untyped_storage(), 0, (numel,), (1,))
+    per_token = t.stride(token_dim)
+    token_major = t.shape[token_dim] * per_token == numel and all(
+        t.stride(d) * t.shape[d] <= per_token for d in range(t.dim()) if d != token_dim and t.shape[d] > 1)
+    return flat, per_token if token_major else 0
+
+
+_stack: list[ActivationContext] = []
+_lock = threading.Lock()
+
+
+def current_act_ctx() -> ActivationContext | None:
+    return _stack[-1] if _stack else None
+
+
+def get_act_ctx(num_micro_batch: int, offload_ratios: Sequence[float]) -> ActivationContext:
+    """The paper's `get_act_ctx`: one per step, `offload_ratios[i]` the r of micro-batch i."""
+    return ActivationContext(num_micro_batch, offload_ratios)
+
+
+def offload_saved(layer: int, token_dim: int, keep: bool, *members: Tensor) -> tuple[Tensor, ...]:
+    """Graph op (forward): hand one saved storage to the act_ctx; without one, pass the members through.
+
+    `layer` orders the reloads (-1: outside the transformer layers), `token_dim` is the token dimension
+    of the first member, `keep` leaves the storage resident whatever the ratio (counted all the same).
+    """
+    ctx = current_act_ctx()
+    if ctx is None:
+        return members
+    return tuple(ctx.offload(layer, token_dim, keep, members))
+
+
+def reload_saved(layer: int, *slots: Tensor) -> tuple[Tensor, ...]:
+    """Graph op (backward): the saved members again, from handles or (no act_ctx in the forward) themselves."""
+    if slots[0].is_floating_point():
+        return slots
+    ctx = current_act_ctx()
+    if ctx is None:
+        uid, mb = int(slots[0][0]), int(slots[0][1])
+        raise ContextError(
+            f"the backward needs the saved activations of layer {layer}, which the forward left in act_ctx #{uid} "
+            f"(micro-batch {mb}); run the backward inside `with act_ctx:` after act_ctx.update_micro_batch_id({mb})")
+    return tuple(ctx.reload(layer, slots))
