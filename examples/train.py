@@ -33,7 +33,7 @@ from bytescale_compile.runtime.data import GlobalBatchSampler, TokenDataset, bui
 from bytescale_compile.runtime.engine import default_cost_model  # noqa: E402
 from bytescale_compile.runtime.launch import init_distributed  # noqa: E402
 from bytescale_compile.sim.experiments import parse_size  # noqa: E402
-from bytescale_compile.sim.simulator import simulate  # noqa: E402
+from bytescale_compile.sim.simulator import busy_times, p2p_bytes, simulate  # noqa: E402
 from examples.models import llama  # noqa: E402
 
 STRATEGIES = ("balance", "naive", "static")
@@ -47,6 +47,8 @@ class RunResult:
     spreads: list[float] = field(default_factory=list)
     p2p_bytes: list[int] = field(default_factory=list)
     predicted_step: list[float] = field(default_factory=list)
+    predicted_spread: list[float] = field(default_factory=list)
+    predicted_p2p_bytes: list[float] = field(default_factory=list)
     measured_step: list[float] = field(default_factory=list)
 
 
@@ -93,12 +95,15 @@ def train(strategy: str, args: argparse.Namespace, dataset: TokenDataset, cost: 
     for step in progress:
         batch = next(batches)
         stats = runtime.step(batch)
-        predicted = simulate(stats.plan, cost).step_time
+        timeline = simulate(stats.plan, cost)
+        busy = busy_times(timeline)
         result.losses.append(stats.loss)
         result.tokens_per_second.append(stats.tokens_per_second)
         result.spreads.append(stats.busy_spread)
         result.p2p_bytes.append(stats.p2p_bytes)
-        result.predicted_step.append(predicted)
+        result.predicted_step.append(timeline.step_time)
+        result.predicted_spread.append(float(busy.max() / busy[busy > 0].min()) if busy.any() else 1.0)
+        result.predicted_p2p_bytes.append(p2p_bytes(stats.plan, cost))
         result.measured_step.append(stats.time)
         if hasattr(progress, "set_postfix"):
             progress.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_second:,.0f}", mbs=max(stats.micro_batches))
@@ -121,20 +126,25 @@ def _progress(steps: range, strategy: str):
 
 
 def report(results: list[RunResult], skip: int) -> None:
-    """Steady-state figures (the first `skip` steps compile) and the simulator's prediction."""
-    log("\nstrategy   tokens/s   busy max/min   P2P MiB/step   final loss   measured step s   predicted step s")
-    base = {}
+    """Steady-state figures (the first `skip` steps compile), measured and as the simulator predicts them."""
+    log("\n             ---------------- measured ----------------   ---------------- predicted ---------------")
+    log("strategy     tokens/s  busy max/min  P2P MiB/step  step s    tokens/s  busy max/min  P2P MiB/step  step s"
+        "   final loss")
+    speed = {}
     for r in results:
         steady = slice(skip, None) if len(r.tokens_per_second) > skip else slice(None)
-        tps = statistics.mean(r.tokens_per_second[steady])
-        base[r.strategy] = (tps, statistics.mean(r.predicted_step[steady]), statistics.mean(r.measured_step[steady]))
-        log(f"{r.strategy:<9} {tps:>9,.0f} {statistics.mean(r.spreads[steady]):>14.2f} "
-            f"{statistics.mean(r.p2p_bytes[steady]) / 2 ** 20:>14.1f} {r.losses[-1]:>12.4f} "
-            f"{base[r.strategy][2]:>17.2f} {base[r.strategy][1]:>18.2f}")
-    if "static" in base and len(base) > 1:
-        static_tps, static_pred, _ = base["static"]
+        tokens = statistics.mean(t * m for t, m in zip(r.tokens_per_second[steady], r.measured_step[steady]))
+        measured, predicted = statistics.mean(r.measured_step[steady]), statistics.mean(r.predicted_step[steady])
+        speed[r.strategy] = (tokens / measured, tokens / predicted)
+        log(f"{r.strategy:<10} {speed[r.strategy][0]:>10,.0f} {statistics.mean(r.spreads[steady]):>13.2f} "
+            f"{statistics.mean(r.p2p_bytes[steady]) / 2 ** 20:>13.1f} {measured:>7.2f}  "
+            f"{speed[r.strategy][1]:>10,.0f} {statistics.mean(r.predicted_spread[steady]):>13.2f} "
+            f"{statistics.mean(r.predicted_p2p_bytes[steady]) / 2 ** 20:>13.1f} {predicted:>7.2f} {r.losses[-1]:>12.4f}")
+    if "static" in speed and len(speed) > 1:
+        static = speed["static"]
         log("\nspeedup over static: " + ", ".join(
-            f"{s} {v[0] / static_tps:.2f}x measured, {static_pred / v[1]:.2f}x predicted" for s, v in base.items() if s != "static"))
+            f"{s} {v[0] / static[0]:.2f}x measured, {v[1] / static[1]:.2f}x predicted"
+            for s, v in speed.items() if s != "static"))
 
 
 def main() -> None:
@@ -165,6 +175,9 @@ def main() -> None:
     try:
         dataset = open_dataset(args)
         model_for_cost = make_model(args.model, args.seed)
+        if (top := dataset.max_token()) >= model_for_cost.config.vocab_size:
+            raise SystemExit(f"{args.data} has token ids up to {top}, but --model {args.model} has a vocabulary of "
+                             f"{model_for_cost.config.vocab_size}: pick a model whose vocab_size exceeds {top}")
         cost = CostModel.load(args.cost_model) if args.cost_model else default_cost_model(model_for_cost)
         log(f"{dist.get_world_size()} ranks ({backend}), {len(dataset)} sequences in {args.data}, "
             f"global batch {args.global_tokens} tokens, C={args.capacity}, context {args.max_len}")

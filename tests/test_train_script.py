@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -81,7 +82,8 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     _train(tmp_path, steps, "full.json", "--zero")
     cmd = _command(tmp_path, steps, "killed.json", "--zero", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
                    "--resume", torchrun_args=("--max-restarts=1",))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: a failure below kills the workers too
     try:
         first = ckpt / "balance" / "step_00000002" / "COMPLETE"
         deadline = time.monotonic() + 300
@@ -93,7 +95,8 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
         os.kill(victims[1], signal.SIGKILL)
         output, _ = proc.communicate(timeout=600)
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # nothing left of the group is fine
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, output
     assert "resumed from" in output, output
     assert (ckpt / "balance" / "step_00000002" / "COMPLETE").exists()  # nothing written before the kill is lost
@@ -106,3 +109,12 @@ def test_missing_dataset_names_the_file(tmp_path):
          str(ROOT / "examples/train.py"), "--model", "tiny", "--data", str(tmp_path / "nothing"), "--data-source", "none",
          "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "nothing.json" in result.stderr
+
+
+def test_tokens_outside_the_model_vocabulary_are_refused(tmp_path):
+    write_dataset(tmp_path / "bytes", [bytes(range(256))], source="test")
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node=1", f"--master_port={free_port()}",
+         str(ROOT / "examples/train.py"), "--model", "tiny", "--data", str(tmp_path / "bytes"), "--data-source", "none",
+         "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "token ids up to 255" in result.stderr and "vocabulary of 128" in result.stderr

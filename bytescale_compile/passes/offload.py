@@ -29,6 +29,7 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..runtime.offload import offload_saved, reload_saved
+from .graph import layer_index
 from .report import PassResult, Rewrite, SavedActivation, Skipped
 
 __all__ = ["NAME", "KEPT_LAYERS", "apply_offload"]
@@ -48,6 +49,8 @@ class _Group:
     layer: int | None
     token_dim: int | None = None
     keep: bool = False
+    shared_by: list[int] | None = None
+    """The layers reading the group when there are several."""
     reason: str | None = None
     """Why the group is left alone (not routed through the ops), or None."""
 
@@ -59,7 +62,7 @@ class _Group:
 def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
                   table: list[SavedActivation], token_size: torch.SymInt) -> tuple[PassResult, list[SavedActivation]]:
     """Route every token-carrying saved storage through offload/reload; return the result and the table
-    with each row's decision."""
+    with each row's decision and the layer whose backward reads it back."""
     outputs = list(fw.graph.output_node().args[0])
     groups = _groups(fw, outputs, num_fwd_outputs, table)
     num_layers = 1 + max((r.layer for r in table if r.layer is not None), default=-1)
@@ -69,19 +72,22 @@ def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
         _decide(group, num_layers, token_size, bw_inputs)
         decision = _decision(group)
         for row in group.rows:
-            decisions[row.name] = decision if row is group.owner or group.reason else f"{decision}, with {group.owner.name}"
+            text = decision if row is group.owner or group.reason else f"{decision}, with {group.owner.name}"
+            decisions[row.name] = (text, group.layer)
         if group.reason:
             result.skipped.append(Skipped(group.owner.name, "offload_saved", group.owner.source, group.reason))
             continue
         _rewrite(fw, bw, outputs, num_fwd_outputs, group, bw_inputs)
         members = ", ".join(n.name for n in group.nodes)
         result.rewrites.append(Rewrite(group.owner.name, "offload_saved/reload_saved", group.owner.source,
-                                       f"{decision}: {members}"))
+                                       f"{decision}; backward layer {group.layer}: {members}"))
     fw.graph.output_node().args = (tuple(outputs),)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
-    return result, [dataclasses.replace(r, decision=decisions.get(r.name, r.decision)) for r in table]
+    table = [dataclasses.replace(r, decision=decisions[r.name][0], layer=decisions[r.name][1]) if r.name in decisions
+             else r for r in table]
+    return result, table
 
 
 def _groups(fw: fx.GraphModule, outputs: list, num_fwd_outputs: int, table: list[SavedActivation]) -> list[_Group]:
@@ -104,11 +110,23 @@ def _groups(fw: fx.GraphModule, outputs: list, num_fwd_outputs: int, table: list
     for storage, group in by_storage.items():
         if not group.rows:
             continue
-        group.layer = group.owner.layer
+        group.layer = _backward_layer(group)
         if storage in protected:
             group.reason = "resident (its storage is also a graph input or output: a copy would free nothing)"
         groups.append(group)
     return groups
+
+
+def _backward_layer(group: _Group) -> int | None:
+    """The layer whose backward reads the group: that of its forward readers (a layer's output feeds the
+    next layer's norm, so the backward needs it back there), else the producer's; None (outside, kept)
+    when several layers read it, like the rotary tables."""
+    readers = [u for n in group.nodes for u in n.users if u.op != "output"]
+    layers = {layer for layer in map(layer_index, readers) if layer is not None}
+    if len(layers) > 1:
+        group.shared_by = sorted(layers)
+        return None
+    return layers.pop() if layers else group.owner.layer
 
 
 def _vals(nodes: list) -> list[torch.Tensor]:
@@ -137,6 +155,8 @@ def _decide(group: _Group, num_layers: int, token_size: torch.SymInt, bw_inputs:
 def _decision(group: _Group) -> str:
     if group.reason:
         return group.reason
+    if group.shared_by:
+        return f"resident (read by layers {group.shared_by[0]}-{group.shared_by[-1]})"
     if group.layer is None:
         return "resident (outside the transformer layers)"
     if group.keep:

@@ -49,6 +49,7 @@ class SavedActivation:
     bytes_per_token: int | None
     """Bytes per token of the token dimension; None when the size grows with T² ([.., T, T] scores)."""
     layer: int | None
+    """Transformer layer: its producer's, or after the offload pass the one whose backward reads it back."""
     source: str
     decision: str
     alias_of: str | None = None

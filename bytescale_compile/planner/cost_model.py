@@ -393,13 +393,17 @@ class CostModel:
         d, _ = self.ranks_and_ratio(candidates, capacity, l, offload)
         return int(candidates[d <= world_size].max())
 
-    def ring_time(self, tokens_per_rank, group_size) -> np.ndarray:
-        """Ring P2P seconds per rank for one micro-batch, all layers, fwd+bwd: each of (group_size - 1) steps
-        moves the rank's K/V once forward and K/V plus their gradients backward (3 transfers), each paying
-        `latency`. 0 for a group of one."""
-        tokens = np.asarray(tokens_per_rank, np.float64)
+    def ring_bytes(self, tokens_per_rank, group_size) -> np.ndarray:
+        """Ring P2P bytes one rank sends for one micro-batch, all layers, fwd+bwd: each of (group_size - 1)
+        steps moves the rank's K/V once forward and K/V plus their gradients backward (3 transfers)."""
         steps = self.layers * 3 * (np.asarray(group_size, np.float64) - 1)
-        return steps * (tokens * self.kv_bytes_per_token / self.network_bandwidth + self.latency)
+        return steps * np.asarray(tokens_per_rank, np.float64) * self.kv_bytes_per_token
+
+    def ring_time(self, tokens_per_rank, group_size) -> np.ndarray:
+        """Ring P2P seconds per rank for one micro-batch (`ring_bytes` at the network bandwidth, each
+        transfer paying `latency`). 0 for a group of one."""
+        steps = self.layers * 3 * (np.asarray(group_size, np.float64) - 1)
+        return self.ring_bytes(tokens_per_rank, group_size) / self.network_bandwidth + steps * self.latency
 
     def offload_time(self, s, r) -> np.ndarray:
         """Seconds to move a fraction r of s tokens' activations over PCIe, all layers."""

@@ -104,6 +104,10 @@ class TokenDataset:
     def source(self) -> str:
         return str(self._meta["source"])
 
+    def max_token(self) -> int:
+        """The largest token id present (reads every token once): what a model's vocabulary must cover."""
+        return int(self._tokens.max()) if self._tokens.size else -1
+
     def tokens(self, index: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tokens [start, end) of sequence `index` as int64; reads only that slice from disk."""
         if not 0 <= index < len(self):

@@ -22,7 +22,7 @@ from .timeline import Span, Timeline
 if TYPE_CHECKING:
     from ..planner.cost_model import CostModel
 
-__all__ = ["simulate", "busy_times", "lower_bound", "throughput"]
+__all__ = ["simulate", "busy_times", "lower_bound", "p2p_bytes", "throughput"]
 
 
 def simulate(plan: Plan, cost_model: CostModel) -> Timeline:
@@ -91,6 +91,12 @@ def lower_bound(lens: np.ndarray, world_size: int, capacity: int, cost_model: Co
     share = float(fastest_time(cost_model, lens[heaviest], work[heaviest], world_size, min_ranks).max())
     sync = cost_model.allreduce_time() if world_size > 1 else 0.0
     return max(float(work.sum()) / world_size, share) + sync
+
+
+def p2p_bytes(plan: Plan, cost_model: CostModel) -> float:
+    """Ring bytes all ranks send in the step (what `StepStats.p2p_bytes` measures)."""
+    shared = [m for m in plan.micro_batches if len(m.ranks) > 1]
+    return float(sum(len(m.ranks) * cost_model.ring_bytes(m.tokens_per_rank, len(m.ranks)) for m in shared))
 
 
 def throughput(plan: Plan, timeline: Timeline) -> float:
