@@ -33,6 +33,17 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _segment(CU_Q, CU_K, n_seg):
+    """This program's batch row and its segment's query and key (start, length); axis 0 of the grid
+    runs over rows × segments."""
+    b = tl.program_id(0) // n_seg
+    seg = tl.program_id(0) % n_seg
+    q_start = tl.load(CU_Q + seg)
+    k_start = tl.load(CU_K + seg)
+    return b, q_start, tl.load(CU_Q + seg + 1) - q_start, k_start, tl.load(CU_K + seg + 1) - k_start
+
+
+@triton.jit
 def _key_end(start_m, q_len, k_len, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """End of the keys that queries [start_m, start_m + BLOCK_M) may see."""
     if CAUSAL:
@@ -49,13 +60,8 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One query block of one head of one segment: online softmax over its visible key blocks."""
-    b = tl.program_id(0) // n_seg
-    seg = tl.program_id(0) % n_seg
+    b, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, n_seg)
     h = tl.program_id(2)
-    q_start = tl.load(CU_Q + seg)
-    q_len = tl.load(CU_Q + seg + 1) - q_start
-    k_start = tl.load(CU_K + seg)
-    k_len = tl.load(CU_K + seg + 1) - k_start
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= q_len:
         return
@@ -126,13 +132,8 @@ def _dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One key block of one kv head: dk, dv summed over the group's query heads and visible queries."""
-    b = tl.program_id(0) // n_seg
-    seg = tl.program_id(0) % n_seg
+    b, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, n_seg)
     kvh = tl.program_id(2)
-    q_start = tl.load(CU_Q + seg)
-    q_len = tl.load(CU_Q + seg + 1) - q_start
-    k_start = tl.load(CU_K + seg)
-    k_len = tl.load(CU_K + seg + 1) - k_start
     start_n = tl.program_id(1) * BLOCK_N
     if start_n >= k_len:
         return
@@ -183,13 +184,8 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One query block of one head: dq over its visible key blocks."""
-    b = tl.program_id(0) // n_seg
-    seg = tl.program_id(0) % n_seg
+    b, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, n_seg)
     h = tl.program_id(2)
-    q_start = tl.load(CU_Q + seg)
-    q_len = tl.load(CU_Q + seg + 1) - q_start
-    k_start = tl.load(CU_K + seg)
-    k_len = tl.load(CU_K + seg + 1) - k_start
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= q_len:
         return
