@@ -187,3 +187,22 @@ def test_runtime_passes_a_fixed_ratio_and_counts_it():
     assert stats.peak_saved_bytes[0] < ref.peak_saved_bytes[0] or ref.peak_saved_bytes[0] == 0
     assert stats.loss == ref.loss
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_hugging_face_llama_offloads_exactly():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    batch = protocol_batch([30, 21], vocab=128, hf=True)
+    ref_losses, ref_grads, _ = _run(bsc.optimize(copy.deepcopy(model), offload="off"), [batch], None)
+    torch._dynamo.reset()
+    opt = bsc.optimize(model)
+    losses, grads, act_ctx = _run(opt, [batch], [0.5])
+    assert torch.equal(losses[0], ref_losses[0])
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    rows = [r for g in opt.report.graphs for r in g.saved_activations]
+    assert {r.layer for r in rows if r.decision.startswith("offload")} == {0, 1}
+    assert act_ctx.stats[0].offloaded_bytes > 0 and act_ctx.waiting(0) == 0
