@@ -111,6 +111,17 @@ def test_balance_gives_ranks_different_numbers_of_micro_batches_and_beats_naive(
     assert simulate(balanced, COST).step_time < simulate(naive, COST).step_time
 
 
+def test_balance_widens_a_sequence_that_would_overrun_onto_idle_ranks():
+    """Three long sequences on 4 ranks: two run on 2 ranks each, the third would then run on 2 ranks
+    while 2 idle; balance spreads it over all 4 and ends with the static mesh, not 18% after it."""
+    capacity = 4096
+    lens = np.array([4 * capacity, 4 * capacity, int(3.7 * capacity)])
+    balanced = plan(lens, 4, capacity, COST, strategy="balance")
+    static = plan(lens, 4, capacity, COST, strategy="static", context_length=4 * capacity)
+    assert sorted(len(m.ranks) for m in balanced.micro_batches) == [2, 2, 4]
+    assert simulate(balanced, COST).step_time <= simulate(static, COST).step_time * 1.001
+
+
 @pytest.mark.parametrize("dataset", ["byted", "github"])
 def test_balance_is_within_five_percent_of_the_lower_bound_at_scale(dataset):
     """32M tokens, 1024 ranks, 2M context: the paper's setting."""

@@ -10,7 +10,9 @@ pipelines they are taken round-robin so every pipeline gets a mix (PP-Balance).
 D(s) is the fewest ranks that can *hold* a sequence; a sequence whose work on D(s) ranks exceeds the
 balanced per-rank time (total work / ranks) would alone set the step time, so it gets
 ceil(work / balanced time) ranks instead (with r = 0 once its tokens fit) — but never more than make
-it faster: past `fastest_group` the ring's P2P outlasts the compute it splits.
+it faster: past `fastest_group` the ring's P2P outlasts the compute it splits. When a shared
+sequence would still end past that balanced time (few long sequences: three on four ranks, say),
+its group widens onto ranks that are idle by its start anyway, while that shortens it.
 
 `delta` is the paper's threshold δ: a short sequence may go to a rank up to δ seconds busier than
 the least-loaded one when that rank's open micro-batch still has room, so balance within δ buys
@@ -88,9 +90,21 @@ class _Ranks:
             self.entries[rank].append(self.open[rank])
             self.open[rank] = _Packed(rank)
 
-    def add_shared(self, seq: int, group_size: int, ratio: float) -> None:
+    def add_shared(self, seq: int, group_size: int, widest: int, ratio: float, target: float) -> None:
+        """Run `seq` on its `group_size` least-loaded ranks. When it would end past `target` (the balanced
+        step time), widen the group (up to `widest`) onto ranks idle by the time it starts anyway, as long
+        as that makes it finish sooner: few, long sequences then split like a static mesh would."""
         group = [heapq.heappop(self.heap) for _ in range(group_size)]
         start = max(t for t, _ in group)
+        best = self.builder.time_of([seq], len(group), ratio)
+        while start + best > target and len(group) < widest and self.heap and self.heap[0][0] <= start:
+            wider = len(group) + 1
+            wider_ratio = 0.0 if self.builder.lens[seq] <= wider * self.capacity else ratio
+            seconds = self.builder.time_of([seq], wider, wider_ratio)
+            if seconds >= best:
+                break
+            group.append(heapq.heappop(self.heap))
+            best, ratio = seconds, wider_ratio
         mb = self.builder.add(sorted(r for _, r in group), [seq], ratio)
         for t, r in group:
             self.close(r)
@@ -156,13 +170,13 @@ class _Ranks:
 
 
 def _spread_heavy(lens: np.ndarray, ranks: np.ndarray, ratio: np.ndarray, work: np.ndarray, world_size: int,
-                  capacity: int, cost_model: CostModel) -> tuple[np.ndarray, np.ndarray]:
+                  capacity: int, fastest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Give sequences heavier than the balanced per-rank time enough ranks to finish within it, but no
-    more than make them faster (the ring's P2P floor, `fastest_group`)."""
+    more than make them faster (the ring's P2P floor, `fastest`)."""
     if lens.size == 0:
         return ranks, ratio
     balanced = float(work.sum()) / world_size
-    wanted = np.minimum(np.ceil(work / balanced - 1e-9).astype(np.int64), fastest_group(cost_model, lens, work, world_size))
+    wanted = np.minimum(np.ceil(work / balanced - 1e-9).astype(np.int64), fastest)
     heavy = wanted > np.maximum(ranks, 1)
     ranks = np.where(heavy, wanted, ranks)
     ratio = np.where(heavy & (lens <= ranks * capacity), 0.0, ratio)
@@ -180,12 +194,15 @@ def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: C
     sequence = (np.concatenate(buckets) if pp_size == 1 else _interleave(buckets)) if buckets else order
     if delta is None:
         delta = 0.01 * float(builder.seq_time.sum()) / world_size
-    ranks, ratio = _spread_heavy(lens, ranks, ratio, builder.seq_time, world_size, capacity, cost_model)
+    fastest = fastest_group(cost_model, lens, builder.seq_time, world_size) if lens.size else np.zeros(0, np.int64)
+    ranks, ratio = _spread_heavy(lens, ranks, ratio, builder.seq_time, world_size, capacity, fastest)
     state = _Ranks(builder, world_size, capacity)
     seq_time, lens_list, ranks_list, ratio_list = builder.seq_time.tolist(), lens.tolist(), ranks.tolist(), ratio.tolist()
+    widest = np.maximum(fastest, ranks).tolist()
+    balanced = float(builder.seq_time.sum()) / world_size
     for i in sequence.tolist():
         if ranks_list[i] > 0:
-            state.add_shared(i, ranks_list[i], ratio_list[i])
+            state.add_shared(i, ranks_list[i], widest[i], ratio_list[i], balanced)
         else:
             state.add_packed(i, lens_list[i], seq_time[i], delta)
     return builder.build(state.schedule(), delta=delta, buckets=len(buckets), balance="dp" if pp_size == 1 else "pp")
