@@ -10,9 +10,11 @@ storage (a tensor and its views) form one group, since only the storage as a who
            ->  r = reload_saved(layer, x, x_view); uses of x, x_view read r[0], r[1]
 
 Between the two the graph carries only handles; the act_ctx (`runtime/offload.py`) holds the data
-and reads the micro-batch's ratio r at run time, so r never causes a recompilation. Groups of the
-last two layers go through the same ops with `keep=True` (resident, as D(s) in Eq. 2 assumes, and
-counted), as do those outside the transformer layers (embedding, final norm). Groups that cannot
+and reads the micro-batch's ratio r at run time, so r never causes a recompilation. A group belongs
+to the layer whose backward reads it (a layer's output to the next layer, the embedding to layer 0).
+Groups of the last two layers go through the same ops with `keep=True` (resident, as D(s) in Eq. 2
+assumes, and counted), as do those outside the layers (final norm, loss) and those read by several
+layers (the rotary tables). Groups that cannot
 be split by tokens — not floating point, growing with T², storage not token-major, or storage also
 a graph input or output (copying would free nothing) — are left alone, and the report says why.
 """
