@@ -47,3 +47,15 @@ def assert_matches_eager(optimized: nn.Module, eager: nn.Module, batch: dict[str
 
 def eager_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def hf_llama(num_layers: int = 2) -> nn.Module:
+    """A tiny random Hugging Face `LlamaForCausalLM` (nothing downloaded); skips without transformers."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   use_cache=False)
+    return transformers.LlamaForCausalLM(cfg)

@@ -8,18 +8,19 @@ import bytescale_compile as bsc
 from bytescale_compile.runtime.context import micro_batch
 from examples.models.llama import LlamaConfig, LlamaForCausalLM, tiny
 from tests.conftest import rel_err
-from tests.helpers import assert_matches_eager, eager_copy, loss_and_grads, protocol_batch
+from tests.helpers import (
+    assert_matches_eager,
+    eager_copy,
+    hf_llama,
+    loss_and_grads,
+    protocol_batch,
+)
 
 ATTN, LOSS = "attention", "fused_loss"
 
 
 def hf_tiny():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   use_cache=False)
-    return transformers.LlamaForCausalLM(cfg)
+    return hf_llama(num_layers=2)
 
 
 @pytest.mark.parametrize("repeat_kv", [False, True], ids=["enable_gqa", "repeat_kv"])

@@ -13,7 +13,7 @@ from bytescale_compile.passes.offload import NAME as OFFLOAD
 from bytescale_compile.runtime.context import ContextError
 from bytescale_compile.runtime.offload import get_act_ctx
 from examples.models.llama import LlamaConfig, LlamaForCausalLM
-from tests.helpers import protocol_batch
+from tests.helpers import hf_llama, protocol_batch
 
 LAYERS = 6  # 4 offloadable layers, 2 kept
 OUTSIDE = ("resident (outside the transformer layers)", "resident (read by layers 0-",
@@ -190,12 +190,7 @@ def test_runtime_passes_a_fixed_ratio_and_counts_it():
 
 
 def test_hugging_face_llama_offloads_exactly():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   use_cache=False)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = hf_llama(num_layers=4)
     batch = protocol_batch([30, 21], vocab=128, hf=True)
     ref_losses, ref_grads, _ = _run(bsc.optimize(copy.deepcopy(model), offload="off"), [batch], None)
     torch._dynamo.reset()
