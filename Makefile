@@ -20,7 +20,8 @@ COST := .cache/cost_small_cpu.json
 
 $(COST): $(STAMP)
 	mkdir -p .cache
-	$(VENV)/bin/bytescale-compile profile examples.models.llama:small --lengths 256,512,1K,2K,4K --repeats 2 --out $(COST)
+	$(VENV)/bin/bytescale-compile profile examples.models.llama:small --lengths 256,512,1K,2K,4K --repeats 2 \
+		--ranks-per-device 4 --out $(COST)
 
 demo: $(STAMP) $(COST)
 	$(VENV)/bin/torchrun --nproc_per_node=4 examples/train.py --strategy all --steps 3 --global-tokens 16K \

@@ -161,7 +161,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .planner.profiler import profile_model
 
     _cwd_importable()
-    result = profile_model(args.target, _sizes(args.lengths), args.out, repeats=args.repeats)
+    result = profile_model(args.target, _sizes(args.lengths), args.out, repeats=args.repeats,
+                           ranks_per_device=args.ranks_per_device)
     print(result.summary())
     print(f"cost model written to {args.out}")
     return 0
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="256,512,1K,2K")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="cost_model.json")
+    p.add_argument("--ranks-per-device", type=int, default=1,
+                   help="CPU: profile as this many ranks sharing the cores would run (that many processes at once)")
     p.set_defaults(func=cmd_profile)
     return parser
 

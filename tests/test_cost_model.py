@@ -275,3 +275,13 @@ def test_profile_model_saves_json(spec, tmp_path):
 def test_profile_model_bad_spec(tmp_path):
     with pytest.raises(ValueError, match="module:factory"):
         profile_model("examples.models.llama", [64, 128, 256], tmp_path / "x.json")
+
+
+def test_profile_as_ranks_sharing_the_cpu(tmp_path):
+    """Two processes at once, each on its share of the cores: the times the demo's ranks will see."""
+    result = profile_model("examples.models.llama:tiny", [64, 128, 256], tmp_path / "shared.json", device="cpu",
+                           repeats=1, ranks_per_device=2)
+    assert result.device.startswith("cpu, 2 processes") and all(t > 0 for t in result.times)
+    assert CostModel.load(tmp_path / "shared.json").layers == 2
+    with pytest.raises(ValueError, match="ranks_per_device must be >= 1"):
+        profile_model("examples.models.llama:tiny", [64, 128, 256], tmp_path / "x.json", ranks_per_device=0)

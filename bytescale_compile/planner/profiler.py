@@ -8,6 +8,8 @@ Act(s) = alpha2 s + beta2, both by least squares. Every layer of a decoder is al
 from __future__ import annotations
 
 import importlib
+import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -144,11 +146,16 @@ def profile_layer(
             samples.append(time.perf_counter() - start)
         times.append(statistics.median(samples))
 
+    return _fit(lengths, times, act_bytes, str(device))
+
+
+def _fit(lengths: Sequence[int], times: Sequence[float], act_bytes: Sequence[int], device: str) -> ProfileResult:
+    """T(s) and Act(s) by non-negative least squares over the measurements."""
     s = np.asarray(lengths, np.float64)
     alpha1, beta1, gamma = _nonnegative_lstsq(np.stack([s * s, s, np.ones_like(s)], 1), np.asarray(times))
     alpha2, beta2 = _nonnegative_lstsq(np.stack([s, np.ones_like(s)], 1), np.asarray(act_bytes, np.float64))
-    return ProfileResult(tuple(lengths), tuple(times), tuple(act_bytes), float(alpha1), float(beta1), float(gamma),
-                         float(alpha2), float(beta2), str(device))
+    return ProfileResult(tuple(int(x) for x in lengths), tuple(times), tuple(act_bytes), float(alpha1), float(beta1),
+                         float(gamma), float(alpha2), float(beta2), device)
 
 
 def fit_cost_model(
@@ -201,22 +208,52 @@ def profile_model(
     dtype: torch.dtype | None = None,
     repeats: int = 3,
     hardware: Hardware | None = None,
+    ranks_per_device: int = 1,
 ) -> ProfileResult:
     """Build the model `module:factory` names, profile its first decoder layer on `device` (default: CUDA
     if there is one) in `dtype` (default: as built), and save the fitted CostModel as JSON at `out_path`.
-    K/V and parameter bytes use the model's own element size."""
+    K/V and parameter bytes use the model's own element size.
+
+    `ranks_per_device` > 1 (CPU only) measures the layer as that many ranks sharing this CPU run it: as
+    many processes at once, each with its share of the cores (as `examples/train.py` sets them), the
+    median of their times per length. One process alone on every core would predict steps several
+    times shorter than the ranks see.
+    """
+    if ranks_per_device < 1:
+        raise ValueError(f"ranks_per_device must be >= 1, got {ranks_per_device}")
     model = _build(spec)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if ranks_per_device > 1 and device.type != "cpu":
+        raise ValueError(f"ranks_per_device applies to CPU profiling (ranks sharing its cores), not {device.type}")
     model.to(device=device, dtype=dtype)
-    layers = _decoder_layers(model)
     cfg = model.config
     heads = getattr(cfg, "num_attention_heads", None) or cfg.num_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     param = next(model.parameters())
-    result = profile_layer(layers[0], cfg.hidden_size, lengths, device, repeats,
-                           _input_maker(model, cfg.hidden_size, device, param.dtype))
+    if ranks_per_device == 1:
+        result = _profile_first_layer(model, lengths, device, repeats)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // ranks_per_device)
+        with multiprocessing.get_context("spawn").Pool(ranks_per_device) as pool:
+            results = pool.starmap(_profile_worker, [(spec, list(lengths), repeats, dtype, threads)] * ranks_per_device)
+        times = [statistics.median(r.times[i] for r in results) for i in range(len(results[0].times))]
+        result = _fit(results[0].lengths, times, results[0].act_bytes,
+                      f"cpu, {ranks_per_device} processes x {threads} thread(s)")
     elem = param.element_size()
     param_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    fit_cost_model(result, len(layers), 2 * kv_heads * head_dim * elem, param_bytes, hardware).save(out_path)
+    fit_cost_model(result, len(_decoder_layers(model)), 2 * kv_heads * head_dim * elem, param_bytes, hardware).save(out_path)
     return result
+
+
+def _profile_first_layer(model: nn.Module, lengths: Sequence[int], device: torch.device, repeats: int) -> ProfileResult:
+    param = next(model.parameters())
+    return profile_layer(_decoder_layers(model)[0], model.config.hidden_size, lengths, device, repeats,
+                         _input_maker(model, model.config.hidden_size, device, param.dtype))
+
+
+def _profile_worker(spec: str, lengths: list[int], repeats: int, dtype: torch.dtype | None, threads: int) -> ProfileResult:
+    """One of `ranks_per_device` concurrent CPU profiles."""
+    torch.set_num_threads(threads)
+    model = _build(spec).to(dtype=dtype)
+    return _profile_first_layer(model, lengths, torch.device("cpu"), repeats)
