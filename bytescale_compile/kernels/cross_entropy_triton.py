@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cross_entropy_ref import _check_targets
+from .cross_entropy_ref import _check_targets, run_chunks
 from .triton_mode import built_for_interpreter
 
 __all__ = ["INTERPRETED", "cross_entropy_grad_", "linear_cross_entropy_chunked_triton"]
@@ -108,38 +108,13 @@ def linear_cross_entropy_chunked_triton(
     each chunk's logits overwrites them in the input dtype (no fp32 [chunk, V] buffer for the
     softmax) and grad_weight/grad_bias accumulate in fp32.
     """
-    n_tokens, vocab = hidden.shape[0], weight.shape[0]
-    _check_targets(target, ignore_index, vocab)
+    _check_targets(target, ignore_index, weight.shape[0])
     target = target.contiguous()
-    n_valid = (target != ignore_index).sum()
     row_weight = torch.ones(1, dtype=torch.float32, device=hidden.device)
     if reduction == "mean":
-        row_weight /= n_valid.clamp(min=1)
+        row_weight /= (target != ignore_index).sum().clamp(min=1)
 
-    logits_buf = hidden.new_empty(min(chunk_size, n_tokens), vocab)
-    grad_hidden = torch.empty_like(hidden)
-    grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32)
-    grad_bias = None if bias is None else bias.new_zeros(vocab, dtype=torch.float32)
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    def chunk_grad(logits: torch.Tensor, rows_of: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        return cross_entropy_grad_(logits, target[rows_of], ignore_index, row_weight, z_loss_weight).sum(), logits
 
-    for start in range(0, n_tokens, chunk_size):
-        rows_of = slice(start, min(start + chunk_size, n_tokens))
-        h = hidden[rows_of]
-        logits = logits_buf[: h.shape[0]]
-        if bias is None:
-            torch.matmul(h, weight.t(), out=logits)
-        else:
-            torch.addmm(bias, h, weight.t(), out=logits)
-        loss_sum += cross_entropy_grad_(logits, target[rows_of], ignore_index, row_weight, z_loss_weight).sum()
-        torch.matmul(logits, weight, out=grad_hidden[rows_of])
-        grad_weight.addmm_(logits.t().float(), h.float())
-        if grad_bias is not None:
-            grad_bias += logits.sum(dim=0, dtype=torch.float32)
-
-    loss = loss_sum / n_valid if reduction == "mean" else loss_sum
-    return (
-        loss.to(torch.float32 if upcast else hidden.dtype),
-        grad_hidden,
-        grad_weight.to(weight.dtype),
-        None if grad_bias is None else grad_bias.to(bias.dtype),
-    )
+    return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)

@@ -69,6 +69,8 @@ def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     groups = _groups(fw, outputs, num_fwd_outputs, table)
     num_layers = 1 + max((r.layer for r in table if r.layer is not None), default=-1)
     bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    last_reader = _last_readers(fw)  # both indexes are of the graphs as partitioned: new nodes read nothing
+    bw_order = {n: i for i, n in enumerate(bw.graph.nodes)}  # of the groups' storages or placeholders
     result, decisions = PassResult(NAME), {}
     for group in groups:
         _decide(group, num_layers, token_size, bw_inputs)
@@ -79,7 +81,7 @@ def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
         if group.reason:
             result.skipped.append(Skipped(group.owner.name, "offload_saved", group.owner.source, group.reason))
             continue
-        _rewrite(fw, bw, outputs, num_fwd_outputs, group, bw_inputs)
+        _rewrite(fw, bw, outputs, num_fwd_outputs, group, bw_inputs, last_reader, bw_order)
         members = ", ".join(n.name for n in group.nodes)
         result.rewrites.append(Rewrite(group.owner.name, "offload_saved/reload_saved", group.owner.source,
                                        f"{decision}; backward layer {group.layer}: {members}"))
@@ -190,10 +192,11 @@ def _expr(size: int | torch.SymInt) -> sympy.Expr:
 
 
 def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, outputs: list, num_fwd_outputs: int, group: _Group,
-             bw_inputs: dict[str, fx.Node]) -> None:
+             bw_inputs: dict[str, fx.Node], last_reader: dict[StorageWeakRef, fx.Node], bw_order: dict[fx.Node, int]) -> None:
     layer = _OUTSIDE if group.layer is None else group.layer
     args = (layer, group.token_dim, group.keep, *group.nodes)
-    with fw.graph.inserting_after(_last_forward_use(fw, group)):
+    storage = StorageWeakRef(group.nodes[0].meta["val"].untyped_storage())
+    with fw.graph.inserting_after(last_reader[storage]):
         offload = fw.graph.call_function(offload_saved, args)
     handles, previous = [], offload
     for i in range(len(group.nodes)):  # inserting_after each new node keeps them in order
@@ -210,9 +213,8 @@ def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, outputs: list, num_fwd_outp
             outputs[i] = slot_of[outputs[i]]
 
     inputs = [bw_inputs[n.name] for n in group.nodes]
-    order = {n: i for i, n in enumerate(bw.graph.nodes)}
     users = [u for p in inputs for u in p.users]
-    with bw.graph.inserting_before(min(users, key=order.__getitem__)):
+    with bw.graph.inserting_before(min(users, key=bw_order.__getitem__)):
         reload = bw.graph.call_function(reload_saved, (layer, *inputs))
         tensors = [bw.graph.call_function(operator.getitem, (reload, i)) for i in range(len(inputs))]
     for placeholder, tensor in zip(inputs, tensors):
@@ -220,15 +222,17 @@ def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, outputs: list, num_fwd_outp
         placeholder.replace_all_uses_with(tensor, delete_user_cb=lambda user: user is not reload)
 
 
-def _last_forward_use(fw: fx.GraphModule, group: _Group) -> fx.Node:
-    """The last forward node that reads the group's storage, through any view (the output aside)."""
-    storage = StorageWeakRef(group.nodes[0].meta["val"].untyped_storage())
-    nodes = list(fw.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    readers = []
-    for node in nodes:
+def _last_readers(fw: fx.GraphModule) -> dict[StorageWeakRef, fx.Node]:
+    """Per storage, the last forward node that reads it through any view (the output aside)."""
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    last: dict[StorageWeakRef, fx.Node] = {}
+    for node in order:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and StorageWeakRef(val.untyped_storage()) == storage:
-            readers.append(node)
-            readers += [u for u in node.users if u.op != "output"]
-    return max(readers, key=order.__getitem__)
+        if not isinstance(val, torch.Tensor):
+            continue
+        storage = StorageWeakRef(val.untyped_storage())
+        readers = [node, *(u for u in node.users if u.op != "output")]
+        if storage in last:
+            readers.append(last[storage])
+        last[storage] = max(readers, key=order.__getitem__)
+    return last

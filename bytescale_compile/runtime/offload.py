@@ -159,6 +159,8 @@ class ActivationContext:
         self.stats = [OffloadStats(i, r) for i, r in enumerate(ratios)]
         self._waiting: list[dict[int, _Saved]] = [{} for _ in ratios]
         self._in_use: list[list[_Saved]] = [[] for _ in ratios]
+        self._layer: list[int | None] = [None for _ in ratios]
+        """Per micro-batch: the layer the backward is in."""
         self._calls = itertools.count()
 
     def update_micro_batch_id(self, micro_batch_id: int) -> None:
@@ -228,10 +230,14 @@ class ActivationContext:
             raise ContextError(f"saved activations of layer {layer}, micro-batch {mb}, were already reloaded: "
                                "a backward through the same forward can run only once (retain_graph is not supported "
                                "with offloading)")
-        if layer >= 0:  # storages outside the layers (rotary tables, say) are read throughout
+        # the backward entering a layer frees the layers above and prefetches the next one down; storages
+        # outside the layers (rotary tables, say) are read throughout and move nothing
+        entering = layer >= 0 and layer != self._layer[mb]
+        if entering:
+            self._layer[mb] = layer
             self._release_above(mb, layer)
         self._fetch(saved, mb)
-        if layer >= 0:
+        if entering:
             self._prefetch_below(mb, layer)
         full = saved.full
         if saved.ready is not None:
