@@ -16,16 +16,33 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-COST := .cache/cost_small_cpu.json
+# make demo: a BPE tokenizer trained on 4 MB of the installed Python sources, those sources prepared
+# with it, a CPU cost model of the demo LLaMA profiled as 4 ranks sharing the cores, then
+# examples/configs/demo.toml trained on 4 CPU ranks with every strategy. Nothing is downloaded.
+DEMO := .cache/demo
+DEMO_SOURCES := $(DEMO)/sources.txt
+DEMO_TOKENIZER := $(DEMO)/tokenizer/tokenizer.json
+DEMO_DATA := $(DEMO)/data.json
+DEMO_COST := $(DEMO)/cost_cpu.json
 
-$(COST): $(STAMP)
-	mkdir -p .cache
-	$(VENV)/bin/bytescale-compile profile examples.models.llama:small --lengths 256,512,1K,2K,4K --repeats 2 \
-		--ranks-per-device 4 --out $(COST)
+$(DEMO_SOURCES): $(STAMP)
+	mkdir -p $(DEMO)
+	$(PY) -c "from bytescale_compile.data import python_source_files as f; print(*f(4_000_000), sep='\n')" > $@
 
-demo: $(STAMP) $(COST)
-	$(VENV)/bin/torchrun --nproc_per_node=4 examples/train.py --strategy all --steps 3 --global-tokens 16K \
-		--cost-model $(COST)
+$(DEMO_TOKENIZER): $(DEMO_SOURCES)
+	$(VENV)/bin/bytescale-compile tokenizer train --input $$(cat $(DEMO_SOURCES)) --vocab-size 4096 \
+		--out $(DEMO)/tokenizer --overwrite
+
+$(DEMO_DATA): $(DEMO_TOKENIZER)
+	$(VENV)/bin/bytescale-compile data prepare --input $$(cat $(DEMO_SOURCES)) --tokenizer $(DEMO)/tokenizer \
+		--out $(DEMO)/data --workers 2 --eval-fraction 0.05 --overwrite
+
+$(DEMO_COST): $(STAMP)
+	$(VENV)/bin/bytescale-compile profile examples.models.hf:llama_demo --lengths 256,1K,2K --repeats 1 \
+		--ranks-per-device 4 --out $@
+
+demo: $(DEMO_DATA) $(DEMO_COST)
+	$(VENV)/bin/torchrun --nproc_per_node=4 -m bytescale_compile.train --config examples/configs/demo.toml
 
 inspect: $(STAMP)
 	$(VENV)/bin/bytescale-compile inspect examples.models.llama:small --seq-len 2048

@@ -16,6 +16,10 @@ down to 512, then the rest), Hq=32, Hkv=8, D=128, bf16, forward + backward:
 TFLOP/s count the causal work of both: 3.5 × (4 · Σ L²/2 · D · Hq) (backward = 2.5 × forward).
 Each row also prints the largest error of the Triton result against the other one.
 
+Skewed packing (issue 18, defect 9), same heads: one 16K sequence alone, then with 1,000 sequences of
+16 tokens after it, forward + backward of the Triton kernels. The flat (segment, block) grid makes the
+second cost about what its extra 16K tokens of tiny sequences cost (the issue measured 2.8× before).
+
 Without CUDA it prints that and exits 0; ``--cpu-smoke`` instead runs tiny shapes in Triton's
 interpreter (fp32) and prints only the errors, as a check that the script itself works.
 """
@@ -37,6 +41,9 @@ HQ, HKV, D = 32, 8, 128
 SMOKE_CE_SHAPES = [(64, 500)]
 SMOKE_ATTN_TOKENS = [96]
 SMOKE_HQ, SMOKE_HKV, SMOKE_D = 4, 2, 16
+SKEW = (16384, 1000, 16)
+"""One long sequence, then this many short ones of this length."""
+SMOKE_SKEW = (48, 3, 4)
 
 
 def halving_lengths(total: int, smallest: int) -> list[int]:
@@ -165,6 +172,29 @@ def bench_attention(tokens: int, heads: tuple[int, int, int], dtype, device: str
             ("triton (packed)", triton_ms, triton_mib, tflops[1], err)]
 
 
+def bench_skew(skew: tuple[int, int, int], heads: tuple[int, int, int], dtype, device: str) -> list[tuple]:
+    """(packing, ms) of the long sequence alone and with the short ones after it."""
+    import torch
+
+    from bytescale_compile.kernels.attention_triton import attention_bwd, attention_fwd
+
+    long, n_short, short = skew
+    hq, hkv, d = heads
+    rows = []
+    for name, lengths in ((f"{long} alone", [long]), (f"{long} + {n_short} x {short}", [long] + [short] * n_short)):
+        tokens, cu = sum(lengths), [0, *itertools.accumulate(lengths)]
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, h, tokens, d, generator=gen, device=device, dtype=dtype) for h in (hq, hkv, hkv))
+        grad = torch.randn_like(q)
+
+        def fused(q=q, k=k, v=v, grad=grad, cu=cu):
+            out, lse = attention_fwd(q, k, v, d ** -0.5, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+            attention_bwd(grad, q, k, v, out, lse, d ** -0.5, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+        rows.append((name, measure(fused, device)[0]))
+    return rows
+
+
 # --- main -----------------------------------------------------------------------------------------
 
 
@@ -180,9 +210,11 @@ def main() -> None:
     if args.cpu_smoke:
         device, dtype = "cpu", torch.float32
         ce_shapes, attn_tokens, heads, smallest = SMOKE_CE_SHAPES, SMOKE_ATTN_TOKENS, (SMOKE_HQ, SMOKE_HKV, SMOKE_D), 16
+        skew = SMOKE_SKEW
     elif torch.cuda.is_available():
         device, dtype = "cuda", torch.bfloat16
         ce_shapes, attn_tokens, heads, smallest = CE_SHAPES, ATTN_TOKENS, (HQ, HKV, D), 512
+        skew = SKEW
     else:
         print("benchmarks/kernels.py needs a CUDA GPU (none found); run with --cpu-smoke for an interpreter check.")
         return
@@ -198,6 +230,10 @@ def main() -> None:
     for tokens in attn_tokens:
         for name, ms, mib, tflops, err in bench_attention(tokens, heads, dtype, device, smallest):
             print(f"{tokens:>6} {name:<27} {ms:>9.3f} {mib:>9.0f} {tflops:>8.1f} {err:>9.2e}")
+    print(f"\nskewed packing, attention forward+backward (Triton)\n{'packing':<24} {'ms':>9} {'× alone':>8}")
+    rows = bench_skew(skew, heads, dtype, device)
+    for name, ms in rows:
+        print(f"{name:<24} {ms:>9.3f} {ms / rows[0][1]:>8.2f}")
 
 
 if __name__ == "__main__":

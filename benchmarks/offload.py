@@ -108,9 +108,7 @@ def build_model(setup: Setup):
     torch.manual_seed(0)
     with torch.device(setup.device):  # initialise in place: a 1B model is quick to build on the GPU
         model = small() if setup.model == "small" else LlamaForCausalLM(LlamaConfig(**MODEL_1B))
-    for param in model.parameters():  # weights only: RoPE's inv_freq buffer stays fp32
-        param.data = param.data.to(getattr(torch, setup.dtype))
-    return model
+    return model.to(getattr(torch, setup.dtype))  # RoPE's frequencies are made in fp32 at every call
 
 
 def make_batch(tokens: int, vocab: int, device: str) -> dict[str, Any]:

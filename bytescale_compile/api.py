@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -17,6 +18,11 @@ __all__ = ["optimize", "explain", "OptimizedModule", "RecompileLimitError"]
 
 RECOMPILE_LIMIT = 64
 """Compilations of one forward allowed per process, across all optimized instances of the class."""
+
+
+LOGGER_METHODS = ("debug", "info", "warning", "info_once", "warning_once", "warning_advice")
+"""`logging.Logger` methods (the last three are Hugging Face's) that compiled code skips instead of breaking
+the graph on: GPT-2 calls `logger.warning_once` on every forward, between its lm_head and its loss."""
 
 
 class RecompileLimitError(RuntimeError):
@@ -45,6 +51,7 @@ class OptimizedModule(nn.Module):
         self.__signature__ = inspect.signature(model.forward)
         self._report = CompileReport()
         self._pending: list[GraphReport] = []
+        self._compiled_graphs: list[GraphReport] = []
         self._backends = {mode: Backend(config, mode, self._pending.append) for mode in (True, False)}
         self._compiled = {mode: torch.compile(model, backend=b, dynamic=None if config.dynamic else False)
                           for mode, b in self._backends.items()}
@@ -57,6 +64,10 @@ class OptimizedModule(nn.Module):
     def report(self) -> CompileReport:
         """The `CompileReport` of the latest call that compiled (empty before the first call)."""
         return self._report
+
+    def shard_blockers(self) -> list[str]:
+        """Why this model cannot run sequences over several ranks, from every graph compiled so far (empty: it can)."""
+        return CompileReport(graphs=self._compiled_graphs).shard_blockers()
 
     @property
     def compilations(self) -> int:
@@ -74,7 +85,8 @@ class OptimizedModule(nn.Module):
                 _mark_token_dim_dynamic(t)
         self._pending.clear()
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=RECOMPILE_LIMIT):
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=RECOMPILE_LIMIT,
+                                            ignore_logging_functions=_ignored_logging_functions()):
                 out = self._compiled[self._orig_mod.training](*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RecompileLimitError(
@@ -84,6 +96,7 @@ class OptimizedModule(nn.Module):
             ) from e
         if self._pending:
             self._report = CompileReport(graphs=list(self._pending))
+            self._compiled_graphs += self._pending
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -96,6 +109,12 @@ class OptimizedModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"model={type(self._orig_mod).__name__}, compile_config={self.compile_config}"
+
+
+def _ignored_logging_functions() -> set[Any]:
+    """Dynamo's ignore set plus `LOGGER_METHODS`, looked up now: transformers adds its own on import."""
+    methods = {getattr(logging.Logger, name) for name in LOGGER_METHODS if hasattr(logging.Logger, name)}
+    return set(torch._dynamo.config.ignore_logging_functions) | methods
 
 
 def _mark_token_dim_dynamic(t: Any) -> None:

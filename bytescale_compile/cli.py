@@ -1,4 +1,5 @@
-"""`bytescale-compile`: inspect a model's compilation, plan and simulate HDP steps, profile a cost model."""
+"""`bytescale-compile`: inspect a model's compilation, plan and simulate HDP steps, profile a cost model,
+train a tokenizer and prepare token datasets from your own text."""
 
 from __future__ import annotations
 
@@ -84,10 +85,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cost_model(name: str) -> Any:
-    from .planner import CostModel
+def _cost_model(name: str, hardware: str | None = None, tp: int = 1) -> Any:
+    """A preset or profiled cost model; `hardware` puts its ranks on a cluster preset of TP `tp`."""
+    import dataclasses
 
-    return CostModel.load(name) if name.endswith(".json") else CostModel.preset(name)
+    from .planner import CostModel, Hardware
+
+    try:
+        cluster = Hardware.preset(hardware, tp_size=tp) if hardware else None
+        cost = CostModel.load(name) if name.endswith(".json") else CostModel.preset(name, cluster)
+    except (OSError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    return dataclasses.replace(cost, hardware=cluster) if cluster and name.endswith(".json") else cost
 
 
 def _sizes(text: str) -> list[int]:
@@ -108,7 +117,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     context = _sizes(args.context)[0] if args.context else None
     lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
     try:
-        outcome = run_strategy(args.strategy, lens, args.ranks, capacity, _cost_model(args.model), context, args.pp)
+        outcome = run_strategy(args.strategy, lens, args.ranks, capacity, _cost_model(args.model, args.hardware, args.tp),
+                               context, args.pp)
         outcome.plan.validate()
     except PlanError as e:
         raise CLIError(str(e)) from e
@@ -122,6 +132,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  per-rank micro-batches: {min(map(len, outcome.plan.schedule))}..{max(map(len, outcome.plan.schedule))}")
     print(f"  planned in {outcome.plan_seconds * 1e3:.1f} ms; simulated step {outcome.step_time:.3f} s, "
           f"{outcome.tokens_per_second:,.0f} tokens/s, busy spread {outcome.busy_spread:.2f}")
+    if "auto" in outcome.plan.meta:
+        report = outcome.plan.meta["auto"]
+        over_static = report["speedup_over_static"]
+        print(f"  auto chose {report['chosen']}: "
+              + (f"{over_static:.2f}x static, " if over_static is not None else "static cannot plan this batch, ")
+              + f"{report['speedup_over_runner_up']:.3f}x the runner-up; simulated step per candidate: "
+              + ", ".join(f"{k} {v:.3f} s" for k, v in report["step_time"].items()))
     return 0
 
 
@@ -133,7 +150,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     (tokens,), (capacity,) = _sizes(args.global_tokens), _sizes(args.capacity)
     contexts, strategies = _sizes(args.context), [s for s in args.strategies.split(",") if s]
-    cost_model = _cost_model(args.model)
+    cost_model = _cost_model(args.model, args.hardware, args.tp)
     table: dict[str, list[float]] = {s: [] for s in strategies}
     print(f"{'context':>8} " + " ".join(f"{s + ' tok/s':>22}" for s in strategies) + "   speedup over first")
     last = []
@@ -168,6 +185,70 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+_DATA_ERRORS = (OSError, ValueError)
+"""What the tokenizer and data commands report as usage errors: missing, unreadable or existing paths,
+bad inputs (SourceError, TokenizerError and DatasetError are ValueErrors) and bad options; each names
+the path or option to fix."""
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from .data import train_tokenizer
+
+    try:
+        trained = train_tokenizer(args.input, args.vocab_size, args.out, text_field=args.text_field,
+                                  min_frequency=args.min_frequency, overwrite=args.overwrite, progress=True)
+    except _DATA_ERRORS as e:
+        raise CLIError(str(e)) from e
+    print(trained.summary())
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from .data import prepare
+
+    try:
+        report = prepare(args.input, args.tokenizer, args.out, text_field=args.text_field, workers=args.workers,
+                         max_len=args.max_len, long_docs=args.long_docs, eval_fraction=args.eval_fraction,
+                         seed=args.seed, overwrite=args.overwrite, progress=True)
+    except _DATA_ERRORS as e:
+        raise CLIError(str(e)) from e
+    print(report.summary())
+    return 0
+
+
+def _add_data_commands(sub: Any) -> None:
+    inputs = "JSONL/JSON/Parquet/text files, directories of them, or `datasets` directories (save_to_disk)"
+    tokenizer = sub.add_parser("tokenizer", help="train a tokenizer on your own text").add_subparsers(
+        dest="action", required=True)
+    p = tokenizer.add_parser("train", help="train a byte-level BPE; AutoTokenizer.from_pretrained(OUT) loads it "
+                                           "(special tokens: <|endoftext|> = EOS, <|pad|> = pad)")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=inputs)
+    p.add_argument("--vocab-size", type=int, required=True, help="at most this many tokens (>= 258)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the tokenizer directory to write")
+    p.add_argument("--text-field", default="text", help="the record field holding the text (default text)")
+    p.add_argument("--min-frequency", type=int, default=2, help="merge only pairs seen this often (default 2)")
+    p.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in DIR")
+    p.set_defaults(func=cmd_tokenizer_train)
+
+    data = sub.add_parser("data", help="prepare token datasets from your own text").add_subparsers(
+        dest="action", required=True)
+    p = data.add_parser("prepare", help="tokenize text into PREFIX.{bin,idx,json} (training) and "
+                                        "PREFIX_eval.{bin,idx,json} (held-out split)")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=inputs)
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="a Hugging Face tokenizer directory with an EOS")
+    p.add_argument("--out", required=True, metavar="PREFIX", help="dataset prefix; the eval split goes to PREFIX_eval")
+    p.add_argument("--text-field", default="text", help="the record field holding the text (default text)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    p.add_argument("--max-len", type=int, default=None, help="tokens per document at most, EOS included")
+    p.add_argument("--long-docs", choices=("split", "drop"), default="split",
+                   help="what happens to documents over --max-len (default split)")
+    p.add_argument("--eval-fraction", type=float, default=0.01,
+                   help="share of documents held out for evaluation (default 0.01; 0: no eval split)")
+    p.add_argument("--seed", type=int, default=0, help="draws the eval split (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing datasets at PREFIX and PREFIX_eval")
+    p.set_defaults(func=cmd_data_prepare)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bytescale-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,8 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-tokens", default="32M")
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--capacity", default="8K", help="tokens per rank, C")
-    p.add_argument("--strategy", default="balance", help="balance | naive | naive-nooffload | static")
+    p.add_argument("--strategy", default="balance", help="balance | naive | naive-nooffload | static | auto")
     p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
+    p.add_argument("--hardware", default=None, help="cluster preset for the ranks: l20 | h100-nvlink (default: "
+                   "private 25 GB/s links per rank)")
+    p.add_argument("--tp", type=int, default=1, help="devices per HDP rank on the --hardware cluster")
     p.add_argument("--context", default=None, help="context length (truncates longer samples; the static mesh's row)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages per HDP rank")
     p.add_argument("--seed", type=int, default=0)
@@ -203,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--capacity", default="8K")
     p.add_argument("--global-tokens", default="32M")
-    p.add_argument("--strategies", default="static,naive,balance")
+    p.add_argument("--strategies", default="static,naive,balance", help="of static, naive, naive-nooffload, balance, auto")
+    p.add_argument("--hardware", default=None, help="cluster preset for the ranks: l20 | h100-nvlink (default: "
+                   "private 25 GB/s links per rank)")
+    p.add_argument("--tp", type=int, default=1, help="devices per HDP rank on the --hardware cluster")
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write a throughput-vs-context PNG here")
@@ -218,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-device", type=int, default=1,
                    help="CPU: profile as this many ranks sharing the cores would run (that many processes at once)")
     p.set_defaults(func=cmd_profile)
+    _add_data_commands(sub)
     return parser
 
 

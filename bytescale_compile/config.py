@@ -11,6 +11,7 @@ __all__ = ["Config"]
 
 _PARTITIONERS = ("default", "min_cut")
 _OFFLOAD_MODES = ("auto", "off")
+_CODEGEN = ("auto", "inductor", "none")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Config:
         the plan, a number in [0, 1] uses that r for every micro-batch, "off" leaves the graphs alone.
         The ratio is read at run time under the act_ctx (`runtime.offload.get_act_ctx`); without one,
         nothing is offloaded.
+    codegen: what runs the graphs our passes produce: "inductor" compiles them with Inductor (the
+        elementwise work around our ops fused into generated kernels, our `bytescale::` ops opaque
+        calls), "none" runs them as FX code over aten ops, "auto" picks per device (`resolve_codegen`).
     """
 
     attention: bool = True
@@ -39,6 +43,7 @@ class Config:
     partitioner: str = "default"
     keep_graph_text: bool = True
     offload: str | float = "auto"
+    codegen: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -50,8 +55,17 @@ class Config:
         if not (self.offload in _OFFLOAD_MODES or (isinstance(self.offload, (int, float)) and not isinstance(self.offload, bool)
                                                    and 0.0 <= self.offload <= 1.0)):
             raise ValueError(f"Config.offload must be one of {_OFFLOAD_MODES} or a ratio in [0, 1], got {self.offload!r}")
+        if self.codegen not in _CODEGEN:
+            raise ValueError(f"Config.codegen must be one of {_CODEGEN}, got {self.codegen!r}")
         if self.partitioner not in _PARTITIONERS:
             raise ValueError(f"Config.partitioner must be one of {_PARTITIONERS}, got {self.partitioner!r}")
+
+    def resolve_codegen(self, device_type: str) -> str:
+        """The codegen for graphs on `device_type`: "auto" is Inductor on CUDA, where fusion saves memory
+        traffic, and FX code on CPU, where Inductor's compile time outweighs its gain (README, Config)."""
+        if self.codegen != "auto":
+            return self.codegen
+        return "inductor" if device_type == "cuda" else "none"
 
     def with_overrides(self, **overrides: Any) -> Config:
         """A copy with some fields changed; unknown names raise ValueError listing the known ones."""

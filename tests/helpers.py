@@ -59,3 +59,21 @@ def hf_llama(num_layers: int = 2) -> nn.Module:
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    use_cache=False)
     return transformers.LlamaForCausalLM(cfg)
+
+
+def reference_step(model: nn.Module, batch: list[torch.Tensor], lr: float, hf: bool = False,
+                   max_grad_norm: float = 1.0) -> tuple[float, dict[str, torch.Tensor]]:
+    """Plain single-process SGD step over every sequence of a global batch, token-level loss (Eq. 1)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    num_items = torch.tensor(sum(len(s) - 1 for s in batch))
+    total = torch.zeros(())
+    for seq in batch:
+        labels = torch.cat([seq[1:], torch.tensor([-100])])[None]
+        kwargs = {"labels": labels} if hf else {}
+        loss = model(input_ids=seq[None], position_ids=torch.arange(len(seq))[None], shift_labels=labels,
+                     num_items_in_batch=num_items, **kwargs).loss
+        loss.backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return total.item(), {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -1,12 +1,19 @@
-"""`bytescale::attention` against SDPA, explicit math and per-sequence runs; opcheck; torch.compile."""
+"""`bytescale::attention` against SDPA, explicit math and per-sequence runs; opcheck; torch.compile.
+
+Sliding windows are checked against SDPA with an explicit boolean mask, the soft-cap against the formula
+written out here, and a V head dim other than D against SDPA (which takes it).
+"""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import bytescale_compile as bsc
 import bytescale_compile.ops.attention  # noqa: F401  (registers torch.ops.bytescale.*)
 from bytescale_compile.kernels.attention_ref import (
     cpu_flash_causal_attention_bwd,
@@ -15,7 +22,9 @@ from bytescale_compile.kernels.attention_ref import (
     math_causal_attention_fwd,
 )
 from bytescale_compile.runtime.context import ContextError, micro_batch
+from examples.models.llama import tiny
 from tests.conftest import rel_err
+from tests.helpers import loss_and_grads, protocol_batch
 
 attention = torch.ops.bytescale.attention
 attention_backward = torch.ops.bytescale.attention_backward
@@ -26,12 +35,12 @@ HEADS = pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)], ids=["mha", "gqa"])
 
 
 def make_qkv(
-    b: int, hq: int, hkv: int, t: int, dtype: torch.dtype = torch.float32, seed: int = 0
+    b: int, hq: int, hkv: int, t: int, dtype: torch.dtype = torch.float32, seed: int = 0, dv: int = D
 ) -> tuple[Tensor, Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, t, D, generator=gen, dtype=dtype).requires_grad_()
     k = torch.randn(b, hkv, t, D, generator=gen, dtype=dtype).requires_grad_()
-    v = torch.randn(b, hkv, t, D, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(b, hkv, t, dv, generator=gen, dtype=dtype).requires_grad_()
     return q, k, v
 
 
@@ -218,13 +227,113 @@ def test_packed_with_batch_rows_raises() -> None:
 
 @pytest.mark.parametrize(
     "k_shape,match",
-    [((2, 3, 7, D), "multiple"), ((2, 2, 6, D), "same B, T"), ((2, 2, 7), "4-D")],
+    [((2, 3, 7, D), "multiple"), ((2, 2, 6, D), "same T"), ((2, 2, 7, D + 1), "same B and head dim"),
+     ((2, 2, 7), "4-D")],
 )
 def test_bad_shapes_raise(k_shape: tuple[int, ...], match: str) -> None:
     q = torch.randn(2, 4, 7, D)
     k = torch.randn(k_shape)
     with pytest.raises(ValueError, match=match):
         attention(q, k, k, SCALE)
+
+
+# --- sliding window, soft-cap, V head dim ----------------------------------------------------------
+
+OPTIONS = pytest.mark.parametrize(
+    "window,softcap,dv", [(3, None, D), (None, 2.5, D), (3, 2.5, 12), (None, None, 12)],
+    ids=["window", "softcap", "both-dv12", "dv12"],
+)
+
+
+def window_mask(t: int, window: int | None, cu: list[int] | None = None) -> Tensor:
+    """SDPA's boolean attn_mask: key j at or before query i, fewer than `window` back, same packed sequence."""
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    allowed = (j <= i) & (i - j < (window or t))
+    return allowed & segment_mask(cu) if cu else allowed
+
+
+def masked_sdpa(allowed: Tensor):
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=SCALE, enable_gqa=True)
+    return run
+
+
+def softcapped(allowed: Tensor, softcap: float):
+    """Gemma2's eager attention: scores / cap, tanh, * cap, then the mask and softmax."""
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        rep = q.shape[1] // k.shape[1]
+        scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * SCALE
+        scores = torch.tanh(scores / softcap) * softcap
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v.repeat_interleave(rep, 1)
+    return run
+
+
+@OPTIONS
+@pytest.mark.parametrize("packing", ["rows", "packed", "position_ids"])
+def test_opcheck_options(window: int | None, softcap: float | None, dv: int, packing: str) -> None:
+    q, k, v = make_qkv(1 if packing == "packed" else 2, 4, 2, 13, dv=dv)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7]]) if packing == "position_ids" else None
+    with micro_batch(cu_seqlens=[0, 5, 6, 13] if packing == "packed" else None):
+        torch.library.opcheck(attention.default, (q, k, v, SCALE, position_ids, window, softcap))
+        out, lse = (t.detach() for t in attention(q, k, v, SCALE, position_ids, window, softcap))
+        assert out.shape == (q.shape[0], 4, 13, dv)
+        bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, SCALE, position_ids,
+                    window, softcap)
+        torch.library.opcheck(attention_backward.default, bwd_args)
+
+
+@HEADS
+@pytest.mark.parametrize("window", [1, 4, 16, 40])
+@pytest.mark.parametrize("dv", [D, 12])
+def test_window_matches_sdpa_with_mask(hq: int, hkv: int, window: int, dv: int) -> None:
+    q, k, v = make_qkv(2, hq, hkv, 16, dv=dv)
+    grad_out = torch.randn(2, hq, 16, dv)
+    got = grads_of(lambda *x: attention(*x, SCALE, window=window)[0], q, k, v, grad_out)
+    want = grads_of(masked_sdpa(window_mask(16, window)), q, k, v, grad_out)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel_err(g, w) <= 1e-5
+    if window < 16:
+        assert rel_err(got[0], grads_of(sdpa, q, k, v, grad_out)[0]) > 1e-2  # the window really changed the answer
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcap_matches_formula(window: int | None) -> None:
+    q, k, v = make_qkv(2, 4, 2, 11, dtype=torch.float64, dv=6)
+    q.data *= 4  # scores well into tanh's curve
+    grad_out = torch.randn(2, 4, 11, 6, dtype=torch.float64)
+    got = grads_of(lambda *x: attention(*x, SCALE, window=window, softcap=2.0)[0], q, k, v, grad_out)
+    want = grads_of(softcapped(window_mask(11, window), 2.0), q, k, v, grad_out)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-6  # lse is float32 by contract, and the backward reads it
+    uncapped = grads_of(lambda *x: attention(*x, SCALE, window=window)[0], q, k, v, grad_out)[0]
+    assert rel_err(uncapped, got[0]) > 1e-2
+
+
+@pytest.mark.parametrize("source", ["context", "position_ids"])
+def test_packed_window_matches_separate_sequences(source: str) -> None:
+    cu = [0, 5, 6, 13]
+    q, k, v = make_qkv(1, 4, 2, 13, dv=12)
+    grad_out = torch.randn(1, 4, 13, 12)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 6]]) if source == "position_ids" else None
+    with micro_batch(cu_seqlens=cu if source == "context" else None):
+        got = grads_of(lambda *x: attention(*x, SCALE, position_ids, 3, 2.5)[0], q, k, v, grad_out)
+    want = grads_of(softcapped(window_mask(13, 3, cu), 2.5), q, k, v, grad_out)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-5
+
+
+@pytest.mark.parametrize("window,softcap,match", [(0, None, "window must be a positive"),
+                                                  (None, -1.0, "softcap must be a positive")])
+def test_bad_options_raise(window: int | None, softcap: float | None, match: str) -> None:
+    q, k, v = make_qkv(1, 4, 2, 5)
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, v, SCALE, None, window, softcap)
+
+
+def test_v_with_other_length_raises() -> None:
+    q, k, _ = make_qkv(1, 4, 2, 5)
+    with pytest.raises(ValueError, match="k and v with the same B, Hkv and T"):
+        attention(q, k, torch.randn(1, 2, 4, 12), SCALE)
 
 
 # --- torch.compile --------------------------------------------------------------------------------
@@ -254,3 +363,66 @@ def test_compiled_matches_eager_and_reads_context_at_run_time() -> None:
     # One graph for every length and packing (Dynamo may also hand the backend an empty graph
     # when it restarts analysis to specialize the float scale; that one holds no attention).
     assert sum("bytescale.attention" in g.code for g in counter.graphs) == 1
+
+
+def test_compiled_options_match_eager() -> None:
+    """Window, soft-cap and Dv != D through torch.compile: the fake kernels' shapes hold, values match eager."""
+
+    def loss(q: Tensor, k: Tensor, v: Tensor, w: Tensor) -> Tensor:
+        return (attention(q, k, v, SCALE, None, 4, 2.5)[0] * w).sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    q, k, v = make_qkv(2, 4, 2, 13, dv=12)
+    w = torch.randn(2, 4, 13, 12)
+    results = []
+    for fn in (compiled, loss):
+        val = fn(q, k, v, w)
+        results.append((val.detach(), *torch.autograd.grad(val, (q, k, v))))
+    for got, want in zip(*results):
+        assert rel_err(got, want) <= 1e-6
+
+
+# --- autocast -------------------------------------------------------------------------------------
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    """Under CPU autocast mixed q/k/v dtypes (RoPE promotes q and k to fp32) run in bf16, like SDPA."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 12, 16, generator=g).requires_grad_()
+    k, v = (torch.randn(1, 2, 12, 16, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = torch.ops.bytescale.attention(q, k, v, 0.25)
+        want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              is_causal=True, scale=0.25)
+    assert out.dtype == want.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert rel_err(out.float(), want.float()) <= 1e-2
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and k.grad.dtype == torch.bfloat16 and q.grad.isfinite().all()
+
+
+def test_optimized_llama_under_cpu_autocast_is_close_to_fp32():
+    """optimize() on our LLaMA under bf16 CPU autocast: finite loss and grads, close to the fp32 eager model."""
+    torch.manual_seed(0)
+    model = tiny()
+    reference = copy.deepcopy(model)
+    batch = protocol_batch([9, 7], vocab=128)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+    optimized = bsc.optimize(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = loss_and_grads(optimized, batch)
+    assert loss.dtype == torch.float32 and loss.isfinite()
+    assert abs(loss.item() - ref_loss.item()) <= 2e-2 * abs(ref_loss.item())
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32 and grad.isfinite().all(), name
+        assert rel_err(grad, ref_grads[name]) <= 0.1, (name, rel_err(grad, ref_grads[name]))
+
+
+def test_context_packing_never_reads_position_ids():
+    """With the context's cu_seqlens the op does not copy position_ids to the host (meta tensors raise if it did)."""
+    from bytescale_compile.ops.attention import _row_packing
+
+    q = torch.empty(1, 2, 9, 8)
+    with micro_batch(cu_seqlens=[0, 4, 9]):
+        packing = _row_packing(q, torch.empty(1, 9, dtype=torch.long, device="meta"))
+    assert [cu.tolist() for cu in packing] == [[0, 4, 9]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
-from bytescale_compile.runtime.checkpoint import (
+from bytescale_compile.train.checkpoint import (
     COMPLETE_MARKER,
     CheckpointError,
     checkpoint_dir,

@@ -1,4 +1,4 @@
-"""Token dataset on disk and the global-batch sampler (runtime/data.py)."""
+"""Token dataset on disk and the global-batch sampler (data/dataset.py)."""
 
 import json
 import pickle
@@ -7,13 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from bytescale_compile.runtime.data import (
+from bytescale_compile.data.dataset import (
     DatasetError,
+    DatasetWriter,
     GlobalBatch,
     GlobalBatchSampler,
     TokenDataset,
+    TokenizerInfo,
     build_from_python_sources,
     build_from_text_files,
+    eval_batches,
+    python_source_files,
+    token_dtype,
     write_dataset,
 )
 
@@ -62,8 +67,77 @@ def test_lengths_and_metadata(dataset, tmp_path):
         "num_sequences": len(NON_EMPTY),
         "num_tokens": sum(map(len, NON_EMPTY)),
         "source": "test",
+        "tokenizer": None,
     }
     assert isinstance(np.load(tmp_path / "corpus.v1.idx", mmap_mode="r"), np.memmap)
+    assert dataset.dtype == np.uint8 and dataset.tokenizer is None
+
+
+def test_reads_datasets_without_tokenizer_key(dataset, tmp_path):
+    """Datasets written before the tokenizer metadata existed still open, as bytes."""
+    path = tmp_path / "corpus.v1.json"
+    meta = json.loads(path.read_text())
+    del meta["tokenizer"]
+    path.write_text(json.dumps(meta))
+    old = TokenDataset.open(tmp_path / "corpus.v1")
+    assert old.tokenizer is None and [as_bytes(old.tokens(i)) for i in range(len(old))] == NON_EMPTY
+
+
+@pytest.mark.parametrize("vocab_size, dtype", [(1, np.uint8), (256, np.uint8), (257, np.uint16),
+                                               (65536, np.uint16), (65537, np.uint32), (2**32, np.uint32)])
+def test_token_dtype_is_the_smallest_that_holds_the_vocabulary(vocab_size, dtype):
+    assert token_dtype(vocab_size) == dtype
+
+
+def test_token_dtype_limits():
+    with pytest.raises(ValueError, match="exceeds the 4294967296 ids uint32 holds"):
+        token_dtype(2**32 + 1)
+    with pytest.raises(ValueError, match="vocab_size must be >= 1"):
+        token_dtype(0)
+
+
+@pytest.mark.parametrize("vocab_size", [300, 70_000])
+def test_wide_token_ids_round_trip(tmp_path, vocab_size):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, vocab_size, n) for n in (5, 1, 40)] + [np.array([vocab_size - 1, 0, 256])]
+    info = TokenizerInfo("/tok", "ab" * 32, eos_token_id=3)
+    ds = write_dataset(tmp_path / "wide", docs, source="ids", vocab_size=vocab_size, tokenizer=info)
+    assert ds.dtype == token_dtype(vocab_size) and ds.vocab_size == vocab_size
+    assert (tmp_path / "wide.bin").stat().st_size == sum(map(len, docs)) * ds.dtype.itemsize
+    reopened = TokenDataset.open(tmp_path / "wide")
+    assert reopened.tokenizer == info and reopened.max_token() == vocab_size - 1
+    for i, doc in enumerate(docs):
+        assert reopened.tokens(i).tolist() == doc.tolist()
+
+
+def test_writer_rejects_ids_outside_the_vocabulary(tmp_path):
+    with DatasetWriter(tmp_path / "ds", vocab_size=300) as writer:
+        writer.append(np.array([1, 299]))
+        with pytest.raises(DatasetError, match=r"sequence 1 holds ids 0\.\.300, outside the vocabulary 0\.\.299"):
+            writer.append(np.array([0, 300]))
+        with pytest.raises(DatasetError, match=r"ids -1\.\.2"):
+            writer.append(np.array([-1, 2]))
+        with pytest.raises(TypeError, match="1-D integer array"):
+            writer.append(np.array([0.5]))
+    with pytest.raises(FileNotFoundError, match="ds.json"):
+        TokenDataset.open(tmp_path / "ds")  # left without finish: nothing opens
+
+
+def test_metadata_dtype_and_vocab_checked(dataset, tmp_path):
+    path = tmp_path / "corpus.v1.json"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, "dtype": "int16"}))
+    with pytest.raises(DatasetError, match=r"token dtype 'int16' is not one of \['uint8', 'uint16', 'uint32'\]"):
+        TokenDataset.open(tmp_path / "corpus.v1")
+    path.write_text(json.dumps({**meta, "vocab_size": 300}))
+    with pytest.raises(DatasetError, match="vocab_size 300 does not fit token dtype uint8"):
+        TokenDataset.open(tmp_path / "corpus.v1")
+    path.write_text(json.dumps({**meta, "vocab_size": "256"}))
+    with pytest.raises(DatasetError, match=r"\['vocab_size'\] must be integers"):
+        TokenDataset.open(tmp_path / "corpus.v1")
+    path.write_text(json.dumps({**meta, "tokenizer": {"name_or_path": "x"}}))
+    with pytest.raises(DatasetError, match='"tokenizer" must be null or an object'):
+        TokenDataset.open(tmp_path / "corpus.v1")
 
 
 def test_slices(dataset):
@@ -102,6 +176,7 @@ def test_jsonl_missing_key_names_file_and_line(tmp_path):
         build_from_text_files(tmp_path / "ds", [path])
     with pytest.raises(FileNotFoundError, match="ds.json"):
         TokenDataset.open(tmp_path / "ds")  # the failed write left no dataset behind
+    assert not list(tmp_path.glob("ds.*"))  # nor any of its files
 
 
 def test_python_sources_per_file_and_per_package(tmp_path):
@@ -248,3 +323,26 @@ def test_sampler_rejects_bad_arguments(tmp_path):
         GlobalBatchSampler(ds, int(ds.lengths.sum()) + 1)
     with pytest.raises(ValueError, match="min_len"):
         GlobalBatchSampler(ds, 100, max_len=1)
+
+
+def test_eval_batches_cover_the_sequences_in_order(tmp_path):
+    ds = skewed_dataset(tmp_path)
+    batches = eval_batches(ds, global_tokens=500, max_len=300)
+    eligible = np.flatnonzero(ds.lengths >= 2)
+    assert np.concatenate([b.indices for b in batches]).tolist() == eligible.tolist()
+    assert all(b.num_tokens >= 500 for b in batches[:-1]) and 0 < batches[-1].num_tokens
+    assert all(b.num_tokens - int(b.lengths[-1]) < 500 for b in batches)  # only the last sequence overshoots
+    assert max(int(b.lengths.max()) for b in batches) == 300
+    assert batches[0].tokens(0).tolist() == ds.tokens(int(eligible[0]), 0, int(batches[0].lengths[0])).tolist()
+    first = eval_batches(ds, global_tokens=500, max_len=300, max_tokens=1200)
+    total = sum(b.num_tokens for b in first)
+    assert 1200 <= total < 1200 + 300
+    taken = np.concatenate([b.indices for b in first])
+    assert taken.tolist() == eligible[: len(taken)].tolist()
+
+
+def test_python_source_files_stop_at_the_budget():
+    files = python_source_files(200_000)
+    sizes = [f.stat().st_size for f in files]
+    assert files and all(f.suffix == ".py" for f in files) and sum(sizes) <= 200_000
+    assert files == python_source_files(200_000)[: len(files)] and len(python_source_files(400_000)) > len(files)

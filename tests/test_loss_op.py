@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bytescale_compile.kernels.cross_entropy_ref import CPU_CHUNK_BUDGET_BYTES, chunk_rows, linear_cross_entropy_chunked
 
 from bytescale_compile.ops.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_op
 from tests.conftest import rel_err
@@ -35,10 +38,13 @@ def loss_and_grads(loss_fn, hidden, weight, bias, target) -> list[torch.Tensor]:
     return [loss.detach()] + [p.grad for p in params]
 
 
-def eager_loss(ignore_index: int, reduction: str, upcast: bool = True):
+def eager_loss(ignore_index: int, reduction: str, upcast: bool = True, scale: float = 1.0, softcap: float | None = None):
+    """The dense formula: softcap * tanh(scale * (h W^T + b) / softcap), or scale * (h W^T + b)."""
+
     def fn(hidden, weight, bias, target):
         logits = F.linear(hidden, weight, bias)
         logits = logits.float() if upcast else logits
+        logits = scale * logits if softcap is None else softcap * torch.tanh(scale * logits / softcap)
         return F.cross_entropy(
             logits.view(-1, V), target.view(-1), ignore_index=ignore_index, reduction=reduction
         )
@@ -46,20 +52,24 @@ def eager_loss(ignore_index: int, reduction: str, upcast: bool = True):
     return fn
 
 
-def fused_loss(ignore_index: int, reduction: str, chunk_size: int, upcast: bool = True):
+def fused_loss(
+    ignore_index: int, reduction: str, chunk_size: int, upcast: bool = True, scale: float = 1.0,
+    softcap: float | None = None,
+):
     def fn(hidden, weight, bias, target):
         return fused_linear_cross_entropy(
-            hidden, weight, target, bias, ignore_index, reduction, upcast, chunk_size
+            hidden, weight, target, bias, ignore_index, reduction, upcast, chunk_size, scale, softcap
         )
 
     return fn
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_opcheck(bias: bool) -> None:
+@pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (0.5, 3.0)])
+def test_opcheck(bias: bool, scale: float, softcap: float | None) -> None:
     hidden, weight, b, target = make_inputs((2, 5), bias)
     torch.library.opcheck(
-        fused_linear_cross_entropy_op, (hidden, weight, b, target, -100, "mean", True, 3)
+        fused_linear_cross_entropy_op, (hidden, weight, b, target, -100, "mean", True, 3, scale, softcap)
     )
 
 
@@ -74,6 +84,42 @@ def test_matches_eager_fp32(reduction: str, ignore_index: int, chunk_size: int, 
     for a, e in zip(actual, expected):
         assert a.dtype == e.dtype and a.shape == e.shape
         assert rel_err(a, e) <= 1e-5
+
+
+# Granite divides by 4, Cohere multiplies by 1/16, Gemma2 caps at 30; a negative scale, a cap the
+# logits saturate (|z| up to ~8 against 0.5) and a scaled cap cover the rest of the formula.
+SCALE_SOFTCAP = [(0.25, None), (0.0625, None), (-1.5, None), (1.0, 30.0), (1.0, 2.0), (0.7, 0.5), (-2.0, 3.0)]
+
+
+@pytest.mark.parametrize(("scale", "softcap"), SCALE_SOFTCAP)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize(("chunk_size", "bias"), [(4, True), (100, False)])
+def test_scale_and_softcap_match_formula(scale: float, softcap: float | None, reduction: str, chunk_size: int,
+                                         bias: bool) -> None:
+    inputs = make_inputs((13,), bias)
+    expected = loss_and_grads(eager_loss(-100, reduction, scale=scale, softcap=softcap), *inputs)
+    actual = loss_and_grads(fused_loss(-100, reduction, chunk_size, scale=scale, softcap=softcap), *inputs)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        assert rel_err(a, e) <= 1e-5
+
+
+def test_softcap_changes_the_loss() -> None:
+    """The cap is applied at all: capped and uncapped losses differ (guards the test above)."""
+    inputs = make_inputs((13,), bias=True)
+    plain = fused_loss(-100, "sum", 4)(*inputs)
+    capped = fused_loss(-100, "sum", 4, softcap=2.0)(*inputs)
+    assert rel_err(capped, plain) > 1e-2
+
+
+@pytest.mark.parametrize(("upcast", "tol"), [(True, 2e-2), (False, 5e-2)])
+def test_bf16_softcap_close_to_eager(upcast: bool, tol: float) -> None:
+    inputs = make_inputs((1, 29), bias=True, dtype=torch.bfloat16)
+    expected = loss_and_grads(eager_loss(-100, "mean", upcast, scale=0.5, softcap=3.0), *inputs)
+    actual = loss_and_grads(fused_loss(-100, "mean", 8, upcast, scale=0.5, softcap=3.0), *inputs)
+    assert actual[0].dtype == (torch.float32 if upcast else torch.bfloat16)
+    for a, e in zip(actual, expected):
+        assert rel_err(a, e) <= tol
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -134,7 +180,8 @@ def test_out_of_range_target_raises(bad: int) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
-    [({"reduction": "none"}, "reduction"), ({"chunk_size": 0}, "chunk_size")],
+    [({"reduction": "none"}, "reduction"), ({"chunk_size": 0}, "chunk_size"), ({"softcap": 0.0}, "softcap"),
+     ({"softcap": -3.0}, "softcap"), ({"softcap": float("nan")}, "softcap"), ({"scale": float("inf")}, "scale")],
 )
 def test_bad_arguments_raise(kwargs: dict, argument: str) -> None:
     hidden, weight, _, target = make_inputs((6,), bias=False)
@@ -164,3 +211,53 @@ def test_torch_compile_dynamic_matches_eager() -> None:
         actual = loss_and_grads(compiled, *inputs)
         for a, e in zip(actual, expected):
             assert rel_err(a, e) <= 1e-5
+
+
+# --- GPU-shaped behaviour, checked on the CPU -------------------------------------------------------
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the input dtypes of every matmul that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
+        return func(*args, **(kwargs or {}))
+
+
+def test_bf16_matmuls_run_in_bf16_with_fp32_weight_grad_accumulation() -> None:
+    """No fp32 copy of h, W or dlogits: every matmul takes bf16 operands; the result stays close to fp32."""
+    hidden, weight, bias, target = make_inputs((40,), bias=True, dtype=torch.bfloat16)
+    with _MatmulDtypes() as mode:
+        loss, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_chunked(
+            hidden.detach(), weight.detach(), bias.detach(), target, -100, "mean", True, 8)
+    operands = {dtype for call in mode.seen for dtype in call[-2:]}
+    assert len(mode.seen) >= 3 * 5 and operands == {torch.bfloat16}, mode.seen
+    fp32 = [x.detach().float().requires_grad_() for x in (hidden, weight, bias)]
+    expected = loss_and_grads(eager_loss(-100, "mean"), *fp32, target)
+    for got, want in zip((loss, grad_hidden, grad_weight, grad_bias), expected):
+        assert rel_err(got.float(), want) <= 2e-2
+
+
+def test_loss_runs_without_a_host_sync_off_the_cpu() -> None:
+    """On meta tensors any `.item()`/`bool()` raises, so passing shows the loss never waits for the device."""
+    hidden = torch.empty(300, 64, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(1000, 64, dtype=torch.bfloat16, device="meta")
+    target = torch.empty(300, dtype=torch.long, device="meta")
+    loss, grad_hidden, grad_weight, _ = linear_cross_entropy_chunked(hidden, weight, None, target, -100, "mean", True, 128)
+    assert loss.dtype == torch.float32 and grad_hidden.shape == hidden.shape and grad_weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("max_rows", "tokens", "vocab", "itemsize", "want"), [
+    (1024, 4096, 32_000, 4, 1024),             # 125 MiB fits the CPU budget
+    (8192, 8192, 128_000, 6, 320),             # bf16 logits + fp32 work: the budget caps it, to a multiple of 64
+    (1024, 37, 32_000, 4, 37),                 # never more than the tokens
+    (1024, 4096, 10**9, 4, 1),                 # at least one row
+])
+def test_chunk_rows_from_vocab_and_budget(max_rows, tokens, vocab, itemsize, want) -> None:
+    assert CPU_CHUNK_BUDGET_BYTES // (vocab * itemsize) >= want or want == 1
+    assert chunk_rows(max_rows, tokens, vocab, itemsize, torch.device("cpu")) == want

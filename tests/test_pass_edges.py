@@ -15,7 +15,7 @@ class KeywordSDPA(nn.Module):
 
 
 class ValueHeadDim(nn.Module):
-    """MLA-style: v has another head dim than q/k; the op does not take it."""
+    """MLA-style: v has another head dim than q/k (DeepSeek-V3); the op takes it."""
 
     def forward(self, q, v):
         return F.scaled_dot_product_attention(q, q, v, is_causal=True)
@@ -38,7 +38,7 @@ class InPlaceThenAttention(nn.Module):
 
 
 class SegmentMask(nn.Module):
-    """The position_ids segment-causal mask, as a bool mask (provable) or cast to float (additive: not causal)."""
+    """The position_ids segment-causal mask, as a bool mask (provable) or cast to 0/1 floats (added: not causal)."""
 
     def __init__(self, cast: bool):
         super().__init__()
@@ -75,11 +75,11 @@ q = torch.randn(1, 2, 8, 4)
 packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
 CASES = {
     "sdpa keywords": (KeywordSDPA(), (q,), ("attention", 1, None)),
-    "v head dim": (ValueHeadDim(), (q, torch.randn(1, 2, 8, 3)), ("attention", 0, "value shape")),
+    "v head dim": (ValueHeadDim(), (q, torch.randn(1, 2, 8, 3)), ("attention", 1, None)),
     "masked_fill value=": (KeywordMaskedFill(), (q,), ("attention", 1, None)),
     "in-place kept": (InPlaceThenAttention(), (q,), ("attention", 1, None)),
     "bool segment mask": (SegmentMask(cast=False), (q, packed), ("attention", 1, None)),
-    "float segment mask": (SegmentMask(cast=True), (q, packed), ("attention", 0, "not a boolean mask")),
+    "float segment mask": (SegmentMask(cast=True), (q, packed), ("attention", 0, "is not where(bool_mask, 0, -inf")),
     "soft targets": (SoftTargets(), (torch.randn(1, 6, 4), torch.softmax(torch.randn(1, 6, 10), -1)),
                      ("fused_loss", 0, "soft targets")),
     "target=": (KeywordTarget(), (torch.randn(1, 6, 4), torch.randint(0, 10, (1, 6))), ("fused_loss", 1, None)),

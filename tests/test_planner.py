@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bytescale_compile.planner import CostModel, MicroBatch, Plan, PlanError, plan
+from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, PlanError, plan
 from bytescale_compile.sim.lengths import sample_global_batch
 from bytescale_compile.sim.simulator import lower_bound, simulate
 
@@ -140,3 +141,74 @@ def test_pipeline_plans_are_valid_and_pay_a_bubble():
         assert piped.meta.get("balance", "pp") == "pp"
         flat_stages = sum(m.est_time for m in piped.micro_batches if 0 in m.ranks) / 4
         assert simulate(piped, COST).step_time > flat_stages  # the 1F1B bubble is paid
+
+
+L20_COST = CostModel.preset("llama-7b", Hardware.preset("l20", tp_size=2))
+
+
+def test_ratio_for_ranks_is_the_least_ratio_that_fits():
+    lens = np.array([300_000, 2 ** 21, 9000, 100_000])
+    ranks = np.array([10, 64, 2, 13])
+    ratio = COST.ratio_for_ranks(lens, ranks, 8192)
+    assert (COST.ranks_needed(lens, ratio, 8192) <= ranks).all()
+    offloaded = ratio > 0
+    assert offloaded.tolist() == [True, True, False, False]
+    assert (COST.ranks_needed(lens, ratio - 1e-6, 8192)[offloaded] > ranks[offloaded]).all()
+
+
+@pytest.mark.parametrize("cost", [COST, L20_COST], ids=["private-links", "l20"])
+@pytest.mark.parametrize("dataset,seed", [("byted", 0), ("byted", 1), ("github", 2)])
+def test_naive_offloading_is_never_slower_than_without(cost, dataset, seed):
+    """Eq. 2's D(s, r*) alone packs a 256K sequence onto a handful of ranks that then compute long after
+    the rest; naive with offloading sheds only ranks whose compute the ring hides."""
+    lens = sample_global_batch(dataset, 4 * 2 ** 20, seed=seed, max_len=256 * 1024)
+    with_offload = plan(lens, 64, 8192, cost, strategy="naive")
+    without = plan(lens, 64, 8192, cost, strategy="naive", offload=False)
+    with_offload.validate()
+    assert simulate(with_offload, cost).step_time <= simulate(without, cost).step_time * (1 + 1e-9)
+    by_sequence = {m.sequences: m.est_time for m in without.micro_batches if m.shared}
+    for m in with_offload.micro_batches:
+        if m.shared:
+            assert m.est_time <= by_sequence[m.sequences] * (1 + 1e-9)
+
+
+def test_naive_offload_lowers_ranks_of_ring_bound_sequences():
+    """A sequence whose ring P2P outlasts its compute on D(s, 0) ranks gets fewer ranks and an offload
+    ratio, and its micro-batch takes no longer."""
+    slow_ring = dataclasses.replace(L20_COST.hardware, topology=dataclasses.replace(
+        L20_COST.hardware.topology, switch_uplink=1e9, nic_bandwidth=1e9))
+    cost = dataclasses.replace(L20_COST, hardware=slow_ring)
+    lens = np.array([200_000] + [4096] * 200)
+    naive, without = (plan(lens, 64, 8192, cost, strategy="naive", offload=o) for o in (True, False))
+    long_with = next(m for m in naive.micro_batches if 0 in m.sequences)
+    long_without = next(m for m in without.micro_batches if 0 in m.sequences)
+    assert len(long_with.ranks) < len(long_without.ranks) and long_with.offload_ratio > 0
+    assert long_with.est_time <= long_without.est_time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("cost", [COST, L20_COST], ids=["private-links", "l20"])
+def test_auto_keeps_the_fastest_candidate_and_never_loses_to_static(cost):
+    lens = sample_global_batch("byted", 4 * 2 ** 20, seed=3, max_len=512 * 1024)
+    chosen = plan(lens, 64, 8192, cost, strategy="auto")
+    chosen.validate()
+    report = chosen.meta["auto"]
+    step = simulate(chosen, cost).step_time
+    assert step == pytest.approx(min(report["step_time"].values()))
+    assert report["step_time"][report["chosen"]] == pytest.approx(step)
+    for strategy in ("static", "balance"):
+        assert step <= simulate(plan(lens, 64, 8192, cost, strategy=strategy), cost).step_time * (1 + 1e-9)
+    assert report["speedup_over_static"] == pytest.approx(report["step_time"]["static"] / step)
+    json.loads(chosen.to_json())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 40_000), min_size=1, max_size=40), world=st.integers(2, 16))
+def test_auto_is_never_slower_than_static(lengths, world):
+    try:
+        static = plan(lengths, world, CAPACITY * 8, L20_COST, strategy="static")
+    except PlanError:
+        return
+    chosen = plan(lengths, world, CAPACITY * 8, L20_COST, strategy="auto")
+    chosen.validate()
+    assert simulate(chosen, L20_COST).step_time <= simulate(static, L20_COST).step_time * (1 + 1e-9)
+    assert chosen.meta["auto"]["speedup_over_static"] >= 1 - 1e-9

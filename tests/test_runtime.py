@@ -13,6 +13,7 @@ from bytescale_compile.planner import PlanError
 from bytescale_compile.runtime.spawn import run_distributed
 from examples.models.llama import tiny
 from tests.conftest import rel_err
+from tests.helpers import reference_step
 
 LENGTHS = [90, 60, 10, 12, 7, 20, 3]  # with C = 32: one sequence over 3 ranks, one over 2, packed short ones
 CAPACITY = 32
@@ -21,22 +22,6 @@ CAPACITY = 32
 def _batch(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 128, (n,), generator=g) for n in LENGTHS]
-
-
-def _reference_step(model: torch.nn.Module, batch: list[torch.Tensor], lr: float) -> tuple[float, dict[str, torch.Tensor]]:
-    """Plain single-process training step over every sequence of the global batch."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    num_items = torch.tensor(sum(len(s) - 1 for s in batch))
-    total = torch.zeros(())
-    for seq in batch:
-        labels = torch.cat([seq[1:], torch.tensor([-100])])
-        loss = model(input_ids=seq[None], position_ids=torch.arange(len(seq))[None], shift_labels=labels[None],
-                     num_items_in_batch=num_items).loss
-        loss.backward()
-        total += loss.detach()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    return total.item(), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _equivalence_worker(rank: int, world: int, strategy: str, zero: bool) -> None:
@@ -55,7 +40,7 @@ def _equivalence_worker(rank: int, world: int, strategy: str, zero: bool) -> Non
         groups = sorted(len(m.ranks) for m in step_plan.micro_batches if m.shared)
         assert groups and max(groups) >= 2, groups
     stats = runtime.step(_batch())
-    ref_loss, ref_params = _reference_step(reference, _batch(), lr=0.5)
+    ref_loss, ref_params = reference_step(reference, _batch(), lr=0.5)
     assert abs(stats.loss - ref_loss) / abs(ref_loss) <= 1e-5, (stats.loss, ref_loss)
     for name, p in model.named_parameters():
         assert rel_err(p, ref_params[name]) <= 1e-5, f"{strategy} rank {rank} {name}"
@@ -89,7 +74,56 @@ def test_single_process_runtime_matches_reference():
     reference = copy.deepcopy(model)
     runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.5), capacity=128)
     stats = runtime.step(_batch())
-    ref_loss, ref_params = _reference_step(reference, _batch(), lr=0.5)
+    ref_loss, ref_params = reference_step(reference, _batch(), lr=0.5)
     assert abs(stats.loss - ref_loss) / ref_loss <= 1e-5
     assert max(rel_err(p, ref_params[n]) for n, p in model.named_parameters()) <= 1e-5
     assert stats.micro_batches == [len(runtime.plan(torch.tensor(LENGTHS).numpy()).micro_batches)]
+
+
+def _unshardable_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = tiny()
+    reference = copy.deepcopy(model)
+    runtime = bsc.Runtime(bsc.optimize(model, attention=False), torch.optim.SGD(model.parameters(), lr=0.5),
+                          capacity=CAPACITY)
+    with pytest.raises(PlanError, match=r"sequence 0 has 90 tokens, more than the capacity 32 .*attention pass disabled"):
+        runtime.plan(torch.tensor(LENGTHS).numpy())
+    short = [s for s in _batch() if len(s) <= CAPACITY]
+    step_plan = runtime.plan(torch.tensor([len(s) for s in short]).numpy())
+    assert all(len(mb.ranks) == 1 and len(mb.sequences) == 1 for mb in step_plan.micro_batches)
+    assert "attention pass disabled" in step_plan.meta["unsharded"]
+    stats = runtime.step(short)
+    ref_loss, ref_params = reference_step(reference, short, lr=0.5)
+    assert abs(stats.loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert max(rel_err(p, ref_params[n]) for n, p in model.named_parameters()) <= 1e-5
+
+
+def test_model_with_attention_left_alone_is_never_sharded_nor_packed():
+    run_distributed(_unshardable_worker, 2)
+
+
+def test_runtime_refuses_unknown_strategy_at_construction():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        bsc.Runtime(tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1), strategy="fast")
+
+
+def test_evaluate_changes_nothing_and_non_finite_steps_are_skipped():
+    torch.manual_seed(0)
+    model = tiny()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    runtime = bsc.Runtime(model, optimizer, capacity=128)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = runtime.evaluate(_batch())
+    ref_loss, _ = reference_step(reference, _batch(), lr=0.0)
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and not optimizer.state
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    stats = runtime.step(_batch())
+    assert stats.skipped and not optimizer.state, "a non-finite step reached the optimizer"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n != "lm_head.weight")
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = before["lm_head.weight"][0, 0]
+    stats = runtime.step(_batch())
+    assert not stats.skipped and stats.grad_norm > 0 and optimizer.state

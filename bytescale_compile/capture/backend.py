@@ -2,10 +2,12 @@
 
     Dynamo graph ──PassManager (attention, fused_loss)──▶ aot_module_simplified
         └─ joint graph ──partition hook (default or min-cut)──▶ forward graph + backward graph
-                                 └─ saved-activation table ──offload pass──▶ offload/reload nodes
+                                 └─ saved-activation table ──offload pass──▶ offload/reload ops
+                                       └─ Config.codegen: FX code over aten ops, or Inductor (`codegen.py`)
 
-The partitioned graphs run as FX code over aten ops: the rewrites themselves are where the time and
-memory go, and no code generation stands between a user and their eager model's numerics.
+With codegen "none" the partitioned graphs run as FX code over aten ops: no code generation stands
+between a user and their eager model's numerics. With "inductor" the same passes and partition hook
+run inside Inductor's pipeline and the elementwise work around our ops is fused.
 """
 
 from __future__ import annotations
@@ -23,13 +25,19 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 
 from ..config import Config
 from ..passes.attention import NAME as ATTENTION, rewrite_attention
-from ..passes.loss import NAME as FUSED_LOSS, rewrite_loss
+from ..passes.loss import NAME as FUSED_LOSS, PREVIOUS_GRAPH_BREAK, rewrite_loss
 from ..passes.manager import Pass, PassContext, PassManager
 from ..passes.offload import NAME as OFFLOAD, apply_offload
-from ..passes.report import GraphReport, PassResult
+from ..passes.report import CompileReport, GraphReport, PassResult
+from ..runtime.context import current_context
+from .codegen import compile_with_inductor
 from .saved import saved_activations
 
-__all__ = ["Backend", "default_passes"]
+__all__ = ["Backend", "default_passes", "ShardingError"]
+
+
+class ShardingError(RuntimeError):
+    """A graph compiled while a micro-batch is shared over ranks holds an attention the ring cannot run."""
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -52,6 +60,8 @@ class Backend:
         self.on_graph = on_graph
         self.pass_manager = PassManager(default_passes())
         self.compilations = 0
+        self.last_graph_break: str | None = None  # the latest break that ended one of our graphs, for later ones
+        self._breaks_seen = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         self.compilations += 1
@@ -59,12 +69,19 @@ class Backend:
         keep_text = self.config.keep_graph_text
         if keep_text:
             report.graph_before = gm.print_readable(print_output=False)
+        if self.last_graph_break:
+            gm.meta[PREVIOUS_GRAPH_BREAK] = self.last_graph_break
         report.passes = self.pass_manager.run(gm, PassContext(self.config, self.training))
+        self._note_graph_break(gm)
         if keep_text:
             report.graph_after = gm.print_readable(print_output=False)
         log.info("graph %d: %s", report.graph_id,
                  ", ".join(f"{p.name}: {len(p.rewrites)} rewritten" for p in report.passes))
         self.on_graph(report)
+        _refuse_unshardable(report)
+        if self.config.resolve_codegen(_device_type(example_inputs)) == "inductor":
+            partition = self._partition_fn(report, inductor=True)
+            return compile_with_inductor(gm, example_inputs, self.config, report, partition)
         return aot_module_simplified(
             gm,
             example_inputs,
@@ -74,10 +91,31 @@ class Backend:
             keep_inference_input_mutations=True,
         )
 
-    def _partition_fn(self, report: GraphReport) -> Callable:
+    def _note_graph_break(self, gm: fx.GraphModule) -> None:
+        """Remember the break that ends `gm`, if one does, as its first cause Dynamo recorded and its line.
+
+        A break inside a nested call ends the graph with a generic reason at the outer call's line;
+        the cause (e.g. a `logger.warning_once` in a property) is the earliest of the reasons Dynamo
+        recorded since this backend's previous graph.
+        """
+        recorded = torch._dynamo.utils.graph_break_reasons
+        if self._breaks_seen > len(recorded):  # torch._dynamo.reset() cleared them
+            self._breaks_seen = 0
+        new, self._breaks_seen = recorded[self._breaks_seen:], len(recorded)
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if reason is None or not reason.graph_break:
+            return
+        cause = new[0] if new else reason
+        message = cause.reason.strip().splitlines()[0]
+        where = cause.user_stack[-1] if cause.user_stack else None
+        self.last_graph_break = f"{message}, at {where.filename}:{where.lineno} in {where.name}" if where else message
+
+    def _partition_fn(self, report: GraphReport, inductor: bool = False) -> Callable:
         base = min_cut_rematerialization_partition if self.config.partitioner == "min_cut" else default_partition
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
+            if base is default_partition:  # Inductor names itself as `compiler`, for min-cut's recompute choices
+                kwargs.pop("compiler", None)
             fw, bw = base(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             inputs = [n.meta.get("val") for n in fw.graph.find_nodes(op="placeholder")]
             token_size = _token_size(inputs)
@@ -88,7 +126,8 @@ class Backend:
             if self.config.offload == "off":
                 report.passes.append(PassResult(OFFLOAD, disabled='Config.offload="off"'))
             else:
-                result, table = apply_offload(fw, bw, num_fwd_outputs, table, token_size)
+                result, table = apply_offload(fw, bw, num_fwd_outputs, table, token_size,
+                                              contiguous_only=inductor)
                 report.passes.append(result)
             report.saved_activations = table
             return fw, bw
@@ -102,6 +141,24 @@ class Backend:
             return make_boxed_func(gm.forward)
 
         return compile_graph
+
+
+def _refuse_unshardable(report: GraphReport) -> None:
+    """A graph first compiled inside a shared micro-batch must run every attention as the ring.
+
+    The runtime plans from the compile report, so this fires only for a graph that appears mid-step
+    (a recompilation): better to stop than to attend over this rank's chunks only.
+    """
+    ctx = current_context()
+    blockers = CompileReport(graphs=[report]).shard_blockers()
+    if ctx is not None and ctx.is_ring and blockers:
+        raise ShardingError(f"micro-batch {ctx.micro_batch_id} is shared by ranks {list(ctx.group)}, but a graph "
+                            f"compiled for it cannot run over them: {'; '.join(blockers)}")
+
+
+def _device_type(example_inputs: list[Any]) -> str:
+    """The device the graph runs on: that of its first tensor input (CPU when it has none)."""
+    return next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
 
 
 def _token_size(inputs: list[Any]) -> int | torch.SymInt | None:

@@ -1,28 +1,43 @@
-"""Torch reference kernels for causal and segment-causal attention (what CPU runs).
+"""Torch reference kernels for causal, sliding-window and segment-causal attention (what CPU runs).
 
-Layout is SDPA's: q `[B, Hq, T, D]`, k/v `[B, Hkv, T, D]`, with Hq a multiple of Hkv. Under GQA query
-head h reads kv head `h // (Hq // Hkv)` (as `repeat_interleave`, HF `repeat_kv`, SDPA `enable_gqa`).
-Every forward returns `(out, lse)`: `out` shaped, typed and laid out like `torch.empty_like(q)`;
-`lse` the contiguous float32 `[B, Hq, T]` natural log of each query's softmax denominator. Gradients
+Layout is SDPA's: q `[B, Hq, Tq, D]`, k `[B, Hkv, Tk, D]`, v `[B, Hkv, Tk, Dv]`, with Hq a multiple of
+Hkv and Dv free to differ from D (DeepSeek-V3's MLA). Under GQA query head h reads kv head
+`h // (Hq // Hkv)` (as `repeat_interleave`, HF `repeat_kv`, SDPA `enable_gqa`). Every forward returns
+`(out, lse)`: `out` `[B, Hq, Tq, Dv]` in q's dtype and in the dimension order `torch.empty_like(q)` has;
+`lse` the contiguous float32 `[B, Hq, Tq]` natural log of each query's softmax denominator. Gradients
 are laid out like `torch.empty_like` of their input. Fixed layouts let the custom ops' fake kernels
 promise them; following the inputs' layout (models pass q as a transposed `[B, T, H, D]` view) is
 what the fused kernel does anyway, so no copies are added.
 
-On CPU in fp32/bf16/fp16 the fused aten flash kernel does the work (it is what eager SDPA runs, so
-the compiled model costs what the eager one does); the explicit math version covers everything else
-and serves as the independent reference in tests.
+Scores are `scale * q.k`, soft-capped to `c * tanh(s / c)` with `softcap=c` (Gemma2), and query i of a
+block sees key j when `(not causal or j <= i + offset) and (window is None or i + offset - j < window)`
+(`AttentionMask`). A query that sees no key gets out 0, lse -inf and no gradient.
+
+On CPU in fp32/bf16/fp16 without a soft-cap the fused aten flash kernel does the work (it is what eager
+SDPA runs, so the compiled model costs what the eager one does); a mask it cannot express (a window,
+an offset) goes in as an additive bias, one query tile at a time, each tile given only the keys its
+window reaches, so a sliding window costs O(T * window), not O(T^2). Everything else (soft-cap, other
+dtypes) runs the explicit math on the same tiles; the dense math over a whole block is the
+independent reference in tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "AttentionMask",
+    "empty_like_order",
+    "empty_attention_out",
     "layout_like",
     "check_attention_shapes",
+    "check_attention_options",
     "causal_attention_fwd",
     "causal_attention_bwd",
     "segment_causal_attention_fwd",
@@ -37,30 +52,126 @@ __all__ = [
 ]
 
 _CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TILE_ROWS = 128
+"""Query rows per tile of a masked attention: the fused kernel computes a tile's whole bias, so a
+window w wastes about `_TILE_ROWS / w` of the work; smaller tiles cost more calls."""
+_TILE_ELEMENTS = 1 << 22
+"""Most elements one tile's scores (math) or bias (fused) may hold, whatever the sequence length."""
 
 
-def check_attention_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Raise ValueError unless q/k/v are SDPA-layout tensors that causal GQA attention accepts."""
+# --- the mask -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Which keys each query of one block sees: `visible(i, j)` of the attention contract.
+
+    `offset` is the position of the block's first query minus that of its first key (0 for plain
+    and segment-causal attention); `window` is Hugging Face's sliding window (a query sees itself and
+    the `window - 1` keys before it).
+    """
+
+    causal: bool = True
+    window: int | None = None
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        check_attention_options(self.window, None)
+        if self.offset < 0:
+            raise ValueError(f"attention block offset (first query position - first key position) must be >= 0, "
+                             f"got {self.offset}")
+
+    def visible(self, tq: int, tk: int, device: torch.device | str = "cpu") -> Tensor:
+        """Dense boolean `[tq, tk]`: True where query i sees key j."""
+        i = torch.arange(tq, device=device)[:, None] + self.offset
+        j = torch.arange(tk, device=device)[None, :]
+        ok = torch.ones(tq, tk, dtype=torch.bool, device=device)
+        if self.causal:
+            ok &= j <= i
+        if self.window is not None:
+            ok &= i - j < self.window
+        return ok
+
+    def key_range(self, first_row: int, end_row: int, tk: int) -> tuple[int, int]:
+        """[lo, hi) of the keys that queries [first_row, end_row) may see."""
+        lo = 0 if self.window is None else min(tk, max(0, first_row + self.offset - self.window + 1))
+        hi = min(tk, end_row + self.offset) if self.causal else tk
+        return lo, max(lo, hi)
+
+    def rows_with_keys(self, tq: int, tk: int) -> int:
+        """How many queries see at least one key; they come first (the rest run past the window)."""
+        if tk == 0:
+            return 0
+        if self.window is None:
+            return tq
+        return max(0, min(tq, tk - self.offset + self.window - 1))
+
+    def simplified(self, tq: int, tk: int) -> AttentionMask:
+        """The same visibility on a `tq x tk` block, without the constraints that exclude nothing there."""
+        causal = self.causal and self.offset < tk - 1
+        window = self.window if self.window is not None and tq - 1 + self.offset >= self.window else None
+        return AttentionMask(causal, window, self.offset if causal or window is not None else 0)
+
+    def tile(self, first_row: int, first_key: int) -> AttentionMask:
+        """The mask of the sub-block whose first query is `first_row` and first key `first_key`."""
+        return replace(self, offset=self.offset + first_row - first_key)
+
+
+def check_attention_options(window: int | None, softcap: float | None) -> None:
+    """Raise ValueError unless `window` is None or >= 1 and `softcap` None or a positive finite number."""
+    if window is not None and window < 1:
+        raise ValueError(f"attention window must be a positive number of keys (or None), got {window}")
+    if softcap is not None and not (0 < softcap < math.inf):
+        raise ValueError(f"attention softcap must be a positive finite number (or None), got {softcap}")
+
+
+# --- shapes and layouts ---------------------------------------------------------------------------
+
+
+def check_attention_shapes(q: Tensor, k: Tensor, v: Tensor, same_length: bool = True) -> None:
+    """Raise ValueError unless q/k/v are SDPA-layout tensors that GQA attention accepts.
+
+    q `[B, Hq, Tq, D]`, k `[B, Hkv, Tk, D]`, v `[B, Hkv, Tk, Dv]`; Tq == Tk unless `same_length` is False.
+    """
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D [B, H, T, D] q/k/v, got {shapes}")
-    if k.shape != v.shape:
-        raise ValueError(f"attention expects k and v of the same shape, got {shapes}")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention expects q/k/v with the same B, T and D, got {shapes}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"attention expects k and v with the same B, Hkv and T (only the head dim may differ), "
+                         f"got {shapes}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention expects q and k with the same B and head dim D, got {shapes}")
+    if same_length and q.shape[2] != k.shape[2]:
+        raise ValueError(f"attention expects q/k/v with the same T, got {shapes}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"attention expects Hq a multiple of Hkv (GQA), got {shapes}")
 
 
+def empty_like_order(ref: Tensor, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """An empty tensor of `shape` (default ref's) in the dimension order `torch.empty_like(ref)` has.
+
+    Attention's out is `[B, Hq, Tq, Dv]` laid out like q `[B, Hq, Tq, D]`: same order, other last dim.
+    """
+    strides = torch.empty_like(ref, device="meta").stride()
+    order = sorted(range(ref.dim()), key=lambda d: -strides[d])
+    return torch.empty_permuted(tuple(ref.shape if shape is None else shape), order,
+                                dtype=ref.dtype if dtype is None else dtype, device=ref.device)
+
+
 def layout_like(t: Tensor, ref: Tensor) -> Tensor:
-    """`t` in the memory layout `torch.empty_like(ref)` has, copying only when it differs."""
-    want = torch.empty_like(ref, dtype=t.dtype)
+    """`t` in `ref`'s dimension order (see `empty_like_order`), copying only when it differs."""
+    want = empty_like_order(ref, t.shape, t.dtype)
     if all(a == b for a, b, n in zip(t.stride(), want.stride(), t.shape) if n > 1):
         return t
     return want.copy_(t)
 
 
-# --- math reference: any device, any dtype ------------------------------------------------------
+def empty_attention_out(q: Tensor, v: Tensor) -> Tensor:
+    """Empty out `[B, Hq, Tq, Dv]` in q's dtype and dimension order (what the kernels and fake kernels give)."""
+    return empty_like_order(q, (*q.shape[:3], v.shape[3]))
+
+
+# --- math: any device, any dtype --------------------------------------------------------------------
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,68 +190,56 @@ def _sum_kv_groups(grad: Tensor, n_kv_heads: int) -> Tensor:
     return grad.reshape(b, n_kv_heads, h // n_kv_heads, t, d).sum(dim=2)
 
 
-def _masked_scores(q: Tensor, k: Tensor, scale: float, causal: bool = True) -> Tensor:
-    """Scaled scores `[B, Hq, Tq, Tk]` in the compute dtype, -inf where a causal key lies in the future."""
+def _scores(
+    q: Tensor, k: Tensor, scale: float, mask: AttentionMask, softcap: float | None
+) -> tuple[Tensor, Tensor | None]:
+    """Masked (soft-capped) scores `[B, Hq, Tq, Tk]` in the compute dtype, and the tanh the cap's derivative needs."""
     ct = _compute_dtype(q.dtype)
     k = _repeat_kv(k, q.shape[1] // k.shape[1])
     scores = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
-    if not causal:
-        return scores
-    future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(diagonal=1)
-    return scores.masked_fill(future, float("-inf"))
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap)
+        scores = tanh * softcap
+    hidden = ~mask.visible(q.shape[2], k.shape[2], q.device)
+    return scores.masked_fill(hidden, float("-inf")), tanh
 
 
-def math_causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
-    """Attention spelled out (scores, mask, lse, softmax): slow, but obviously right."""
-    scores = _masked_scores(q, k, scale, causal)
+def _probs(scores: Tensor, lse: Tensor) -> Tensor:
+    """exp(scores - lse), 0 (not NaN) on rows that see no key (lse -inf)."""
+    lse = lse.to(scores.dtype)
+    return torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse).unsqueeze(-1))
+
+
+def _math_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask,
+              softcap: float | None) -> tuple[Tensor, Tensor]:
+    scores, _ = _scores(q, k, scale, mask, softcap)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
     v = _repeat_kv(v, q.shape[1] // v.shape[1]).to(scores.dtype)
-    out = torch.matmul(probs, v).to(q.dtype)
+    out = torch.matmul(_probs(scores, lse), v).to(q.dtype)
     return layout_like(out, q), lse.to(torch.float32).contiguous()
 
 
-def math_causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `math_causal_attention_fwd`, recomputing the softmax from scratch.
-
-    It deliberately ignores any saved out/lse so that, as a test reference, it checks them
-    instead of trusting them.
-    """
-    n_kv = k.shape[1]
-    n_rep = q.shape[1] // n_kv
-    probs = torch.softmax(_masked_scores(q, k, scale), dim=-1)
-    ct = probs.dtype
-    g = grad_out.to(ct)
-    k_rep = _repeat_kv(k, n_rep).to(ct)
-    v_rep = _repeat_kv(v, n_rep).to(ct)
-    dv = torch.matmul(probs.transpose(-1, -2), g)
-    dprobs = torch.matmul(g, v_rep.transpose(-1, -2))
-    dscores = probs * (dprobs - (dprobs * probs).sum(dim=-1, keepdim=True)) * scale
-    dq = torch.matmul(dscores, k_rep)
-    dk = torch.matmul(dscores.transpose(-1, -2), q.to(ct))
-    return _grads_like(dq, dk, dv, q, k, v)
-
-
-def math_attention_bwd_from_lse(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block of a larger attention, given the *final* out and lse of its queries.
-
-    With P = exp(S - lse) and D = rowsum(dO * O) taken from the merged result, each key block's
-    contribution is exact on its own: this is how a ring computes partial gradients.
-    """
-    n_kv = k.shape[1]
-    n_rep = q.shape[1] // n_kv
-    scores = _masked_scores(q, k, scale, causal)
+def _math_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask,
+              softcap: float | None, saved: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients from P = exp(S - lse) and delta = rowsum(dO * O), with (out, lse) `saved` or recomputed."""
+    n_rep = q.shape[1] // k.shape[1]
+    scores, tanh = _scores(q, k, scale, mask, softcap)
     ct = scores.dtype
-    probs = torch.exp(scores - lse.to(ct).unsqueeze(-1))
     g = grad_out.to(ct)
-    dv = torch.matmul(probs.transpose(-1, -2), g)
     dprobs = torch.matmul(g, _repeat_kv(v, n_rep).to(ct).transpose(-1, -2))
-    delta = (g * out.to(ct)).sum(dim=-1, keepdim=True)
-    dscores = probs * (dprobs - delta) * scale
+    if saved is None:
+        probs = _probs(scores, torch.logsumexp(scores, dim=-1))
+        delta = (dprobs * probs).sum(dim=-1, keepdim=True)
+    else:
+        out, lse = saved
+        probs = _probs(scores, lse)
+        delta = (g * out.to(ct)).sum(dim=-1, keepdim=True)
+    dscores = probs * (dprobs - delta)
+    if tanh is not None:
+        dscores = dscores * (1 - tanh * tanh)
+    dscores = dscores * scale
+    dv = torch.matmul(probs.transpose(-1, -2), g)
     dq = torch.matmul(dscores, _repeat_kv(k, n_rep).to(ct))
     dk = torch.matmul(dscores.transpose(-1, -2), q.to(ct))
     return _grads_like(dq, dk, dv, q, k, v)
@@ -156,6 +255,41 @@ def _grads_like(dq: Tensor, dk: Tensor, dv: Tensor, q: Tensor, k: Tensor, v: Ten
     )
 
 
+def math_causal_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True, *,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Attention spelled out over the whole block (scores, cap, mask, lse, softmax): slow, but obviously right."""
+    check_attention_options(None, softcap)
+    return _math_fwd(q, k, v, scale, AttentionMask(causal, window, offset), softcap)
+
+
+def math_causal_attention_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True, *,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `math_causal_attention_fwd`, recomputing the softmax from scratch.
+
+    It deliberately ignores any saved out/lse so that, as a test reference, it checks them
+    instead of trusting them.
+    """
+    check_attention_options(None, softcap)
+    return _math_bwd(grad_out, q, k, v, scale, AttentionMask(causal, window, offset), softcap, None)
+
+
+def math_attention_bwd_from_lse(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, *,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block of a larger attention, given the *final* out and lse of its queries.
+
+    With P = exp(S - lse) and D = rowsum(dO * O) taken from the merged result, each key block's
+    contribution is exact on its own: this is how a ring computes partial gradients.
+    """
+    check_attention_options(None, softcap)
+    return _math_bwd(grad_out, q, k, v, scale, AttentionMask(causal, window, offset), softcap, (out, lse))
+
+
 # --- CPU fast path: aten's fused flash kernel -----------------------------------------------------
 # aten::_scaled_dot_product_flash_attention_for_cpu(Tensor query, Tensor key, Tensor value,
 #     float dropout_p=0., bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None)
@@ -167,6 +301,12 @@ def _grads_like(dq: Tensor, dk: Tensor, dv: Tensor, q: Tensor, k: Tensor, v: Ten
 # backward makes grad_out contiguous in its own [B, T, H, D] order, so callers must not copy it
 # first. output and the gradients follow the layout of query/key/value; logsumexp is float32 for
 # fp32/bf16/fp16 but laid out [B, T, H] (a transposed view), so it is made contiguous (it is small).
+# Measured in torch 2.13: `is_causal` is top-left aligned; attn_mask must have the query's dtype (a
+# bool mask is refused), is added to the scores and costs the full Tq x Tk (masked blocks are not
+# skipped); a row the mask hides entirely gets out 0 but lse 0 (not -inf), and its backward is NaN
+# for lse -inf; q/k/v must share one head dim ("Q/K/V should have the same head size"). So rows
+# without keys are kept away from it, and a differing V head dim is zero-padded (as Hugging Face does
+# for flash attention in DeepSeek-V3): zero columns change neither scores nor the other outputs.
 # The kernels crash on zero-sized inputs, which `_use_cpu_flash` keeps away from them.
 
 
@@ -181,41 +321,162 @@ def _use_cpu_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
     )
 
 
-def cpu_flash_causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
-    """Attention through aten's fused CPU flash kernel (the one eager SDPA uses)."""
+def _fused_causal(mask: AttentionMask, tq: int, tk: int) -> bool | None:
+    """`is_causal` for the fused kernel when it expresses `mask` on its own, None when it needs a bias."""
+    m = mask.simplified(tq, tk)
+    if m.window is None and (not m.causal or m.offset == 0):
+        return m.causal
+    return None
+
+
+def _fused_mask(mask: AttentionMask, q: Tensor, k: Tensor) -> tuple[bool, Tensor | None]:
+    """(is_causal, additive bias or None) that give the fused kernel `mask`."""
+    tq, tk = q.shape[2], k.shape[2]
+    causal = _fused_causal(mask, tq, tk)
+    if causal is not None:
+        return causal, None
+    bias = torch.zeros(tq, tk, dtype=q.dtype, device=q.device)
+    return False, bias.masked_fill_(~mask.visible(tq, tk, q.device), float("-inf"))
+
+
+def _pad_head(t: Tensor, width: int) -> Tensor:
+    """`t` with its last dim zero-padded to `width` (the fused kernel wants one head dim for q/k/v)."""
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+
+def _flash_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask) -> tuple[Tensor, Tensor]:
+    causal, bias = _fused_mask(mask, q, k)
+    width = max(q.shape[-1], v.shape[-1])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale
+        _pad_head(q, width), _pad_head(k, width), _pad_head(v, width), 0.0, causal, attn_mask=bias, scale=scale
     )
-    return layout_like(out, q), lse.to(torch.float32).contiguous()
+    return layout_like(out[..., : v.shape[-1]], q), lse.to(torch.float32).contiguous()
+
+
+def _flash_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+               mask: AttentionMask) -> tuple[Tensor, Tensor, Tensor]:
+    causal, bias = _fused_mask(mask, q, k)
+    width = max(q.shape[-1], v.shape[-1])
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *(_pad_head(t, width) for t in (grad_out, q, k, v, out)), lse, 0.0, causal, attn_mask=bias, scale=scale
+    )
+    d = q.shape[-1]
+    return layout_like(dq[..., :d], q), layout_like(dk[..., :d], k), layout_like(dv[..., : v.shape[-1]], v)
+
+
+def cpu_flash_causal_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True, *, window: int | None = None, offset: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Attention through aten's fused CPU flash kernel (the one eager SDPA uses), in one call.
+
+    Every query must see a key (`AttentionMask.rows_with_keys`); the tiled entry points see to that.
+    """
+    return _flash_fwd(q, k, v, scale, AttentionMask(causal, window, offset))
 
 
 def cpu_flash_causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool = True
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool = True, *,
+    window: int | None = None, offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients through aten's fused CPU flash backward, reusing the forward's out and lse."""
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale
-    )
-    return layout_like(dq, q), layout_like(dk, k), layout_like(dv, v)
+    """Gradients through aten's fused CPU flash backward, reusing the (final) out and lse."""
+    return _flash_bwd(grad_out, q, k, v, out, lse, scale, AttentionMask(causal, window, offset))
 
 
-# --- dispatch -------------------------------------------------------------------------------------
+# --- tiles ----------------------------------------------------------------------------------------
 
 
-def causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention per batch row: returns (out like `empty_like(q)`, float32 lse [B, Hq, T])."""
-    if _use_cpu_flash(q, k, v):
-        return cpu_flash_causal_attention_fwd(q, k, v, scale)
-    return math_causal_attention_fwd(q, k, v, scale)
+def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask,
+               softcap: float | None) -> tuple[Tensor, Tensor]:
+    """One block in one call: fused when it can be, math otherwise."""
+    if softcap is None and _use_cpu_flash(q, k, v):
+        return _flash_fwd(q, k, v, scale, mask)
+    return _math_fwd(q, k, v, scale, mask, softcap)
+
+
+def _block_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+               mask: AttentionMask, softcap: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    if softcap is None and _use_cpu_flash(q, k, v):
+        return _flash_bwd(grad_out, q, k, v, out, lse, scale, mask)
+    return _math_bwd(grad_out, q, k, v, scale, mask, softcap, (out, lse))
+
+
+def _tile_rows(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, softcap: float | None) -> int:
+    """Query rows per tile: all of them when the fused kernel needs no bias, else few enough that a
+    tile's keys (its window's, at most) keep its bias or scores under `_TILE_ELEMENTS`."""
+    tq, tk = q.shape[2], k.shape[2]
+    fused = softcap is None and _use_cpu_flash(q, k, v)
+    if fused and _fused_causal(mask, tq, tk) is not None:
+        return max(1, tq)
+    span = tk if mask.window is None else min(tk, mask.window + _TILE_ROWS)
+    per_row = max(1, span * (1 if fused else q.shape[0] * q.shape[1]))
+    return max(1, min(_TILE_ROWS, _TILE_ELEMENTS // per_row))
+
+
+def _tiles(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
+           softcap: float | None) -> Iterator[tuple[slice, slice, AttentionMask]]:
+    """(query rows, their keys, the tile's mask) covering every query that sees a key."""
+    tk = k.shape[2]
+    step = _tile_rows(q, k, v, mask, softcap)
+    rows = mask.rows_with_keys(q.shape[2], tk)
+    for first in range(0, rows, step):
+        end = min(first + step, rows)
+        lo, hi = mask.key_range(first, end, tk)
+        yield slice(first, end), slice(lo, hi), mask.tile(first, lo)
+
+
+def _is_one_tile(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, softcap: float | None) -> bool:
+    tq = q.shape[2]
+    return mask.rows_with_keys(tq, k.shape[2]) == tq and _tile_rows(q, k, v, mask, softcap) >= tq
+
+
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask,
+                   softcap: float | None) -> tuple[Tensor, Tensor]:
+    """out and lse of one block, tiled over queries when a mask or the scores' size asks for it."""
+    check_attention_options(None, softcap)
+    if _is_one_tile(q, k, v, mask, softcap):
+        return _block_fwd(q, k, v, scale, mask, softcap)
+    out = empty_attention_out(q, v).zero_()
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for rows, keys, tile_mask in _tiles(q, k, v, mask, softcap):
+        out[:, :, rows], lse[:, :, rows] = _block_fwd(q[:, :, rows], k[:, :, keys], v[:, :, keys], scale,
+                                                      tile_mask, softcap)
+    return out, lse
+
+
+def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                   mask: AttentionMask, softcap: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `_attention_fwd` given the final out/lse; tiles' dk/dv add up in the compute dtype."""
+    check_attention_options(None, softcap)
+    if _is_one_tile(q, k, v, mask, softcap):
+        return _block_bwd(grad_out, q, k, v, out, lse, scale, mask, softcap)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k.shape, dtype=_compute_dtype(k.dtype), device=k.device)
+    dv = torch.zeros(v.shape, dtype=_compute_dtype(v.dtype), device=v.device)
+    for rows, keys, tile_mask in _tiles(q, k, v, mask, softcap):
+        dq[:, :, rows], dk_tile, dv_tile = _block_bwd(
+            grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+            scale, tile_mask, softcap)
+        dk[:, :, keys] += dk_tile
+        dv[:, :, keys] += dv_tile
+    return dq, layout_like(dk.to(k.dtype), k), layout_like(dv.to(v.dtype), v)
+
+
+# --- entry points ---------------------------------------------------------------------------------
+
+
+def causal_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *, window: int | None = None, softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Causal (sliding-window) attention per batch row: (out `[B, Hq, T, Dv]`, float32 lse `[B, Hq, T]`)."""
+    return _attention_fwd(q, k, v, scale, AttentionMask(True, window), softcap)
 
 
 def causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, *,
+    window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `causal_attention_fwd`; dk/dv summed over each kv group, in k/v's dtype."""
-    if _use_cpu_flash(q, k, v):
-        return cpu_flash_causal_attention_bwd(grad_out, q, k, v, out, lse, scale)
-    return math_causal_attention_bwd(grad_out, q, k, v, scale)
+    return _attention_bwd(grad_out, q, k, v, out, lse, scale, AttentionMask(True, window), softcap)
 
 
 def _segments(cu_seqlens: Tensor | Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
@@ -234,29 +495,24 @@ def _check_single_row(q: Tensor) -> None:
 
 
 def segment_causal_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | Sequence[int], scale: float
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | Sequence[int], scale: float, *,
+    window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Causal attention within each packed sequence of a single row (B == 1)."""
+    """Causal (sliding-window) attention within each packed sequence of a single row (B == 1)."""
     _check_single_row(q)
-    out = torch.empty_like(q)
+    out = empty_attention_out(q, v)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     for s, e in _segments(cu_seqlens, q.shape[2]):
         if e > s:
             out[:, :, s:e], lse[:, :, s:e] = causal_attention_fwd(
-                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale, window=window, softcap=softcap
             )
     return out, lse
 
 
 def segment_causal_attention_bwd(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens: Tensor | Sequence[int],
-    scale: float,
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor | Sequence[int],
+    scale: float, *, window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `segment_causal_attention_fwd`, one packed sequence at a time."""
     _check_single_row(q)
@@ -265,22 +521,22 @@ def segment_causal_attention_bwd(
         if e > s:
             sl = (slice(None), slice(None), slice(s, e))
             dq[sl], dk[sl], dv[sl] = causal_attention_bwd(
-                grad_out[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], scale
+                grad_out[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], scale, window=window, softcap=softcap
             )
     return dq, dk, dv
 
 
-def block_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """One block of a distributed attention: causal on the diagonal, full below it (Tq may differ from Tk)."""
-    if _use_cpu_flash(q, k, v):
-        return cpu_flash_causal_attention_fwd(q, k, v, scale, causal)
-    return math_causal_attention_fwd(q, k, v, scale, causal)
+def block_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, *,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """One block of a distributed attention (Tq may differ from Tk), masked per `AttentionMask`."""
+    return _attention_fwd(q, k, v, scale, AttentionMask(causal, window, offset), softcap)
 
 
 def block_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, *,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Partial gradients of one block given the merged out and lse of its queries."""
-    if _use_cpu_flash(q, k, v):
-        return cpu_flash_causal_attention_bwd(grad_out, q, k, v, out, lse, scale, causal)
-    return math_attention_bwd_from_lse(grad_out, q, k, v, out, lse, scale, causal)
+    return _attention_bwd(grad_out, q, k, v, out, lse, scale, AttentionMask(causal, window, offset), softcap)

@@ -1,21 +1,33 @@
-"""Triton flash attention over packed sequences: segment-causal, GQA, returning the LSE (paper §6).
+"""Triton flash attention over packed sequences: segment-causal, sliding window, soft-cap, GQA, LSE (paper §6).
 
-Layout and conventions are those of `attention_ref` (SDPA's `[B, H, T, D]`, any strides): a row
-holds segments given by `cu_seqlens_q`/`cu_seqlens_k` (the same boundaries for every row; one
-segment spanning the row without them), query i of a segment sees key j of the same segment when
-`not causal or j <= i` (top-left aligned, as the refs and SDPA's `is_causal`, so Tq may differ from
-Tk), query head h reads kv head `h // (Hq // Hkv)`. The forward returns `out` like
-`torch.empty_like(q)` and the natural-log `lse` contiguous fp32 `[B, Hq, Tq]`; the backward takes the
-*final* out/lse of the queries, so one key block of a ring gets its exact partial gradients.
+Layout and conventions are those of `attention_ref` (SDPA's `[B, H, T, D]`, any strides, V's head dim
+Dv free to differ from D): a row holds segments given by `cu_seqlens_q`/`cu_seqlens_k` (the same
+boundaries for every row; one segment spanning the row without them), query i of a segment sees key j
+of the same segment when `(not causal or j <= i + offset) and (window is None or i + offset - j <
+window)` (`attention_ref.AttentionMask`; offset 0 is top-left aligned, as SDPA's `is_causal`), scores
+are soft-capped to `c * tanh(s / c)` with `softcap=c`, query head h reads kv head `h // (Hq // Hkv)`.
+The forward returns `out` `[B, Hq, Tq, Dv]` in q's dimension order and the natural-log `lse`
+contiguous fp32 `[B, Hq, Tq]` (out 0 and lse -inf for a query that sees no key); the backward takes
+the *final* out/lse of the queries, so one key block of a ring gets its exact partial gradients.
 
-Key blocks the mask empties (past the diagonal, other segments) are never visited. The backward
-is atomic-free: one program owns a key block and loops over every query head of its kv group, so
-dk/dv come out summed over the group; dq has its own kernel.
+Key blocks the mask empties (past the diagonal, before the window, other segments) are never visited:
+every loop runs over the key (or query) blocks that hold a visible pair only. The backward is
+atomic-free: one program owns a key block and loops over every query head of its kv group, so dk/dv
+come out summed over the group; dq has its own kernel. Each tile's origin in q/k/v is an int64 offset
+(tensors may pass 2^31 elements), the offsets within a tile stay int32.
+
+Launches: the grid's first axis is a flat (segment, block) table built on the host once per packing
+and cached with its single device copy (`segment_table`), so only blocks that exist get a program
+and no call copies boundaries again. Tiles are sized per head dims and dtype to the device's shared
+memory (`tile_config`), fp32 dots use tf32 when torch's float32 matmul precision allows it, and on
+the GPU the autotuner picks warps and pipeline stages per head dims, dtypes and mask.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,257 +35,449 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention_ref import _segments
+from .attention_ref import (
+    AttentionMask,
+    _segments,
+    check_attention_options,
+    check_attention_shapes,
+    empty_attention_out,
+)
 from .triton_mode import built_for_interpreter
 
-__all__ = ["INTERPRETED", "attention_fwd", "attention_bwd"]
+__all__ = ["INTERPRETED", "SegmentTable", "TileConfig", "attention_fwd", "attention_bwd", "fp32_precision",
+           "segment_table", "tile_config"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _segment(CU_Q, CU_K, n_seg):
-    """This program's batch row and its segment's query and key (start, length); axis 0 of the grid
-    runs over rows × segments."""
-    b = tl.program_id(0) // n_seg
-    seg = tl.program_id(0) % n_seg
+def _program(CU_Q, CU_K, SEGS, STARTS):
+    """This program's batch row, head, block start within its segment, and the segment's query and key
+    (start, length). Axis 0 of the grid runs over the (segment, block) table SEGS/STARTS (only blocks
+    that exist), axis 1 over heads, axis 2 over rows. Row, head and segment starts are int64 (they
+    build tile origins); the block start and lengths int32 (they bound the loops: int64 there would
+    make every index within a tile int64, which costs time)."""
+    b = tl.program_id(2).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    seg = tl.load(SEGS + tl.program_id(0))
+    start = tl.load(STARTS + tl.program_id(0))
     q_start = tl.load(CU_Q + seg)
     k_start = tl.load(CU_K + seg)
-    return b, q_start, tl.load(CU_Q + seg + 1) - q_start, k_start, tl.load(CU_K + seg + 1) - k_start
+    q_len = tl.load(CU_Q + seg + 1) - q_start
+    k_len = tl.load(CU_K + seg + 1) - k_start
+    return b, h, start, q_start.to(tl.int64), q_len, k_start.to(tl.int64), k_len
 
 
 @triton.jit
-def _key_end(start_m, q_len, k_len, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    """End of the keys that queries [start_m, start_m + BLOCK_M) may see."""
+def _origin(b, h, row, stride_b, stride_h, stride_t):
+    """Element offset of (row b, head h, token `row`): int64 when b, h and row are (a 590K-token row
+    of 32 heads of 128 passes 2^31 elements), whatever the strides' integer width."""
+    return b * stride_b + h * stride_h + row * stride_t
+
+
+@triton.jit
+def _key_range(start_m, k_len, offset, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[lo, hi) of the keys that queries [start_m, start_m + BLOCK_M) may see; lo on a key block edge."""
+    lo = 0
+    hi = k_len
     if CAUSAL:
-        return tl.minimum(k_len, start_m + BLOCK_M)
-    return k_len
+        hi = tl.minimum(k_len, start_m + BLOCK_M + offset)
+    if WINDOW:
+        lo = tl.maximum(0, start_m + offset - window + 1) // BLOCK_N * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _query_range(start_n, q_len, offset, window, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[lo, hi) of the queries that may see keys [start_n, start_n + BLOCK_N)."""
+    lo = 0
+    hi = q_len
+    if CAUSAL:
+        lo = tl.maximum(0, start_n - offset)
+    if WINDOW:
+        hi = tl.minimum(q_len, start_n + BLOCK_N - 1 - offset + window)
+    return lo, hi
+
+
+@triton.jit
+def _visible(ok, rows, cols, offset, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """`ok` (in-bounds pairs) and the contract's visible(i, j), for broadcastable query indices `rows`
+    and key indices `cols`."""
+    if CAUSAL:
+        ok = ok & (cols <= rows + offset)
+    if WINDOW:
+        ok = ok & (rows + offset - cols < window)
+    return ok
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 (±1 at the extremes, never NaN); Triton's interpreter has no libdevice tanh."""
+    return 1.0 - 2.0 / (1.0 + tl.exp2(x * (2.0 * _LOG2E)))
+
+
+@triton.jit
+def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores in log2 units (the kernels use exp2), and tanh(s / softcap), which the cap's derivative
+    needs (without a cap the second value is the raw `qk` and goes unused)."""
+    if SOFTCAP:
+        t = _tanh(qk * (scale / softcap))
+        return t * (softcap * _LOG2E), t
+    return qk * (scale * _LOG2E), qk
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K,
+    Q, K, V, O, LSE, CU_Q, CU_K, SEGS, STARTS,
     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod, slb, slh, slt,
-    n_seg, group, head_dim, qk_scale,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    group, head_dim, v_dim, scale, softcap, offset, window,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One query block of one head of one segment: online softmax over its visible key blocks."""
-    b, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, n_seg)
-    h = tl.program_id(2)
-    start_m = tl.program_id(1) * BLOCK_M
-    if start_m >= q_len:
-        return
+    b, h, start_m, q_start, q_len, k_start, k_len = _program(CU_Q, CU_K, SEGS, STARTS)
     kvh = h // group
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tile_m = tl.arange(0, BLOCK_M)
+    offs_m = start_m + tile_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < q_len
     d_ok = offs_d < head_dim
+    dv_ok = offs_dv < v_dim
+    row0 = q_start + start_m  # int64 tile origins; int32 offsets within a tile
 
-    q = tl.load(Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqt + offs_d[None, :] * sqd,
+    q = tl.load(Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b * skb + kvh * skh + offs_d[:, None] * skd
-    v_base = V + b * svb + kvh * svh + offs_d[None, :] * svd
+    k_head = K + _origin(b, kvh, 0, skb, skh, skt)
+    v_head = V + _origin(b, kvh, 0, svb, svh, svt)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # key block 0 holds a visible key for every row, so m_i is finite from the first iteration on
-    for start_n in range(0, _key_end(start_m, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, hi = _key_range(start_m, k_len, offset, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < k_len
-        k_t = tl.load(k_base + (k_start + cols)[None, :] * skt, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-        visible = col_ok[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None])
+        col0 = k_start + start_n
+        k_t = tl.load(k_head + col0 * skt + offs_n[None, :] * skt + offs_d[:, None] * skd,
+                      mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+        s, _ = _scores(tl.dot(q, k_t, input_precision=PRECISION), scale, softcap, SOFTCAP)
+        visible = _visible(col_ok[None, :], offs_m[:, None], cols[None, :], offset, window, CAUSAL, WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_ref = m_new
+        if WINDOW:  # a row may meet its window only in a later key block: until then p = alpha = 0
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + (k_start + cols)[:, None] * svt, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_head + col0 * svt + offs_n[:, None] * svt + offs_dv[None, :] * svd,
+                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a segment without keys: out 0, lse -inf
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a query without keys: out 0, lse -inf
     out = acc / l_safe[:, None]
-    tl.store(O + b * sob + h * soh + (q_start + offs_m)[:, None] * sot + offs_d[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + b * slb + h * slh + (q_start + offs_m) * slt, (m_i + tl.log2(l_safe)) * _LN2, mask=row_ok)
+    tl.store(O + _origin(b, h, row0, sob, soh, sot) + tile_m[:, None] * sot + offs_dv[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(LSE + _origin(b, h, row0, slb, slh, slt) + tile_m * slt, (m_i + tl.log2(l_safe)) * _LN2, mask=row_ok)
 
 
 @triton.jit
 def _delta_kernel(
-    O, DO, DELTA, sob, soh, sot, sod, sdb, sdh, sdt, sdd, T, head_dim,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    O, DO, DELTA, sob, soh, sot, sod, sdb, sdh, sdt, sdd, T, v_dim,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32, laid out contiguous [B, Hq, T]."""
-    b = tl.program_id(2)
-    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     n_heads = tl.num_programs(1)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m < T)[:, None] & (offs_d < head_dim)[None, :]
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod, mask=mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd, mask=mask, other=0.0)
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    tile_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    row_ok = row0 + tile_m < T
+    mask = row_ok[:, None] & (offs_d < v_dim)[None, :]
+    o = tl.load(O + _origin(b, h, row0, sob, soh, sot) + tile_m[:, None] * sot + offs_d[None, :] * sod, mask=mask,
+                other=0.0)
+    do = tl.load(DO + _origin(b, h, row0, sdb, sdh, sdt) + tile_m[:, None] * sdt + offs_d[None, :] * sdd, mask=mask,
+                 other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + (b * n_heads + h) * T + offs_m, delta, mask=offs_m < T)
+    tl.store(DELTA + (b * n_heads + h) * T + row0 + tile_m, delta, mask=row_ok)
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEGS, STARTS,
     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod, slb, slh, slt,
     sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd,
-    n_seg, group, head_dim, Tq, n_q_heads, scale, qk_scale,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    group, head_dim, v_dim, Tq, n_q_heads, scale, softcap, offset, window,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One key block of one kv head: dk, dv summed over the group's query heads and visible queries."""
-    b, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, n_seg)
-    kvh = tl.program_id(2)
-    start_n = tl.program_id(1) * BLOCK_N
-    if start_n >= k_len:
-        return
-    cols = start_n + tl.arange(0, BLOCK_N)
+    b, kvh, start_n, q_start, q_len, k_start, k_len = _program(CU_Q, CU_K, SEGS, STARTS)
+    tile_n = tl.arange(0, BLOCK_N)
+    tile_m = tl.arange(0, BLOCK_M)
+    cols = start_n + tile_n
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = cols < k_len
     d_ok = offs_d < head_dim
-    kv_mask = col_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b * skb + kvh * skh + (k_start + cols)[:, None] * skt + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + kvh * svh + (k_start + cols)[:, None] * svt + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    dv_ok = offs_dv < v_dim
+    k_mask = col_ok[:, None] & d_ok[None, :]
+    v_mask = col_ok[:, None] & dv_ok[None, :]
+    col0 = k_start + start_n  # int64 tile origins; int32 offsets within a tile
+    k = tl.load(K + _origin(b, kvh, col0, skb, skh, skt) + tile_n[:, None] * skt + offs_d[None, :] * skd,
+                mask=k_mask, other=0.0)
+    v = tl.load(V + _origin(b, kvh, col0, svb, svh, svt) + tile_n[:, None] * svt + offs_dv[None, :] * svd,
+                mask=v_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    first_m = 0
-    if CAUSAL:
-        first_m = start_n  # earlier queries see none of these keys
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, hi = _query_range(start_n, q_len, offset, window, BLOCK_N, CAUSAL, WINDOW)
     for h in range(kvh * group, kvh * group + group):
-        for start_m in range(first_m, q_len, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tile_m
             row_ok = offs_m < q_len
-            q_mask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqt + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
-            do = tl.load(DO + b * sdob + h * sdoh + (q_start + offs_m)[:, None] * sdot + offs_d[None, :] * sdod,
-                         mask=q_mask, other=0.0)
-            lse2 = tl.load(LSE + b * slb + h * slh + (q_start + offs_m) * slt, mask=row_ok, other=0.0) * _LOG2E
-            delta = tl.load(DELTA + (b * n_q_heads + h) * Tq + q_start + offs_m, mask=row_ok, other=0.0)
-            visible = col_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
-                visible = visible & (cols[:, None] <= offs_m[None, :])
-            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+            row0 = q_start + start_m
+            q = tl.load(Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd,
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(DO + _origin(b, h, row0, sdob, sdoh, sdot) + tile_m[:, None] * sdot
+                         + offs_dv[None, :] * sdod, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+            lse2 = tl.load(LSE + _origin(b, h, row0, slb, slh, slt) + tile_m * slt, mask=row_ok, other=0.0) * _LOG2E
+            delta = tl.load(DELTA + (b * n_q_heads + h) * Tq + row0 + tile_m, mask=row_ok, other=0.0)
+            visible = _visible(col_ok[:, None] & row_ok[None, :], offs_m[None, :], cols[:, None], offset, window,
+                               CAUSAL, WINDOW)
+            s_t, t_t = _scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), scale, softcap, SOFTCAP)
             p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - t_t * t_t)
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-    tl.store(DK + b * sdkb + kvh * sdkh + (k_start + cols)[:, None] * sdkt + offs_d[None, :] * sdkd,
-             (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * sdvb + kvh * sdvh + (k_start + cols)[:, None] * sdvt + offs_d[None, :] * sdvd,
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + _origin(b, kvh, col0, sdkb, sdkh, sdkt) + tile_n[:, None] * sdkt + offs_d[None, :] * sdkd,
+             (dk * scale).to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV + _origin(b, kvh, col0, sdvb, sdvh, sdvt) + tile_n[:, None] * sdvt + offs_dv[None, :] * sdvd,
+             dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SEGS, STARTS,
     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod, slb, slh, slt,
     sdqb, sdqh, sdqt, sdqd,
-    n_seg, group, head_dim, Tq, n_q_heads, scale, qk_scale,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    group, head_dim, v_dim, Tq, n_q_heads, scale, softcap, offset, window,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One query block of one head: dq over its visible key blocks."""
-    b, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, n_seg)
-    h = tl.program_id(2)
-    start_m = tl.program_id(1) * BLOCK_M
-    if start_m >= q_len:
-        return
+    b, h, start_m, q_start, q_len, k_start, k_len = _program(CU_Q, CU_K, SEGS, STARTS)
     kvh = h // group
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tile_m = tl.arange(0, BLOCK_M)
+    offs_m = start_m + tile_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < q_len
     d_ok = offs_d < head_dim
+    dv_ok = offs_dv < v_dim
     q_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqt + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + (q_start + offs_m)[:, None] * sdot + offs_d[None, :] * sdod,
-                 mask=q_mask, other=0.0)
-    lse2 = tl.load(LSE + b * slb + h * slh + (q_start + offs_m) * slt, mask=row_ok, other=0.0) * _LOG2E
-    delta = tl.load(DELTA + (b * n_q_heads + h) * Tq + q_start + offs_m, mask=row_ok, other=0.0)
-    k_base = K + b * skb + kvh * skh + offs_d[None, :] * skd
-    v_base = V + b * svb + kvh * svh + offs_d[None, :] * svd
+    row0 = q_start + start_m  # int64 tile origins; int32 offsets within a tile
+    q = tl.load(Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + _origin(b, h, row0, sdob, sdoh, sdot) + tile_m[:, None] * sdot + offs_dv[None, :] * sdod,
+                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    lse2 = tl.load(LSE + _origin(b, h, row0, slb, slh, slt) + tile_m * slt, mask=row_ok, other=0.0) * _LOG2E
+    delta = tl.load(DELTA + (b * n_q_heads + h) * Tq + row0 + tile_m, mask=row_ok, other=0.0)
+    k_head = K + _origin(b, kvh, 0, skb, skh, skt)
+    v_head = V + _origin(b, kvh, 0, svb, svh, svt)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, _key_end(start_m, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
+    lo, hi = _key_range(start_m, k_len, offset, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < k_len
-        kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + (k_start + cols)[:, None] * skt, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + (k_start + cols)[:, None] * svt, mask=kv_mask, other=0.0)
-        visible = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None])
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        col0 = k_start + start_n
+        k = tl.load(k_head + col0 * skt + offs_n[:, None] * skt + offs_d[None, :] * skd,
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_head + col0 * svt + offs_n[:, None] * svt + offs_dv[None, :] * svd,
+                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+        visible = _visible(row_ok[:, None] & col_ok[None, :], offs_m[:, None], cols[None, :], offset, window,
+                           CAUSAL, WINDOW)
+        s, t = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + b * sdqb + h * sdqh + (q_start + offs_m)[:, None] * sdqt + offs_d[None, :] * sdqd,
+    tl.store(DQ + _origin(b, h, row0, sdqb, sdqh, sdqt) + tile_m[:, None] * sdqt + offs_d[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
 # --- host side ------------------------------------------------------------------------------------
 
-INTERPRETED: bool = built_for_interpreter(_fwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _key_end)
+INTERPRETED: bool = built_for_interpreter(_fwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _key_range)
 """Whether the kernels run in Triton's interpreter (CPU tensors) rather than on the GPU."""
 
+H100_SHARED_MEMORY_BYTES = 232_448
+"""Shared memory per block on an H100 (sm_90), used when the device cannot be asked (the interpreter)."""
 
-def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Raise ValueError unless q `[B, Hq, Tq, D]`, k/v `[B, Hkv, Tk, D]` with Hq a multiple of Hkv."""
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"attention expects q [B, Hq, Tq, D] and k, v of one shape [B, Hkv, Tk, D], got {shapes}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention expects q/k/v with the same B and D, got {shapes}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"attention expects Hq a multiple of Hkv (GQA), got {shapes}")
+_TUNING_KEY = ["head_dim", "v_dim", "BLOCK_M", "BLOCK_N", "CAUSAL", "WINDOW", "SOFTCAP", "PRECISION"]
+_TUNING_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages) for warps in (4, 8) for stages in (1, 2, 3)]
+"""Warps and pipeline stages tried per key (the autotuner also keys on the tensors' dtypes); a config
+that does not fit the shared memory is dropped by the autotuner. Tiles are fixed on the host, since
+the (segment, block) table depends on them."""
+
+
+def _tuned(kernel: Any) -> Any:
+    """`kernel` autotuned on the GPU; the interpreter runs it as is (one deterministic config)."""
+    return kernel if INTERPRETED else triton.autotune(configs=_TUNING_CONFIGS, key=_TUNING_KEY)(kernel)
+
+
+_fwd = _tuned(_fwd_kernel)
+_dkdv = _tuned(_dkdv_kernel)
+_dq = _tuned(_dq_kernel)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles and dot precision of one call: forward query/key blocks, backward blocks, padded head dims."""
+
+    block_m: int
+    block_n: int
+    bwd_block: int
+    block_d: int
+    block_dv: int
+    precision: str
+
+    def shared_memory_bytes(self, itemsize: int, stages: int = 2) -> int:
+        """Shared memory the most demanding kernel needs with `stages` pipelined key (or query) tiles:
+        the resident tile plus `stages` streamed K and V (or Q and dO) tiles."""
+        width = self.block_d + self.block_dv
+        fwd = self.block_m * self.block_d + stages * self.block_n * width
+        bwd = self.bwd_block * width * (1 + stages)
+        return itemsize * max(fwd, bwd)
+
+
+_GPU_TILES = ((128, 64, 64), (64, 64, 64), (64, 32, 32), (32, 32, 32), (16, 16, 16))
+"""(block_m, block_n, bwd_block), largest first."""
+
+
+def fp32_precision() -> str:
+    """The dot precision of fp32 inputs: tf32 when torch lets fp32 matmuls use it, IEEE otherwise."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def tile_config(head_dim: int, v_dim: int, dtype: torch.dtype, shared_memory_bytes: int) -> TileConfig:
+    """The largest GPU tiles whose two-stage pipeline fits `shared_memory_bytes` (head dim 256 in fp32
+    gets small tiles, 64 in bf16 large ones); the backward keeps its two fp32 accumulators
+    [bwd_block, D] and [bwd_block, Dv] small when D + Dv is large, so they stay in registers."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(v_dim))
+    precision = fp32_precision() if dtype == torch.float32 else "tf32"
+    for block_m, block_n, bwd in _GPU_TILES:
+        if block_d + block_dv > 256:
+            bwd = min(bwd, 32)
+        cfg = TileConfig(block_m, block_n, bwd, block_d, block_dv, precision)
+        if cfg.shared_memory_bytes(dtype.itemsize) <= shared_memory_bytes:
+            return cfg
+    raise ValueError(f"attention head dims D={head_dim}, Dv={v_dim} in {dtype} need more shared memory than the "
+                     f"device's {shared_memory_bytes} bytes even with 16-wide tiles")
+
+
+def _config(q: Tensor, v: Tensor) -> TileConfig:
+    """GPU tiles sized to the device's shared memory; 16-wide ones in the interpreter (several tiles per test)."""
+    if INTERPRETED or q.device.type != "cuda":
+        block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+        block_dv = max(16, triton.next_power_of_2(v.shape[-1]))
+        precision = fp32_precision() if q.dtype == torch.float32 else "tf32"
+        return TileConfig(32, 16, 16, block_d, block_dv, precision)
+    return tile_config(q.shape[-1], v.shape[-1], q.dtype, _shared_memory_bytes(q.device))
+
+
+@functools.cache
+def _shared_memory_bytes(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def _launch_options() -> dict[str, int]:
+    """num_warps for the interpreter's single config; on the GPU the autotuner picks it."""
+    return {"num_warps": 1} if INTERPRETED else {}
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> None:
+    """Raise ValueError unless q `[B, Hq, Tq, D]`, k `[B, Hkv, Tk, D]`, v `[B, Hkv, Tk, Dv]` of one dtype."""
+    check_attention_shapes(q, k, v, same_length=False)
+    check_attention_options(None, softcap)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention expects q/k/v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _host_list(cu: Tensor | Sequence[int] | None, tokens: int) -> Sequence[int]:
-    """Boundaries as host ints, read from a device tensor in one transfer; one segment when None."""
+def _host_bounds(cu: Tensor | Sequence[int] | None, tokens: int) -> tuple[int, ...]:
+    """Boundaries as host ints (one transfer from a device tensor; the ops pass host ones), checked."""
     if cu is None:
-        return [0, tokens]
-    return cu.tolist() if isinstance(cu, Tensor) else cu
+        return (0, tokens)
+    segs = _segments(cu.tolist() if isinstance(cu, Tensor) else cu, tokens)
+    return (0, *(e for _, e in segs))
 
 
-def _bounds(cu_q: Tensor | Sequence[int] | None, cu_k: Tensor | Sequence[int] | None, tq: int, tk: int,
-            device: torch.device) -> tuple[Tensor, Tensor, int, int, int]:
-    """Device int32 boundaries of q and k, segment count and the longest q and k segments."""
-    seg_q = _segments(_host_list(cu_q, tq), tq)
-    seg_k = _segments(_host_list(cu_k, tk), tk)
-    if len(seg_q) != len(seg_k):
+def _blocks(bounds: tuple[int, ...], block: int) -> tuple[Tensor, Tensor]:
+    """(segment, start) of every `block`-token block of every segment, latest blocks first (under a
+    causal mask they see the most keys, so they start first and the short ones fill in)."""
+    cu = torch.tensor(bounds, dtype=torch.int64)
+    counts = (cu[1:] - cu[:-1] + block - 1) // block
+    seg = torch.repeat_interleave(torch.arange(len(bounds) - 1), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    start = (torch.arange(seg.numel()) - first) * block
+    order = torch.argsort(start, descending=True, stable=True)
+    return seg[order], start[order]
+
+
+@dataclass(frozen=True)
+class SegmentTable:
+    """The boundaries and (segment, block) tables of one packing, on the device in one int32 copy.
+
+    `q_fwd`/`q_bwd` list the query blocks of the forward / dq kernels, `k_bwd` the key blocks of the
+    dK/dV kernel, each as (segments, starts). Programs run only for blocks that exist, so one long
+    segment plus many short ones costs what their tokens cost.
+    """
+
+    cu_q: Tensor
+    cu_k: Tensor
+    q_fwd: tuple[Tensor, Tensor]
+    q_bwd: tuple[Tensor, Tensor]
+    k_bwd: tuple[Tensor, Tensor]
+
+
+@functools.lru_cache(maxsize=256)
+def segment_table(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], cfg: TileConfig,
+                  device: torch.device) -> SegmentTable:
+    """The `SegmentTable` of a packing, built on the host and copied once: cached, so every layer,
+    forward and backward, and every ring block of a micro-batch reuse one device copy."""
+    if len(bounds_q) != len(bounds_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must list the same number of segments, "
-                         f"got {len(seg_q)} and {len(seg_k)}")
+                         f"got {len(bounds_q) - 1} and {len(bounds_k) - 1}")
+    parts = [torch.tensor(bounds_q), torch.tensor(bounds_k)]
+    for bounds, block in ((bounds_q, cfg.block_m), (bounds_q, cfg.bwd_block), (bounds_k, cfg.bwd_block)):
+        parts.extend(_blocks(bounds, block))
+    flat = torch.cat(parts).to(torch.int32).to(device)
+    views = flat.split([p.numel() for p in parts])
+    return SegmentTable(views[0], views[1], views[2:4], views[4:6], views[6:8])
 
-    def to_device(segs: list[tuple[int, int]]) -> Tensor:
-        return torch.tensor([0] + [e for _, e in segs], dtype=torch.int32, device=device)
 
-    return (to_device(seg_q), to_device(seg_k), len(seg_q),
-            max(e - s for s, e in seg_q), max(e - s for s, e in seg_k))
+def _table(cu_q: Tensor | Sequence[int] | None, cu_k: Tensor | Sequence[int] | None, tq: int, tk: int,
+           cfg: TileConfig, device: torch.device) -> SegmentTable:
+    return segment_table(_host_bounds(cu_q, tq), _host_bounds(cu_k, tk), cfg, device)
 
 
-def _config(q: Tensor) -> dict[str, Any]:
-    """Tile sizes and dot precision: GPU-sized tiles on CUDA, 16-wide ones (several tiles per test) otherwise."""
-    on_gpu = q.device.type == "cuda" and not INTERPRETED
-    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    return {
-        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-        "BLOCK_D": block_d,
-        "block": 64 if on_gpu else 16,
-        "num_warps": (8 if block_d > 64 else 4) if on_gpu else 1,
-    }
+def _mask_args(causal: bool, window: int | None, softcap: float | None, offset: int) -> dict[str, Any]:
+    """The mask and cap as kernel arguments (`AttentionMask` validates the window and offset)."""
+    mask = AttentionMask(causal, window, offset)
+    return {"CAUSAL": mask.causal, "WINDOW": mask.window is not None, "SOFTCAP": softcap is not None,
+            "window": mask.window or 0, "softcap": softcap or 1.0, "offset": mask.offset}
 
 
 def _strides(*tensors: Tensor) -> list[int]:
@@ -283,23 +487,22 @@ def _strides(*tensors: Tensor) -> list[int]:
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool,
     cu_seqlens_q: Tensor | Sequence[int] | None = None, cu_seqlens_k: Tensor | Sequence[int] | None = None,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """(out like `empty_like(q)`, lse fp32 `[B, Hq, Tq]`) of (segment-)causal or full GQA attention."""
-    _check_shapes(q, k, v)
+    """(out `[B, Hq, Tq, Dv]` in q's order, lse fp32 `[B, Hq, Tq]`) of masked GQA attention per segment."""
+    _check_inputs(q, k, v, softcap)
+    masking = _mask_args(causal, window, softcap, offset)
     b, n_heads, tq, d = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(b, n_heads, tq, dtype=torch.float32, device=q.device)
-    if q.numel() == 0:
-        return out, lse
-    cu_q, cu_k, n_seg, max_q, _ = _bounds(cu_seqlens_q, cu_seqlens_k, tq, k.shape[2], q.device)
-    cfg = _config(q)
-    block = cfg["block"]
-    grid = (b * n_seg, triton.cdiv(max_q, 2 * block), n_heads)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, cu_q, cu_k, *_strides(q, k, v, out, lse),
-        n_seg, n_heads // k.shape[1], d, scale * _LOG2E.value,
-        CAUSAL=causal, PRECISION=cfg["PRECISION"], BLOCK_M=2 * block, BLOCK_N=block, BLOCK_D=cfg["BLOCK_D"],
-        num_warps=cfg["num_warps"],
+    out = empty_attention_out(q, v)
+    lse = torch.full((b, n_heads, tq), float("-inf"), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or k.shape[2] == 0:
+        return out.zero_(), lse
+    cfg = _config(q, v)
+    table = _table(cu_seqlens_q, cu_seqlens_k, tq, k.shape[2], cfg, q.device)
+    _fwd[(table.q_fwd[0].numel(), n_heads, b)](
+        q, k, v, out, lse, table.cu_q, table.cu_k, *table.q_fwd, *_strides(q, k, v, out, lse),
+        n_heads // k.shape[1], d, v.shape[-1], scale, **masking, PRECISION=cfg.precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, **_launch_options(),
     )
     return out, lse
 
@@ -307,28 +510,31 @@ def attention_fwd(
 def attention_bwd(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, *, causal: bool,
     cu_seqlens_q: Tensor | Sequence[int] | None = None, cu_seqlens_k: Tensor | Sequence[int] | None = None,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) like `empty_like` of q, k, v, given the final out and lse of the queries."""
-    _check_shapes(q, k, v)
+    _check_inputs(q, k, v, softcap)
+    masking = _mask_args(causal, window, softcap, offset)
     b, n_heads, tq, d = q.shape
-    n_kv, tk = k.shape[1], k.shape[2]
+    n_kv, tk, d_v = k.shape[1], k.shape[2], v.shape[-1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cu_q, cu_k, n_seg, max_q, max_k = _bounds(cu_seqlens_q, cu_seqlens_k, tq, tk, q.device)
-    cfg = _config(q)
-    block, block_d, warps = cfg["block"], cfg["BLOCK_D"], cfg["num_warps"]
-    common = {"CAUSAL": causal, "PRECISION": cfg["PRECISION"], "BLOCK_M": block, "BLOCK_N": block,
-              "BLOCK_D": block_d, "num_warps": warps}
+    cfg = _config(q, v)
+    table = _table(cu_seqlens_q, cu_seqlens_k, tq, tk, cfg, q.device)
+    block = cfg.bwd_block
+    common = {**masking, "PRECISION": cfg.precision, "BLOCK_M": block, "BLOCK_N": block,
+              "BLOCK_D": cfg.block_d, "BLOCK_DV": cfg.block_dv, **_launch_options()}
 
     delta = torch.empty(b, n_heads, tq, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(tq, block), n_heads, b)](
-        out, grad_out, delta, *_strides(out, grad_out), tq, d, BLOCK_M=block, BLOCK_D=block_d, num_warps=warps)
+        out, grad_out, delta, *_strides(out, grad_out), tq, d_v, BLOCK_M=block, BLOCK_DV=cfg.block_dv,
+        num_warps=1 if INTERPRETED else 4)
     inputs = (q, k, v, grad_out, lse, delta)
     strides = _strides(q, k, v, grad_out, lse)
-    sizes = (n_seg, n_heads // n_kv, d, tq, n_heads, scale, scale * _LOG2E.value)
-    _dkdv_kernel[(b * n_seg, triton.cdiv(max_k, block), n_kv)](
-        *inputs, dk, dv, cu_q, cu_k, *strides, *_strides(dk, dv), *sizes, **common)
-    _dq_kernel[(b * n_seg, triton.cdiv(max_q, block), n_heads)](
-        *inputs, dq, cu_q, cu_k, *strides, *_strides(dq), *sizes, **common)
+    sizes = (n_heads // n_kv, d, d_v, tq, n_heads, scale)
+    _dkdv[(table.k_bwd[0].numel(), n_kv, b)](
+        *inputs, dk, dv, table.cu_q, table.cu_k, *table.k_bwd, *strides, *_strides(dk, dv), *sizes, **common)
+    _dq[(table.q_bwd[0].numel(), n_heads, b)](
+        *inputs, dq, table.cu_q, table.cu_k, *table.q_bwd, *strides, *_strides(dq), *sizes, **common)
     return dq, dk, dv

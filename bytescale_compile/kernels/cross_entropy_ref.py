@@ -5,6 +5,10 @@ plus as much again for their gradient). Here they are produced ``chunk_size`` to
 turned into their gradient in place, so only one [chunk_size, V] buffer (two when bf16 inputs are
 upcast) ever exists. The gradients of hidden, weight and bias are computed in the same pass, which
 costs three matmuls instead of the four that a separate forward and backward would need.
+
+Models that scale or soft-cap their logits (Granite, Cohere, Gemma2) give the loss
+``softcap * tanh(scale * z / softcap)`` (or ``scale * z``) of the linear's output z; the chunk applies
+that transform before the softmax and its derivative after, so z's gradient is what the matmuls see.
 """
 
 from __future__ import annotations
@@ -13,17 +17,48 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "ChunkGrad", "linear_cross_entropy_chunked", "run_chunks"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "ChunkGrad", "chunk_rows", "linear_cross_entropy_chunked", "run_chunks"]
 
 # CPU fwd+bwd at T=4096, H=1024, V=32000, fp32, 2 cores (best of 4): chunk 256 5.4 s, 512 4.9 s,
 # 1024 4.7 s, 2048 4.7 s (eager 6.7 s). Small chunks give the grad_weight matmul a short inner
 # dimension; 2048 is no faster and doubles the [chunk, V] buffer (125 MiB at 1024, fp32).
 DEFAULT_CHUNK_SIZE = 1024
 
+CPU_CHUNK_BUDGET_BYTES = 256 * 2**20
+"""The [chunk, V] buffers of one chunk on the CPU (1024 rows of V = 32K in fp32 take 125 MiB)."""
+CUDA_FREE_FRACTION = 8
+"""On CUDA a chunk's buffers take at most this fraction of the free memory (read once per call)."""
+CUDA_CHUNK_BUDGET_BYTES = 2 * 2**30
+"""... and at most this much (2 GiB holds 8K rows of V = 128K in bf16; not yet tuned on a GPU)."""
+
+
+def _chunk_budget_bytes(device: torch.device) -> int:
+    """Bytes one chunk's [chunk, V] buffers may take on `device`."""
+    if device.type != "cuda":
+        return CPU_CHUNK_BUDGET_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(CUDA_CHUNK_BUDGET_BYTES, free // CUDA_FREE_FRACTION)
+
+
+def chunk_rows(max_rows: int, n_tokens: int, vocab: int, bytes_per_row_entry: int, device: torch.device) -> int:
+    """Tokens per chunk: at most `max_rows` (the config's `loss_chunk_size`) and `n_tokens`, and no more
+    than the memory budget of `device` holds at `bytes_per_row_entry` bytes per logit (all [chunk, V]
+    buffers together); a multiple of 64 when that is at least 64, so the matmuls keep full tiles."""
+    fits = _chunk_budget_bytes(device) // max(1, vocab * bytes_per_row_entry)
+    rows = max(1, min(max_rows, n_tokens, fits))
+    return rows // 64 * 64 if rows >= 64 else rows
+
 
 def _check_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> None:
-    """Raise ValueError on a target outside [0, V) that is not ignore_index (eager would assert)."""
+    """Raise ValueError on a target outside [0, V) that is not ignore_index (eager would assert).
+
+    Off the CPU the check is an asynchronous device assert, so a loss call never waits for the device.
+    """
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if target.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"a target value is out of range for vocabulary size V={vocab} "
+                                        f"(allowed: 0 <= target < {vocab}, or ignore_index={ignore_index})")
+        return
     if bool(bad.any()):
         value = int(target[bad][0])
         raise ValueError(
@@ -51,9 +86,42 @@ def _logits_to_dlogits(
     return token_loss.sum()
 
 
-ChunkGrad = Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]]
-"""`(logits, rows) -> (summed fp32 loss of the chunk, dlogits for the weight gradient)`: overwrites the
-chunk's logits with d(loss)/d(logits) in their own dtype; the returned dlogits may be a finer copy."""
+def _transform_logits_(
+    z: torch.Tensor, scale: float, softcap: float | None, derivative_buf: torch.Tensor | None
+) -> torch.Tensor | float:
+    """Overwrite the linear's output z with the logits the loss sees; return d(logits)/dz.
+
+    Without a cap the logits are ``scale * z`` and the derivative is the float `scale`. With one they
+    are ``softcap * tanh(scale * z / softcap)`` and the derivative ``scale * (1 - tanh²)`` is written
+    to `derivative_buf` (z's shape and dtype), since z itself is overwritten.
+    """
+    if softcap is None:
+        if scale != 1.0:
+            z.mul_(scale)
+        return scale
+    capped = z.mul_(scale / softcap).tanh_()
+    derivative = torch.mul(capped, capped, out=derivative_buf).neg_().add_(1.0).mul_(scale)
+    capped.mul_(softcap)
+    return derivative
+
+
+ChunkGrad = Callable[[torch.Tensor, slice], torch.Tensor]
+"""`(z, rows) -> summed fp32 loss of the chunk`: overwrites the chunk's linear output z with d(loss)/dz
+in its own dtype."""
+
+
+def _accumulate_grad_weight(grad_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_weight (fp32) += dlogits^T h, the matmul on the inputs' dtype (no fp32 copy of either).
+
+    CUDA (and meta, for shape checks) accumulate in fp32 inside the matmul (`out_dtype`); the CPU has
+    no such kernel, so there the chunk's product is rounded to the input dtype once before the add.
+    """
+    if dlogits.dtype == grad_weight.dtype:
+        grad_weight.addmm_(dlogits.t(), h)
+    elif grad_weight.device.type in ("cuda", "meta"):
+        torch.addmm(grad_weight, dlogits.t(), h, out_dtype=torch.float32, out=grad_weight)
+    else:
+        grad_weight += dlogits.t() @ h
 
 
 def run_chunks(
@@ -68,7 +136,8 @@ def run_chunks(
     chunk_grad: ChunkGrad,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The chunk loop both implementations share: logits of `chunk_size` tokens at a time, turned into
-    their gradient by `chunk_grad`, then grad_hidden, and grad_weight/grad_bias accumulated in fp32."""
+    their gradient by `chunk_grad`, then grad_hidden, and grad_weight/grad_bias accumulated in fp32.
+    Every matmul runs on the inputs' dtype; the loss stays on the device (no host sync)."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     n_valid = (target != ignore_index).sum()
     logits_buf = hidden.new_empty(min(chunk_size, n_tokens), vocab)
@@ -85,12 +154,11 @@ def run_chunks(
             torch.matmul(h, weight.t(), out=logits)
         else:
             torch.addmm(bias, h, weight.t(), out=logits)
-        chunk_loss, dlogits = chunk_grad(logits, rows_of)
-        loss_sum += chunk_loss
+        loss_sum += chunk_grad(logits, rows_of)
         torch.matmul(logits, weight, out=grad_hidden[rows_of])
-        grad_weight.addmm_(dlogits.t().float(), h.float())
+        _accumulate_grad_weight(grad_weight, logits, h)
         if grad_bias is not None:
-            grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
+            grad_bias += logits.sum(dim=0, dtype=torch.float32)
 
     loss = loss_sum / n_valid if reduction == "mean" else loss_sum
     return (
@@ -110,11 +178,15 @@ def linear_cross_entropy_chunked(
     reduction: str,
     upcast: bool,
     chunk_size: int,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Loss of ``cross_entropy(linear(hidden, weight, bias), target)`` and its gradients.
+    """Loss of ``cross_entropy(softcap * tanh(scale * linear(hidden, weight, bias) / softcap), target)``
+    (``scale * linear(...)`` when softcap is None) and its gradients.
 
-    hidden [N, H], weight [V, H], bias [V] or None, target [N] int64. ``upcast`` does the softmax
-    in fp32 (as ``logits.float()`` would); otherwise it is done in the input dtype. Returns
+    hidden [N, H], weight [V, H], bias [V] or None, target [N] int64. ``upcast`` does the logit
+    transform and softmax in fp32 (as ``logits.float()`` would); otherwise in the input dtype. A
+    softcap costs one more [chunk_size, V] buffer, for tanh's derivative. Returns
     (loss, grad_hidden, grad_weight, grad_bias or None): the loss in fp32 if upcast else hidden's
     dtype, the gradients of the returned loss in their inputs' dtypes. "mean" over zero valid
     targets gives a nan loss and zero gradients, like eager ``F.cross_entropy``.
@@ -125,14 +197,23 @@ def linear_cross_entropy_chunked(
     if reduction == "mean":
         row_weight /= valid.sum().clamp(min=1)
     upcast_buffer = upcast and hidden.dtype != torch.float32
-    work_buf = (hidden.new_empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=torch.float32)
-                if upcast_buffer else None)
+    work_dtype = torch.float32 if upcast_buffer else hidden.dtype
+    work_bytes = work_dtype.itemsize * (int(upcast_buffer) + int(softcap is not None))
+    chunk_size = chunk_rows(chunk_size, hidden.shape[0], weight.shape[0], hidden.dtype.itemsize + work_bytes,
+                            hidden.device)
+    buf_shape = (min(chunk_size, hidden.shape[0]), weight.shape[0])
+    work_buf = hidden.new_empty(buf_shape, dtype=work_dtype) if upcast_buffer else None
+    derivative_buf = hidden.new_empty(buf_shape, dtype=work_dtype) if softcap is not None else None
 
-    def chunk_grad(logits: torch.Tensor, rows_of: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        work = work_buf[: logits.shape[0]].copy_(logits) if upcast_buffer else logits
+    def chunk_grad(logits: torch.Tensor, rows_of: slice) -> torch.Tensor:
+        rows = logits.shape[0]
+        work = work_buf[:rows].copy_(logits) if upcast_buffer else logits
+        derivative = _transform_logits_(work, scale, softcap, None if derivative_buf is None else derivative_buf[:rows])
         loss = _logits_to_dlogits(work, target[rows_of], valid[rows_of], row_weight[rows_of])
+        if softcap is not None or scale != 1.0:
+            work.mul_(derivative)
         if upcast_buffer:
-            logits.copy_(work)  # the low-precision copy of dlogits feeds grad_hidden
-        return loss, work
+            logits.copy_(work)  # dlogits in the input dtype feed both gradient matmuls
+        return loss
 
     return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)

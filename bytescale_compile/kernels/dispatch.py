@@ -98,64 +98,76 @@ def _pick(entry: str, device: torch.device, kernels: str) -> ModuleType | None:
 # --- attention ------------------------------------------------------------------------------------
 
 
-def causal_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def causal_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *, window: int | None = None, softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """`attention_ref.causal_attention_fwd`, on the chosen implementation."""
     triton_ = _pick("causal_attention_fwd", q.device, "attention_triton")
     if triton_ is None:
-        return attention_ref.causal_attention_fwd(q, k, v, scale)
-    return triton_.attention_fwd(q, k, v, scale, causal=True)
+        return attention_ref.causal_attention_fwd(q, k, v, scale, window=window, softcap=softcap)
+    return triton_.attention_fwd(q, k, v, scale, causal=True, window=window, softcap=softcap)
 
 
 def causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, *,
+    window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.causal_attention_bwd`, on the chosen implementation."""
     triton_ = _pick("causal_attention_bwd", q.device, "attention_triton")
     if triton_ is None:
-        return attention_ref.causal_attention_bwd(grad_out, q, k, v, out, lse, scale)
-    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=True)
+        return attention_ref.causal_attention_bwd(grad_out, q, k, v, out, lse, scale, window=window, softcap=softcap)
+    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=True, window=window, softcap=softcap)
 
 
 def segment_causal_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | Sequence[int], scale: float
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | Sequence[int], scale: float, *,
+    window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`attention_ref.segment_causal_attention_fwd`, on the chosen implementation."""
     triton_ = _pick("segment_causal_attention_fwd", q.device, "attention_triton")
     if triton_ is None:
-        return attention_ref.segment_causal_attention_fwd(q, k, v, cu_seqlens, scale)
+        return attention_ref.segment_causal_attention_fwd(q, k, v, cu_seqlens, scale, window=window, softcap=softcap)
     attention_ref._check_single_row(q)
-    return triton_.attention_fwd(q, k, v, scale, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
+    return triton_.attention_fwd(q, k, v, scale, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                 window=window, softcap=softcap)
 
 
 def segment_causal_attention_bwd(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    cu_seqlens: Tensor | Sequence[int], scale: float,
+    cu_seqlens: Tensor | Sequence[int], scale: float, *, window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.segment_causal_attention_bwd`, on the chosen implementation."""
     triton_ = _pick("segment_causal_attention_bwd", q.device, "attention_triton")
     if triton_ is None:
-        return attention_ref.segment_causal_attention_bwd(grad_out, q, k, v, out, lse, cu_seqlens, scale)
+        return attention_ref.segment_causal_attention_bwd(grad_out, q, k, v, out, lse, cu_seqlens, scale,
+                                                          window=window, softcap=softcap)
     attention_ref._check_single_row(q)
     return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=True,
-                                 cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
+                                 cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, window=window, softcap=softcap)
 
 
-def block_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def block_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, *,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
+) -> tuple[Tensor, Tensor]:
     """`attention_ref.block_attention_fwd`, on the chosen implementation."""
     triton_ = _pick("block_attention_fwd", q.device, "attention_triton")
     if triton_ is None:
-        return attention_ref.block_attention_fwd(q, k, v, scale, causal)
-    return triton_.attention_fwd(q, k, v, scale, causal=causal)
+        return attention_ref.block_attention_fwd(q, k, v, scale, causal, window=window, softcap=softcap, offset=offset)
+    return triton_.attention_fwd(q, k, v, scale, causal=causal, window=window, softcap=softcap, offset=offset)
 
 
 def block_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, *,
+    window: int | None = None, softcap: float | None = None, offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.block_attention_bwd`, on the chosen implementation."""
     triton_ = _pick("block_attention_bwd", q.device, "attention_triton")
     if triton_ is None:
-        return attention_ref.block_attention_bwd(grad_out, q, k, v, out, lse, scale, causal)
-    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=causal)
+        return attention_ref.block_attention_bwd(grad_out, q, k, v, out, lse, scale, causal,
+                                                 window=window, softcap=softcap, offset=offset)
+    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=causal,
+                                 window=window, softcap=softcap, offset=offset)
 
 
 # --- loss -----------------------------------------------------------------------------------------
@@ -170,8 +182,10 @@ def linear_cross_entropy_chunked(
     reduction: str,
     upcast: bool,
     chunk_size: int,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """`cross_entropy_ref.linear_cross_entropy_chunked`, on the chosen implementation."""
     triton_ = _pick("linear_cross_entropy_chunked", hidden.device, "cross_entropy_triton")
     impl = cross_entropy_ref.linear_cross_entropy_chunked if triton_ is None else triton_.linear_cross_entropy_chunked_triton
-    return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size)
+    return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap)

@@ -1,5 +1,9 @@
 """`bytescale::attention`: causal attention whose packing is read from the micro-batch context.
 
+`window` (Hugging Face's sliding window: a query sees itself and the `window - 1` keys before it) and
+`softcap` (Gemma2's `attn_logit_softcapping`: scores become `c * tanh(s / c)`) apply on every path;
+V's head dim may differ from Q/K's (DeepSeek-V3), so out is `[B, Hq, T, Dv]`.
+
 The compiled graph holds one opaque call per attention layer and never changes between
 micro-batches; at run time the op looks at `current_context()`: with packed `cu_seqlens` every token
 attends causally within its own sequence (the row must then be a single one, B == 1); without them,
@@ -7,6 +11,9 @@ attends causally within its own sequence (the row must then be a single one, B =
 where positions restart; otherwise it is plain causal attention per row, like SDPA with `is_causal=True`.
 When the context's group has several ranks, the row holds this rank's zigzag tokens and the op runs
 the packed ring (`runtime/dist_attn.py`); a group of one stays local.
+
+Under `torch.autocast` q, k and v may arrive in different dtypes (RoPE promotes q and k back to
+fp32); like SDPA, the op then runs in the autocast dtype (`ops/autocast.py`).
 
 The backward is a second opaque op, `bytescale::attention_backward`, rather than a Python formula:
 AOTAutograd traces the autograd formula into the backward graph with fake tensors, so anything the
@@ -21,13 +28,19 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from bytescale_compile.kernels.attention_ref import check_attention_shapes, layout_like
+from bytescale_compile.kernels.attention_ref import (
+    check_attention_options,
+    check_attention_shapes,
+    empty_attention_out,
+    layout_like,
+)
 from bytescale_compile.kernels.dispatch import (
     causal_attention_bwd,
     causal_attention_fwd,
     segment_causal_attention_bwd,
     segment_causal_attention_fwd,
 )
+from bytescale_compile.ops.autocast import register_autocast_rule, to_autocast_dtype
 from bytescale_compile.runtime.context import ContextError, MicroBatchContext, current_context
 from bytescale_compile.runtime.dist_attn import ring_attention_bwd, ring_attention_fwd
 
@@ -77,62 +90,77 @@ def _restarts(position_ids: Tensor, batch: int, tokens: int) -> list[Tensor] | N
     return [torch.cat([torch.zeros(1, dtype=torch.long), row.nonzero().flatten() + 1, edge]) for row in starts]
 
 
-@torch.library.custom_op("bytescale::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Causal (or segment-causal over packed sequences) GQA attention.
-
-    q `[B, Hq, T, D]`, k/v `[B, Hkv, T, D]`, any strides. Returns out, laid out like
-    `torch.empty_like(q)`, and lse, contiguous float32 `[B, Hq, T]`. Packing comes from the context's
-    cu_seqlens, else from restarts of `position_ids` (see `_row_packing`).
-    """
+def _check_args(q: Tensor, k: Tensor, v: Tensor, window: int | None, softcap: float | None) -> None:
+    """Raise ValueError for shapes, a window or a soft-cap the op cannot take (also at trace time)."""
     check_attention_shapes(q, k, v)
+    check_attention_options(window, softcap)
+
+
+@torch.library.custom_op("bytescale::attention", mutates_args=())
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optional[Tensor] = None,
+    window: Optional[int] = None, softcap: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    """Causal (or segment-causal over packed sequences) GQA attention, optionally sliding-window and soft-capped.
+
+    q `[B, Hq, T, D]`, k `[B, Hkv, T, D]`, v `[B, Hkv, T, Dv]`, any strides. Returns out
+    `[B, Hq, T, Dv]`, laid out in `torch.empty_like(q)`'s dimension order, and lse, contiguous float32
+    `[B, Hq, T]`. Packing comes from the context's cu_seqlens, else from restarts of `position_ids`
+    (see `_row_packing`).
+    """
+    _check_args(q, k, v, window, softcap)
     ring = _ring_context(q)
     if ring is not None:
-        check = ring.first_use((tuple(q.shape), tuple(k.shape), q.dtype))
+        check = ring.first_use((tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, window, softcap))
         out, lse = ring_attention_fwd(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), ring.layout,
-                                      ring.group, scale, stats=ring.ring_stats, check=check, timeout_s=ring.ring_timeout_s)
+                                      ring.group, scale, stats=ring.ring_stats, check=check,
+                                      timeout_s=ring.ring_timeout_s, window=window, softcap=softcap)
         return layout_like(out.transpose(0, 1).unsqueeze(0), q), lse.unsqueeze(0)
     packing = _row_packing(q, position_ids)
     if packing is None:
-        return causal_attention_fwd(q, k, v, scale)
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return causal_attention_fwd(q, k, v, scale, window=window, softcap=softcap)
+    out, lse = empty_attention_out(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
     for b, cu in enumerate(packing):
         rows = slice(b, b + 1)
-        o, l = segment_causal_attention_fwd(q[rows], k[rows], v[rows], cu, scale)
-        out[rows], lse[rows] = o, l
+        out[rows], lse[rows] = segment_causal_attention_fwd(q[rows], k[rows], v[rows], cu, scale,
+                                                            window=window, softcap=softcap)
     return out, lse
 
 
 @attention.register_fake
-def _attention_fake(q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    check_attention_shapes(q, k, v)
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _attention_fake(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optional[Tensor] = None,
+    window: Optional[int] = None, softcap: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    _check_args(q, k, v, window, softcap)
+    return empty_attention_out(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("bytescale::attention_backward", mutates_args=())
 def attention_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-    position_ids: Optional[Tensor] = None,
+    position_ids: Optional[Tensor] = None, window: Optional[int] = None, softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of `bytescale::attention`, reading the context when it runs.
 
     grad_out may have any strides (e.g. the expanded ones of a `.sum()`); the kernels copy it into
     the order they need, so copying it here would only add a copy.
     """
-    check_attention_shapes(q, k, v)
+    _check_args(q, k, v, window, softcap)
     ring = _ring_context(q)
     if ring is not None:
         dq, dk, dv = ring_attention_bwd(*(x[0].transpose(0, 1) for x in (grad_out, q, k, v, out)), lse[0], ring.layout,
-                                        ring.group, scale, stats=ring.ring_stats, timeout_s=ring.ring_timeout_s)
+                                        ring.group, scale, stats=ring.ring_stats, timeout_s=ring.ring_timeout_s,
+                                        window=window, softcap=softcap)
         return tuple(layout_like(d.transpose(0, 1).unsqueeze(0), x) for d, x in ((dq, q), (dk, k), (dv, v)))
     packing = _row_packing(q, position_ids)
     if packing is None:
-        return causal_attention_bwd(grad_out, q, k, v, out, lse, scale)
+        return causal_attention_bwd(grad_out, q, k, v, out, lse, scale, window=window, softcap=softcap)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for b, cu in enumerate(packing):
         rows = slice(b, b + 1)
         dq[rows], dk[rows], dv[rows] = segment_causal_attention_bwd(
-            grad_out[rows], q[rows], k[rows], v[rows], out[rows], lse[rows], cu, scale
+            grad_out[rows], q[rows], k[rows], v[rows], out[rows], lse[rows], cu, scale, window=window, softcap=softcap
         )
     return dq, dk, dv
 
@@ -140,25 +168,34 @@ def attention_backward(
 @attention_backward.register_fake
 def _attention_backward_fake(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-    position_ids: Optional[Tensor] = None,
+    position_ids: Optional[Tensor] = None, window: Optional[int] = None, softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    check_attention_shapes(q, k, v)
+    _check_args(q, k, v, window, softcap)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, scale, position_ids = inputs
+    q, k, v, scale, position_ids, window, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, position_ids)
-    ctx.scale = scale
+    ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
 
 
-def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None, None]:
+def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
     """lse is an auxiliary output (for merging partial attentions); its gradient is ignored."""
     del grad_lse
     q, k, v, out, lse, position_ids = ctx.saved_tensors
-    dq, dk, dv = torch.ops.bytescale.attention_backward(grad_out, q, k, v, out, lse, ctx.scale, position_ids)
-    return dq, dk, dv, None, None
+    dq, dk, dv = torch.ops.bytescale.attention_backward(grad_out, q, k, v, out, lse, ctx.scale, position_ids,
+                                                        ctx.window, ctx.softcap)
+    return dq, dk, dv, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _autocast_args(dtype: torch.dtype, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """q, k, v in the autocast dtype, as SDPA runs under autocast; the rest as given."""
+    return (*(to_autocast_dtype(x, dtype) for x in args[:3]), *args[3:])
+
+
+register_autocast_rule(attention, _autocast_args)

@@ -1,9 +1,10 @@
 """``bytescale::fused_linear_cross_entropy``: lm_head linear + cross-entropy as one custom op.
 
-The loss pass replaces ``F.linear`` (+ optional ``.float()``) + ``F.cross_entropy`` with this op so
-the full fp32 logits are never held, forward or backward. The op computes the gradients of hidden,
+The loss pass replaces ``F.linear`` (+ optional ``.float()``, logit scale and final soft-cap) +
+``F.cross_entropy`` with this op so the full fp32 logits are never held, forward or backward. The op computes the gradients of hidden,
 weight and bias in its forward (three matmuls instead of four) and returns them as extra outputs;
-its autograd backward only scales them by the incoming gradient of the loss.
+its autograd backward only scales them by the incoming gradient of the loss. Under `torch.autocast`
+the matmuls run in the autocast dtype and the softmax in fp32, as linear + cross_entropy would.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from bytescale_compile.kernels.cross_entropy_ref import DEFAULT_CHUNK_SIZE
 from bytescale_compile.kernels.dispatch import linear_cross_entropy_chunked
+from bytescale_compile.ops.autocast import register_autocast_rule, to_autocast_dtype
 
 __all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_op", "REDUCTIONS"]
 
@@ -29,12 +31,18 @@ def _check_args(
     target: Tensor,
     reduction: str,
     chunk_size: int,
+    scale: float,
+    softcap: Optional[float],
 ) -> None:
     """Raise ValueError on arguments the op cannot handle; shapes and dtypes only (fake-safe)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap}")
     if hidden.dim() < 1 or not hidden.dtype.is_floating_point:
         raise ValueError(
             f"hidden must be a floating tensor [..., H], got shape {tuple(hidden.shape)} "
@@ -67,18 +75,22 @@ def fused_linear_cross_entropy_op(
     reduction: str,
     upcast: bool,
     chunk_size: int,
+    scale: float = 1.0,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``cross_entropy(linear(hidden, weight, bias)[.float()], target)`` without the full logits.
+    """``cross_entropy(logits[.float()], target)`` without the full logits, where logits is
+    ``softcap * tanh(scale * linear(hidden, weight, bias) / softcap)``, or ``scale * linear(...)``
+    when softcap is None.
 
     hidden [..., H], weight [V, H], bias [V] or None, target [...] int64 with hidden's token count.
     Returns (loss, grad_hidden, grad_weight, grad_bias). Only output [0], the loss, is
     differentiable: callers use it and ignore the rest, which are the op's saved gradients (of the
     loss itself, so not scaled by any outer factor). grad_bias is empty when bias is None.
     """
-    _check_args(hidden, weight, bias, target, reduction, chunk_size)
+    _check_args(hidden, weight, bias, target, reduction, chunk_size, scale, softcap)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     loss, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_chunked(
-        hidden_2d, weight, bias, target.reshape(-1), ignore_index, reduction, upcast, chunk_size
+        hidden_2d, weight, bias, target.reshape(-1), ignore_index, reduction, upcast, chunk_size, scale, softcap
     )
     if grad_bias is None:
         grad_bias = hidden.new_empty(0)
@@ -95,9 +107,11 @@ def _fake(
     reduction: str,
     upcast: bool,
     chunk_size: int,
+    scale: float = 1.0,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Shapes and dtypes only: the data-dependent target check runs in the real kernel."""
-    _check_args(hidden, weight, bias, target, reduction, chunk_size)
+    _check_args(hidden, weight, bias, target, reduction, chunk_size, scale, softcap)
     loss = hidden.new_empty((), dtype=torch.float32 if upcast else hidden.dtype)
     grad_bias = hidden.new_empty(0) if bias is None else torch.empty_like(bias)
     return loss, torch.empty_like(hidden), torch.empty_like(weight), grad_bias
@@ -123,10 +137,25 @@ def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple:
         None,
         None,
         None,
+        None,
+        None,
     )
 
 
 fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+_UPCAST_ARG = 6
+
+
+def _autocast_args(dtype: torch.dtype, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """hidden, weight and bias in the autocast dtype (the linear's rule) and the softmax in fp32 (the
+    cross-entropy's rule: autocast runs it on fp32 logits), so the loss is fp32."""
+    cast = [to_autocast_dtype(x, dtype) for x in args[:3]] + list(args[3:])
+    cast[_UPCAST_ARG] = True
+    return tuple(cast)
+
+
+register_autocast_rule(fused_linear_cross_entropy_op, _autocast_args)
 
 
 def fused_linear_cross_entropy(
@@ -138,8 +167,12 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     upcast: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    scale: float = 1.0,
+    softcap: Optional[float] = None,
 ) -> Tensor:
-    """Loss of ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)``, fused."""
+    """Loss of ``F.cross_entropy(logits.float(), target, ...)``, fused, where logits is
+    ``softcap * tanh(scale * F.linear(hidden, weight, bias) / softcap)`` (``scale * F.linear(...)``
+    without a cap)."""
     return fused_linear_cross_entropy_op(
-        hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size
+        hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap
     )[0]

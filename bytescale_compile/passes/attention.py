@@ -1,16 +1,18 @@
 """Attention pass: causal attention becomes `bytescale::attention`.
 
-Matched on the Dynamo graph (pre-autograd), two shapes of the same computation:
+Attention is found by what it computes — an SDPA call, or a softmax whose probabilities multiply the
+values (`probs @ v`) — and every site found is either rewritten or reported with the reason, named after
+what the model does (sliding window, soft-cap, sinks, ALiBi, a mask that is not causal...). Matched on the
+Dynamo graph (pre-autograd):
 
-    scaled_dot_product_attention(q, k, v, is_causal=True[, scale=s][, enable_gqa=True])
-    softmax(masked_fill(q @ k.transpose(-2, -1) * s, triu(ones(T, T), 1), -inf), -1) @ v
+    scaled_dot_product_attention(q, k, v, is_causal=True | attn_mask=M[, scale=s][, enable_gqa=True])
+    softmax(mask(softcap(q @ k.transpose(-2, -1) * s)), -1) @ v
 
-both become `getitem(bytescale.attention(q, k, v, s, None), 0)`. A third shape, SDPA with the mask
-Hugging Face builds from `position_ids` (causal within each packed sequence, see `masks.py`), becomes
-`bytescale.attention(q, k, v, s, position_ids)`: the op finds the same segments from the restarts.
-K/V expanded by the repeat-kv pattern are
-unwrapped so only the `Hkv` heads reach the op (and travel in the ring). Whatever cannot be proved
-equivalent — an attention mask tensor, dropout, non-causal, a KV cache — is left alone and reported.
+become `getitem(bytescale.attention(q, k, v, s[, position_ids, window, softcap]), 0)`. The mask is a
+causal triangle built in the graph, or Hugging Face's mask proved node by node (`masks.py`): causal, within
+the packed sequences where `position_ids` restart, optionally with a sliding window w; `softcap` is Gemma2's
+`tanh(s / c) * c`. K/V expanded by the repeat-kv pattern are unwrapped so only the `Hkv` heads reach the op
+(and travel in the ring); V's head dim may differ from Q/K's (DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +29,7 @@ from torch import fx
 from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
 from .graph import NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
 from .manager import PassContext
-from .masks import segment_causal_positions
+from .masks import CausalMask, prove_causal_mask, strip_additive_mask
 from .report import PassResult, Rewrite, Skipped
 
 __all__ = ["rewrite_attention"]
@@ -37,6 +40,8 @@ NAME = "attention"
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _MATMUL = (operator.matmul, torch.matmul, torch.bmm)
 _SOFTMAX = (F.softmax, torch.softmax)
+_CASTS = ("to", "type_as", "float", "half", "bfloat16")
+_RESHAPES = ("view", "reshape", "contiguous", "expand")
 
 
 
@@ -45,13 +50,13 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in list(gm.graph.nodes):
         if is_call(node, *_SDPA):
             match = _match_sdpa
-        elif _looks_like_explicit_attention(node):
+        elif _softmax_behind(node) is not None:
             match = _match_explicit
         else:
             continue
         source = source_module(node)
         try:
-            q, k, v, scale, positions, detail = match(node)
+            found = match(node)
         except NotEquivalent as why:
             result.skipped.append(Skipped(node.name, _target_name(node), source, str(why)))
             continue
@@ -59,12 +64,37 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             log.warning("attention pass: cannot analyse %s (%s): %r", node.name, source, error)
             result.skipped.append(Skipped(node.name, _target_name(node), source, f"matcher could not analyse it: {error!r}"))
             continue
-        new = replace_with_op(gm.graph, node, torch.ops.bytescale.attention.default, (q, k, v, scale, positions))
-        result.rewrites.append(Rewrite(node.name, "bytescale.attention", source, detail or new.name))
+        new = replace_with_op(gm.graph, node, torch.ops.bytescale.attention.default, found.op_args())
+        result.rewrites.append(Rewrite(node.name, "bytescale.attention", source, found.describe() or new.name))
     return result
 
 
-_Match = tuple[fx.Node, fx.Node, fx.Node, float, "fx.Node | None", str]
+@dataclass(frozen=True)
+class _Match:
+    """A proved attention: the op's arguments and what the report says about it."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float
+    mask: CausalMask
+    softcap: float | None
+    heads: str
+
+    def op_args(self) -> tuple:
+        """`attention(q, k, v, scale, position_ids, window, softcap)` without trailing defaults."""
+        args = [self.q, self.k, self.v, self.scale, self.mask.positions, self.mask.window, self.softcap]
+        while args[-1] is None:
+            args.pop()
+        return tuple(args)
+
+    def describe(self) -> str:
+        return ", ".join(filter(None, [
+            "segments from position_ids restarts" if self.mask.positions is not None else "",
+            f"sliding window {self.mask.window}" if self.mask.window is not None else "",
+            f"soft-cap {self.softcap:g}" if self.softcap is not None else "",
+            self.heads,
+        ]))
 
 
 def _match_sdpa(node: fx.Node) -> _Match:
@@ -72,68 +102,131 @@ def _match_sdpa(node: fx.Node) -> _Match:
     dropout = arg(node, 4, "dropout_p", 0.0)
     if not isinstance(dropout, (int, float)) or dropout != 0.0:
         raise NotEquivalent(f"dropout_p={dropout}: dropout is not supported")
-    positions = _segment_positions(arg(node, 3, "attn_mask"), q)
-    if positions is None and arg(node, 5, "is_causal", False) is not True:
-        raise NotEquivalent("is_causal=False: only causal attention is rewritten")
+    mask = _sdpa_mask(arg(node, 3, "attn_mask"), q)
+    if mask is None:
+        if arg(node, 5, "is_causal", False) is not True:
+            raise NotEquivalent("is_causal=False and no attn_mask: bidirectional attention is not causal")
+        mask = CausalMask(None, None)
     scale = _resolve_scale(arg(node, 6, "scale"), q)
-    k, v, detail = _check_heads(q, k, v, gqa=bool(arg(node, 7, "enable_gqa", False)))
-    if positions is not None:
-        detail = ", ".join(filter(None, ["segments from position_ids restarts", detail]))
-    return q, k, v, scale, positions, detail
+    k, v, heads = _check_heads(q, k, v, gqa=bool(arg(node, 7, "enable_gqa", False)))
+    return _Match(q, k, v, scale, mask, None, heads)
 
 
-def _segment_positions(mask: object, q: fx.Node) -> fx.Node | None:
-    """None without a mask; the position_ids node for a provably segment-causal mask; else raise."""
+def _sdpa_mask(mask: object, q: fx.Node) -> CausalMask | None:
+    """None without a mask; what a provably causal mask computes; else raise why not."""
     if mask is None:
         return None
     mask_val, q_val = value(mask), value(q)
-    if mask_val is None or mask_val.dtype != torch.bool:
-        raise NotEquivalent(f"attn_mask `{getattr(mask, 'name', mask)}` is not a boolean mask")
-    positions = segment_causal_positions(mask)
-    if positions is None or mask_val.dim() != 4 or not all(
-        same_size(m, q_val.shape[2]) for m in mask_val.shape[-2:]
-    ):
-        raise NotEquivalent(f"attn_mask `{getattr(mask, 'name', mask)}` is not provably causal")
-    return positions
+    name = getattr(mask, "name", mask)
+    if mask_val is None:
+        raise NotEquivalent(f"attn_mask `{name}` is not a tensor built in the graph")
+    if mask_val.dim() != 4 or not all(same_size(m, q_val.shape[2]) for m in mask_val.shape[-2:]):
+        raise NotEquivalent(f"attn_mask `{name}` has shape {tuple(mask_val.shape)}, not [B, 1, T, T]")
+    if mask_val.dtype != torch.bool:
+        mask = strip_additive_mask(mask)
+    return prove_causal_mask(mask)
 
 
-def _looks_like_explicit_attention(node: fx.Node) -> bool:
-    """`probs @ v` where probs come (through casts) from a softmax: the tail of explicit attention."""
-    if not is_call(node, *_MATMUL, methods=("matmul",)):
-        return False
-    return _strip_casts_and_dropout(node.args[0], check=False) is not None
+def _softmax_behind(node: fx.Node) -> fx.Node | None:
+    """The softmax whose probabilities `node` multiplies with values (`probs @ v`), if it is one."""
+    if not is_call(node, *_MATMUL, methods=("matmul", "bmm")):
+        return None
+    probs = node.args[0]
+    while isinstance(probs, fx.Node):
+        if is_call(probs, *_SOFTMAX, methods=("softmax",)):
+            return probs
+        if not (is_call(probs, F.dropout, operator.getitem, methods=_CASTS + _RESHAPES)):
+            return None
+        probs = probs.args[0]
+    return None
 
 
 def _match_explicit(node: fx.Node) -> _Match:
     probs, v = node.args[:2]
-    softmax = _strip_casts_and_dropout(probs, check=True)
+    softmax = _softmax_behind(node)
+    _name_known_variants(softmax)
+    _check_probabilities(probs, softmax)
     _single_use(softmax, "softmax output")
     if arg(softmax, 1, "dim") not in (-1, 3):
         raise NotEquivalent(f"softmax over dim {arg(softmax, 1, 'dim')}, not the key dimension")
-    masked = softmax.args[0]
+    if arg(softmax, 2, "dtype") not in (None, torch.float32):
+        raise NotEquivalent(f"softmax in {arg(softmax, 2, 'dtype')}, not float32")
+    masked = _strip_casts(softmax.args[0])
+    masked, outer_scale = _unscale(masked)
     _single_use(masked, "masked scores")
-    scores = _unmask_causal(masked)
-    _single_use(scores, "scores")
+    capped, mask = _unmask_causal(_strip_casts(masked))
+    _single_use(capped, "scores")
+    scores, softcap = _unsoftcap(capped)
     q, k, scale = _unscale_scores(scores)
-    k, v, detail = _check_heads(q, k, v, gqa=False)
-    return q, k, v, scale, None, detail
+    k, v, heads = _check_heads(q, k, v, gqa=False)
+    return _Match(q, k, v, scale * outer_scale, mask, softcap, heads)
 
 
-def _strip_casts_and_dropout(node: fx.Node, check: bool) -> fx.Node | None:
-    """Walk back from the probabilities to the softmax through dtype casts and no-op dropout."""
+def _strip_casts(node: fx.Node) -> fx.Node:
+    while is_call(node, methods=_CASTS):
+        _single_use(node, "masked scores")
+        node = node.args[0]
+    return node
+
+
+def _unscale(node: fx.Node) -> tuple[fx.Node, float]:
+    """`x * c` or `x / c` with a positive constant c (CodeGen scales after masking): x and the factor.
+
+    A masked score (-inf, or the dtype's minimum) stays far below every visible one after the
+    scaling, so its probability is still exactly 0.
+    """
+    if is_call(node, operator.mul, torch.mul, operator.truediv, torch.div) and isinstance(node.args[1], (int, float)) \
+            and node.args[1] > 0 and _applies_mask(node.args[0]):
+        c = float(node.args[1])
+        return node.args[0], c if node.target in (operator.mul, torch.mul) else 1.0 / c
+    return node, 1.0
+
+
+def _applies_mask(node: object) -> bool:
+    """Whether `node` applies a mask (so a scale above it is the outer one, not the scores' own)."""
+    return is_call(node, operator.add, torch.add, torch.masked_fill, torch.where, methods=("masked_fill",))
+
+
+def _name_known_variants(softmax: fx.Node) -> None:
+    """Raise with the variant's name when the scores are those of an attention the op does not compute."""
+    node = softmax.args[0]
     while isinstance(node, fx.Node):
-        if is_call(node, *_SOFTMAX, methods=("softmax",)):
-            return node
-        if is_call(node, methods=("to", "type_as", "float", "half", "bfloat16")):
-            node = node.args[0]
-        elif is_call(node, F.dropout, methods=()):
+        if is_call(node, torch.cat):
+            raise NotEquivalent(f"attention sinks: the softmax runs over the scores concatenated with extra logits "
+                                f"(`{node.name}`), which the op does not take")
+        if is_call(node, torch.baddbmm, methods=("baddbmm",)) and arg(node, 3, "beta", 1) != 0:
+            raise NotEquivalent(f"ALiBi slopes: a position bias `{getattr(node.args[0], 'name', node.args[0])}` is "
+                                f"added to the scores (`{node.name}`, baddbmm), which the op does not take")
+        if is_call(node, operator.add, torch.add) and any(_is_head_bias(x) for x in node.args[:2]):
+            bias = next(x for x in node.args[:2] if _is_head_bias(x))
+            raise NotEquivalent(f"ALiBi slopes: a per-head position bias `{bias.name}` {tuple(value(bias).shape)} is "
+                                f"added to the scores (`{node.name}`), which the op does not take")
+        if not is_call(node, operator.add, torch.add, operator.sub, torch.sub, operator.mul, operator.truediv,
+                       torch.masked_fill, methods=_CASTS + _RESHAPES + ("masked_fill",)):
+            return
+        node = node.args[0]
+
+
+def _is_head_bias(node: object) -> bool:
+    """A float tensor added to the scores that differs per head ([.., H > 1, 1 or T, T]): a position bias, not a mask."""
+    val = value(node)
+    return isinstance(node, fx.Node) and isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 3 \
+        and val.shape[-3] != 1 and val.shape[-2] == 1
+
+
+def _check_probabilities(probs: fx.Node, softmax: fx.Node) -> None:
+    """Between softmax and `@ v` only dtype casts and no-op dropout may stand."""
+    node = probs
+    while node is not softmax:
+        if is_call(node, F.dropout):
             p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
-            if check and training and p != 0.0:
+            if training and p != 0.0:
                 raise NotEquivalent(f"dropout p={p} on the attention probabilities while training")
-            node = node.args[0]
-        else:
-            return None
-    return None
+        elif not is_call(node, methods=_CASTS):
+            raise NotEquivalent(f"the probabilities pass through `{node.name}` ({_target_name(node)}) before the "
+                                f"value matmul: a layout the op does not take (e.g. 3-D bmm over B·H heads)")
+        _single_use(node, "attention probabilities")
+        node = node.args[0]
 
 
 def _single_use(node: fx.Node, what: str) -> None:
@@ -141,21 +234,48 @@ def _single_use(node: fx.Node, what: str) -> None:
         raise NotEquivalent(f"the {what} `{node.name}` is used elsewhere too, so it must stay materialised")
 
 
-def _unmask_causal(masked: fx.Node) -> fx.Node:
-    """Return the unmasked scores if `masked` applies a provably causal mask, else raise why not."""
+def _unmask_causal(masked: fx.Node) -> tuple[fx.Node, CausalMask]:
+    """The unmasked scores and what the mask computes, if `masked` applies a provably causal mask; else raise."""
     if is_call(masked, torch.masked_fill, methods=("masked_fill",)):
         scores, mask, fill = masked.args[0], arg(masked, 1, "mask"), arg(masked, 2, "value")
-        if fill != -math.inf:
-            raise NotEquivalent(f"masked_fill with {fill}, not -inf")
+        if not isinstance(fill, float) or fill > -1e30:
+            raise NotEquivalent(f"masked_fill with {fill}, not -inf (or the dtype's minimum)")
         if not _is_strict_upper_triangle(mask, value(scores)):
             raise NotEquivalent(f"mask `{getattr(mask, 'name', mask)}` is not built in the graph as triu(ones(T, T), 1)")
-        return scores
+        return scores, CausalMask(None, None)
     if is_call(masked, operator.add, torch.add):
         scores, mask = masked.args[:2]
-        if not _is_additive_causal(mask, value(scores)):
-            raise NotEquivalent(f"additive mask `{getattr(mask, 'name', mask)}` is not triu(full((T, T), -inf), 1)")
-        return scores
-    raise NotEquivalent("softmax input is not masked causally (no masked_fill/add of a triangular mask)")
+        _refuse_buffer_mask(scores)
+        if _is_additive_causal(mask, value(scores)):
+            return scores, CausalMask(None, None)
+        return scores, prove_causal_mask(strip_additive_mask(mask))
+    _refuse_buffer_mask(masked)
+    raise NotEquivalent("softmax input is not masked causally (no masked_fill/add of a causal mask): bidirectional attention")
+
+
+def _refuse_buffer_mask(scores: object) -> None:
+    """`where(buffer[..., :T, :T], s, min)` (GPT-Neo, GPT-2-style `bias` buffers): a mask the pass cannot read."""
+    if not is_call(scores, torch.where):
+        return
+    source = scores.args[0]
+    while is_call(source, operator.getitem, methods=_CASTS + ("bool",)):
+        source = source.args[0]
+    name = getattr(source, "name", str(source))
+    what = f"the model buffer `{name}`" if "buffers" in name else f"`{name}`"
+    raise NotEquivalent(f"mask read from {what}: its values are not known when compiling (e.g. GPT-Neo's causal "
+                        f"or local sliding-window `bias`)")
+
+
+def _unsoftcap(scores: fx.Node) -> tuple[fx.Node, float | None]:
+    """`tanh(s / c) * c` (Gemma2's attn_logit_softcapping): return s and c; other scores pass unchanged."""
+    if not is_call(scores, operator.mul, torch.mul) or not is_call(scores.args[0], torch.tanh, methods=("tanh",)):
+        return scores, None
+    cap, inner = scores.args[1], scores.args[0].args[0]
+    if not (isinstance(cap, (int, float)) and is_call(inner, operator.truediv, torch.div) and inner.args[1] == cap):
+        raise NotEquivalent(f"scores pass through tanh (`{scores.name}`) but not as a soft-cap tanh(s / c) * c with one constant c")
+    _single_use(inner, "soft-capped scores")
+    _single_use(scores.args[0], "soft-capped scores")
+    return inner.args[0], float(cap)
 
 
 def _is_strict_upper_triangle(mask: object, scores_val: torch.Tensor) -> bool:
@@ -210,21 +330,27 @@ def _resolve_scale(scale: object, q: fx.Node) -> float:
 
 
 def _check_heads(q: fx.Node, k: fx.Node, v: fx.Node, gqa: bool) -> tuple[fx.Node, fx.Node, str]:
-    """Check self-attention shapes; unwrap repeat-kv so the op sees the `Hkv` heads."""
+    """Check self-attention shapes; unwrap repeat-kv so the op sees the `Hkv` heads. V's head dim may differ."""
     qv, kv, vv = value(q), value(k), value(v)
-    if qv is None or kv is None or vv is None or qv.dim() != 4 or kv.dim() != 4:
-        raise NotEquivalent("query/key are not 4-D [B, H, T, D] tensors")
-    if vv.shape != kv.shape or not same_size(qv.shape[3], kv.shape[3]):
-        raise NotEquivalent(f"value shape {tuple(vv.shape)} differs from key shape {tuple(kv.shape)} (or query head dim)")
+    if any(x is None or x.dim() != 4 for x in (qv, kv, vv)):
+        raise NotEquivalent("query/key/value are not 4-D [B, H, T, D] tensors")
+    if not same_size(qv.shape[3], kv.shape[3]):
+        raise NotEquivalent(f"differing head dims: query head dim {qv.shape[3]}, key head dim {kv.shape[3]}")
+    if vv.shape[:3] != kv.shape[:3]:
+        raise NotEquivalent(f"value shape {tuple(vv.shape)} does not match key shape {tuple(kv.shape)} in [B, H, T]")
     if not same_size(qv.shape[2], kv.shape[2]):
         raise NotEquivalent("query and key lengths differ (KV cache or cross-attention): not causal self-attention")
+    v_dim = "" if same_size(vv.shape[3], kv.shape[3]) else f"V head dim {vv.shape[3]} (Q/K {kv.shape[3]})"
     k_inner, v_inner = _unrepeat_kv(k), _unrepeat_kv(v)
     if k_inner is not None and v_inner is not None:
-        return k_inner, v_inner, f"repeat-kv unwrapped: {value(k_inner).shape[1]} kv heads"
-    heads_q, heads_kv = qv.shape[1], kv.shape[1]
-    if heads_q != heads_kv and not gqa:
-        raise NotEquivalent(f"{heads_q} query heads vs {heads_kv} key heads without enable_gqa")
-    return k, v, f"GQA {heads_q}/{heads_kv} heads" if heads_q != heads_kv else ""
+        heads = f"repeat-kv unwrapped: {value(k_inner).shape[1]} kv heads"
+    else:
+        k_inner, v_inner = k, v
+        heads_q, heads_kv = qv.shape[1], kv.shape[1]
+        if heads_q != heads_kv and not gqa and heads_kv != 1:
+            raise NotEquivalent(f"{heads_q} query heads vs {heads_kv} key heads without enable_gqa")
+        heads = (f"multi-query: 1 kv head" if heads_kv == 1 else f"GQA {heads_q}/{heads_kv} heads") if heads_q != heads_kv else ""
+    return k_inner, v_inner, ", ".join(filter(None, [heads, v_dim]))
 
 
 def _unrepeat_kv(node: fx.Node) -> fx.Node | None:

@@ -11,7 +11,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["NotEquivalent", "arg", "value", "source_module", "layer_index", "same_size", "is_call", "is_float_upcast",
-           "replace_with_op", "has_side_effects"]
+           "replace_with_op", "has_side_effects", "eliminate_dead_code"]
 
 class NotEquivalent(Exception):
     """Raised by a matcher with the reason a pattern is left alone."""
@@ -90,13 +90,80 @@ def is_float_upcast(node: fx.Node) -> bool:
     return is_call(node, methods=("to",)) and torch.float32 in (*node.args[1:], *node.kwargs.values())
 
 
+_INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.setitem, operator.delitem,
+})
+_INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
+
+
 def has_side_effects(node: fx.Node) -> bool:
     """Whether dead-code elimination must keep `node` although nothing uses its result.
 
     FX's own rule misses in-place tensor methods in Dynamo graphs (`y.mul_(2)` is a call_method
-    whose result is often unused), so names ending in a single underscore count as mutations.
+    whose result is often unused, as is `scatter_add_` in a custom autograd.Function's backward),
+    so names ending in a single underscore, in-place operators (`x += y`, `x[i] = y`) and `out=`
+    count as mutations; a higher-order op or submodule call is kept when a graph it runs is.
     """
-    if node.is_impure() or node.target is operator.setitem:
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return node.op in ("placeholder", "output")
+    if node.is_impure() or node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
         return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
+    if node.op != "call_module" and (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))):
+        return True
+    return any(_graph_has_side_effects(sub) for sub in _called_graphs(node))
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> bool:
+    """Remove unused nodes without side effects from `gm` and every graph it calls; True if any went.
+
+    Does not call `fx.Graph.eliminate_dead_code`: after its own graph that one cleans every subgraph
+    read by a get_attr (higher-order-op bodies, autograd.Function forward/backward) with FX's default
+    rule, which drops unused in-place results such as `scatter_add_`, and takes no rule for them.
+    """
+    changed = False
+    for sub in _subgraph_modules(gm):
+        changed |= eliminate_dead_code(sub)
+    removed = False
+    for node in reversed(gm.graph.nodes):
+        if not node.users and not has_side_effects(node):
+            gm.graph.erase_node(node)
+            removed = True
+    if removed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed or removed
+
+
+def _graph_has_side_effects(gm: fx.GraphModule) -> bool:
+    return any(has_side_effects(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+
+
+def _resolve_graph_module(owner: fx.GraphModule | None, target: Any) -> fx.GraphModule | None:
+    """The GraphModule a get_attr or call_module target names in `owner`, None for anything else."""
+    if owner is None or not isinstance(target, str):
+        return None
+    obj: Any = owner
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, fx.GraphModule) else None
+
+
+def _called_graphs(node: fx.Node) -> list[fx.GraphModule]:
+    """Graphs `node` runs: the submodule it calls, or the bodies a higher-order op gets as get_attr inputs."""
+    owner = node.graph.owning_module
+    refs = [node] if node.op == "call_module" else [a for a in node.all_input_nodes if a.op == "get_attr"]
+    return [sub for sub in (_resolve_graph_module(owner, r.target) for r in refs) if sub is not None]
+
+
+def _subgraph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """Each GraphModule that `gm`'s graph reads (get_attr) or calls (call_module), once."""
+    found: dict[int, fx.GraphModule] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            sub = _resolve_graph_module(gm, node.target)
+            if sub is not None:
+                found.setdefault(id(sub), sub)
+    return list(found.values())

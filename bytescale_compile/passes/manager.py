@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from ..config import Config
-from .graph import has_side_effects
+from .graph import eliminate_dead_code
 from .report import PassResult
 
 __all__ = ["Pass", "PassContext", "PassManager"]
@@ -39,7 +39,7 @@ class PassManager:
         self.passes = passes
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassResult]:
-        """Run every enabled pass in order, then clean up and recompile the graph once."""
+        """Run every enabled pass in order, then clean up (keeping every mutation, nested graphs too), recompile."""
         results = []
         for p in self.passes:
             if p.enabled_by is not None and not getattr(ctx.config, p.enabled_by):
@@ -47,7 +47,7 @@ class PassManager:
                 continue
             results.append(p.run(gm, ctx))
         if any(r.rewrites for r in results):
-            gm.graph.eliminate_dead_code(is_impure_node=has_side_effects)
+            eliminate_dead_code(gm)
             gm.graph.lint()
             gm.recompile()
         return results

@@ -4,13 +4,15 @@ A saved activation is a forward output the backward takes as an input. Saved ten
 storage (a tensor and its views) form one group, since only the storage as a whole can be freed:
 
     forward:   ... x = f(...) ... last use of x's storage ...   output(..., x, x_view, ...)
-           ->  ... x = f(...) ... last use ... h = offload_saved(layer, dim, keep, x, x_view)
+           ->  ... x = f(...) ... last use ... h = bytescale::offload_saved(layer, dim, keep, [x, x_view])
                                                 output(..., h[0], h[1], ...)
     backward:  x, x_view = placeholders ... first use of either ...
-           ->  r = reload_saved(layer, x, x_view); uses of x, x_view read r[0], r[1]
+           ->  s = bytescale::reload_saved(layer, [x, x_view], device)
+               uses of x, x_view read as_strided(s, x's layout), as_strided(s, x_view's layout)
 
-Between the two the graph carries only handles; the act_ctx (`runtime/offload.py`) holds the data
-and reads the micro-batch's ratio r at run time, so r never causes a recompilation. A group belongs
+Between the two the graph carries only data-less handles (`ops/offload.py`); the act_ctx
+(`runtime/offload.py`) holds the data and reads the micro-batch's ratio r at run time, so r never
+causes a recompilation. A group belongs
 to the layer whose backward reads it (a layer's output to the next layer, the embedding to layer 0).
 Groups of the last two layers go through the same ops with `keep=True` (resident, as D(s) in Eq. 2
 assumes, and counted), as do those outside the layers (final norm, loss) and those read by several
@@ -30,7 +32,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..runtime.offload import offload_saved, reload_saved
+from ..ops.offload import offload_saved, reload_saved
 from .graph import layer_index
 from .report import PassResult, Rewrite, SavedActivation, Skipped
 
@@ -61,10 +63,13 @@ class _Group:
         return self.rows[0]
 
 
-def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
-                  table: list[SavedActivation], token_size: torch.SymInt) -> tuple[PassResult, list[SavedActivation]]:
+def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, table: list[SavedActivation],
+                  token_size: torch.SymInt, contiguous_only: bool = False) -> tuple[PassResult, list[SavedActivation]]:
     """Route every token-carrying saved storage through offload/reload; return the result and the table
-    with each row's decision and the layer whose backward reads it back."""
+    with each row's decision and the layer whose backward reads it back.
+
+    `contiguous_only` (Inductor compiles the graphs) leaves non-contiguous storages resident: Inductor
+    may lay such a tensor out its own way before the op, and the backward reads the traced layout."""
     outputs = list(fw.graph.output_node().args[0])
     groups = _groups(fw, outputs, num_fwd_outputs, table)
     num_layers = 1 + max((r.layer for r in table if r.layer is not None), default=-1)
@@ -73,7 +78,7 @@ def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     bw_order = {n: i for i, n in enumerate(bw.graph.nodes)}  # of the groups' storages or placeholders
     result, decisions = PassResult(NAME), {}
     for group in groups:
-        _decide(group, num_layers, token_size, bw_inputs)
+        _decide(group, num_layers, token_size, bw_inputs, contiguous_only)
         decision = _decision(group)
         for row in group.rows:
             text = decision if row is group.owner or group.reason else f"{decision}, with {group.owner.name}"
@@ -137,7 +142,8 @@ def _vals(nodes: list) -> list[torch.Tensor]:
     return [n.meta["val"] for n in nodes if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
 
 
-def _decide(group: _Group, num_layers: int, token_size: torch.SymInt, bw_inputs: dict[str, fx.Node]) -> None:
+def _decide(group: _Group, num_layers: int, token_size: torch.SymInt, bw_inputs: dict[str, fx.Node],
+            contiguous_only: bool) -> None:
     if group.reason:
         return
     val = next(n for n in group.nodes if n.name == group.owner.name).meta["val"]
@@ -145,6 +151,8 @@ def _decide(group: _Group, num_layers: int, token_size: torch.SymInt, bw_inputs:
         group.reason = "resident (grows with T²)"
     elif not val.is_floating_point():
         group.reason = "resident (not floating point)"
+    elif contiguous_only and not all(n.meta["val"].is_contiguous() for n in group.nodes):
+        group.reason = "resident (not contiguous: Inductor may lay it out otherwise than traced)"
     elif (dim := _token_major_dim(val, token_size)) is None:
         group.reason = "resident (its storage is not token-major: no token prefix is contiguous)"
     elif missing := [n.name for n in group.nodes if n.name not in bw_inputs]:
@@ -192,21 +200,23 @@ def _expr(size: int | torch.SymInt) -> sympy.Expr:
 
 
 def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, outputs: list, num_fwd_outputs: int, group: _Group,
-             bw_inputs: dict[str, fx.Node], last_reader: dict[StorageWeakRef, fx.Node], bw_order: dict[fx.Node, int]) -> None:
+             bw_inputs: dict[str, fx.Node], last_reader: dict[StorageWeakRef, fx.Node],
+             bw_order: dict[fx.Node, int]) -> None:
     layer = _OUTSIDE if group.layer is None else group.layer
-    args = (layer, group.token_dim, group.keep, *group.nodes)
-    storage = StorageWeakRef(group.nodes[0].meta["val"].untyped_storage())
+    members = [n.meta["val"] for n in group.nodes]
+    args = (layer, group.token_dim, group.keep, list(group.nodes))
+    storage = StorageWeakRef(members[0].untyped_storage())
+    with detect_fake_mode(members):
+        handle_vals = offload_saved(layer, group.token_dim, group.keep, members)
     with fw.graph.inserting_after(last_reader[storage]):
-        offload = fw.graph.call_function(offload_saved, args)
+        offload = fw.graph.call_function(torch.ops.bytescale.offload_saved.default, args)
+    offload.meta["val"] = handle_vals
     handles, previous = [], offload
-    for i in range(len(group.nodes)):  # inserting_after each new node keeps them in order
+    for i, val in enumerate(handle_vals):  # inserting_after each new node keeps them in order
         with fw.graph.inserting_after(previous):
             previous = fw.graph.call_function(operator.getitem, (offload, i))
+        previous.meta["val"] = val
         handles.append(previous)
-    fake_mode = detect_fake_mode(_vals(group.nodes))
-    for handle in handles:
-        with fake_mode:
-            handle.meta["val"] = torch.empty(4, dtype=torch.int64)
     slot_of = {node: handle for node, handle in zip(group.nodes, handles)}
     for i in range(num_fwd_outputs, len(outputs)):
         if outputs[i] in slot_of:
@@ -215,11 +225,42 @@ def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, outputs: list, num_fwd_outp
     inputs = [bw_inputs[n.name] for n in group.nodes]
     users = [u for p in inputs for u in p.users]
     with bw.graph.inserting_before(min(users, key=bw_order.__getitem__)):
-        reload = bw.graph.call_function(reload_saved, (layer, *inputs))
-        tensors = [bw.graph.call_function(operator.getitem, (reload, i)) for i in range(len(inputs))]
-    for placeholder, tensor in zip(inputs, tensors):
-        tensor.meta["val"] = placeholder.meta.get("val")
-        placeholder.replace_all_uses_with(tensor, delete_user_cb=lambda user: user is not reload)
+        with detect_fake_mode(handle_vals):
+            full_val = reload_saved(layer, handle_vals, members[0].device)
+        reload = bw.graph.call_function(torch.ops.bytescale.reload_saved.default, (layer, inputs, members[0].device))
+        reload.meta["val"] = full_val
+        views = [_view_like(bw.graph, reload, placeholder) for placeholder in inputs]
+    for placeholder, view, handle_val in zip(inputs, views, handle_vals):
+        reads_handle = {reload, *_layout_nodes(view)}
+        placeholder.replace_all_uses_with(view, delete_user_cb=lambda user: user not in reads_handle)
+        placeholder.meta["val"] = handle_val
+
+
+def _view_like(graph: fx.Graph, storage: fx.Node, handle: fx.Node) -> fx.Node:
+    """`storage` viewed with the layout of the member `handle` stands for: symbolic sizes read off the handle."""
+    val = handle.meta["val"]
+    sizes = [_sym(graph, torch.ops.aten.sym_size.int, handle, d, s) for d, s in enumerate(val.shape)]
+    strides = [_sym(graph, torch.ops.aten.sym_stride.int, handle, d, s) for d, s in enumerate(val.stride())]
+    offset = _sym(graph, torch.ops.aten.sym_storage_offset.default, handle, None, val.storage_offset())
+    view = graph.call_function(torch.ops.aten.as_strided.default, (storage, sizes, strides, offset))
+    view.meta["val"] = val
+    return view
+
+
+def _sym(graph: fx.Graph, op: torch._ops.OpOverload, handle: fx.Node, dim: int | None,
+         value: int | torch.SymInt) -> int | fx.Node:
+    """A size, stride or offset as a graph argument: the int itself when static, else read off the handle."""
+    if not isinstance(value, torch.SymInt):
+        return value
+    node = graph.call_function(op, (handle,) if dim is None else (handle, dim))
+    node.meta["val"] = value
+    return node
+
+
+def _layout_nodes(view: fx.Node) -> set[fx.Node]:
+    """The sym_size/sym_stride nodes `_view_like` made for `view`: they read the handle, not the member."""
+    sizes, strides, offset = view.args[1:]
+    return {n for n in (*sizes, *strides, offset) if isinstance(n, fx.Node)}
 
 
 def _last_readers(fw: fx.GraphModule) -> dict[StorageWeakRef, fx.Node]:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..kernels.dispatch import last_used
 
-__all__ = ["Rewrite", "Skipped", "PassResult", "SavedActivation", "GraphReport", "CompileReport"]
+__all__ = ["Rewrite", "Skipped", "PassResult", "SavedActivation", "GeneratedKernel", "GeneratedCode", "GraphReport",
+           "CompileReport", "ATTENTION_PASS"]
+
+ATTENTION_PASS = "attention"
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,27 @@ class SavedActivation:
     """Name of an earlier saved tensor sharing this one's storage: no memory of its own."""
 
 
+@dataclass(frozen=True)
+class GeneratedKernel:
+    """One kernel Inductor generated, with the graph nodes fused into it."""
+
+    name: str
+    fused_nodes: list[str]
+
+
+@dataclass
+class GeneratedCode:
+    """What Inductor made of one partitioned graph (`Config(codegen="inductor")`)."""
+
+    graph: str
+    """"forward", "backward" or "inference"."""
+    kernels: list[GeneratedKernel]
+    extern_calls: list[str]
+    """Ops called as they are (our `bytescale::` ops, matmuls): one per call site."""
+    cache_hit: bool
+    """Taken from Inductor's FX graph cache rather than generated now."""
+
+
 @dataclass
 class GraphReport:
     """One captured graph (a graph break gives several per call)."""
@@ -69,6 +95,8 @@ class GraphReport:
     graph_after: str = ""
     forward_graph: str = ""
     backward_graph: str = ""
+    generated: list[GeneratedCode] = field(default_factory=list)
+    """Inductor's code for the partitioned graphs; empty with `Config(codegen="none")`."""
 
 
 @dataclass
@@ -97,6 +125,25 @@ class CompileReport:
     def saved_activations(self) -> list[SavedActivation]:
         return [a for g in self.graphs for a in g.saved_activations]
 
+    def attention_layers(self) -> list[str]:
+        """One line per attention site: "layer 3 (`model.layers.3.self_attn`): sliding window 4096, rewritten"."""
+        sites = [(r.source, f"{r.detail or 'causal'}, rewritten") for r in self.rewrites(ATTENTION_PASS)]
+        sites += [(s.source, f"left alone: {s.reason}") for s in self.skipped(ATTENTION_PASS)]
+        return [f"{_layer_name(source)}: {what}" for source, what in sorted(sites, key=lambda site: _layer_key(site[0]))]
+
+    def shard_blockers(self) -> list[str]:
+        """Why sequences of this model cannot be sharded over ranks or packed into one row; empty when they can.
+
+        Both are safe only when every attention found in the compiled graphs became `bytescale::attention`:
+        an attention left eager would attend over the rank's own zigzag chunks only, or across the packed
+        sequences — silently wrong.
+        """
+        if not self.graphs:
+            return ["the model has not been compiled yet (no compile report)"]
+        blockers = [f"attention pass disabled ({p.disabled})" for p in self.pass_results(ATTENTION_PASS) if p.disabled]
+        blockers += [f"`{s.source}` (`{s.node}`): attention left alone: {s.reason}" for s in self.skipped(ATTENTION_PASS)]
+        return list(dict.fromkeys(blockers))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -105,6 +152,9 @@ class CompileReport:
         lines = [f"# bytescale_compile report ({len(self.graphs)} graph(s))", ""]
         if self.kernels:
             lines += ["Kernels: " + ", ".join(f"`{op}` {impl}" for op, impl in sorted(self.kernels.items())), ""]
+        layers = self.attention_layers()
+        if layers:
+            lines += ["## Attention per layer", ""] + [f"- {line}" for line in layers] + [""]
         for g in self.graphs:
             lines += [f"## Graph {g.graph_id}", ""]
             for p in g.passes:
@@ -112,6 +162,7 @@ class CompileReport:
             lines += _saved_markdown(g.saved_activations)
             if g.saved_activations_note:
                 lines += [f"### Saved activations: not listed ({g.saved_activations_note})", ""]
+            lines += _generated_markdown(g.generated)
             if graphs:
                 for title, text in (("before passes", g.graph_before), ("after passes", g.graph_after),
                                     ("forward (partitioned)", g.forward_graph), ("backward (partitioned)", g.backward_graph)):
@@ -144,3 +195,29 @@ def _saved_markdown(saved: list[SavedActivation]) -> list[str]:
               f"{a.layer if a.layer is not None else '-'} | `{a.source}` | {a.decision} |" for a in saved]
     lines.append("")
     return lines
+
+
+def _generated_markdown(generated: list[GeneratedCode]) -> list[str]:
+    lines = []
+    for code in generated:
+        fused = sum(len(k.fused_nodes) for k in code.kernels)
+        lines += [f"### Inductor, {code.graph} graph: {len(code.kernels)} kernels fusing {fused} nodes, "
+                  f"{len(code.extern_calls)} extern calls{' (FX graph cache hit)' if code.cache_hit else ''}", ""]
+        if code.kernels:
+            lines += ["| kernel | fused nodes |", "|---|---|"]
+            lines += [f"| `{k.name}` | {len(k.fused_nodes)}: {', '.join(k.fused_nodes)} |" for k in code.kernels]
+            lines.append("")
+        if code.extern_calls:
+            counts = {name: code.extern_calls.count(name) for name in code.extern_calls}
+            lines += ["Extern calls: " + ", ".join(f"`{name}` ×{n}" for name, n in counts.items()), ""]
+    return lines
+
+
+def _layer_key(source: str) -> tuple[int, str]:
+    m = _LAYER.search(source)
+    return (int(m.group(1)) if m else -1, source)
+
+
+def _layer_name(source: str) -> str:
+    m = _LAYER.search(source)
+    return f"layer {m.group(1)} (`{source}`)" if m else f"`{source}`"

@@ -2,38 +2,66 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
+from .auto import AUTO, plan_auto
 from .balance import plan_balance
 from .common import check_lengths
 from .cost_model import CostModel, Hardware, ModelShape
+from .topology import Topology
 from .hdp import plan_naive
 from .plan import MicroBatch, Plan, PlanError
 from .static import plan_static
+from .unsharded import plan_unsharded
 
-__all__ = ["plan", "CostModel", "Hardware", "ModelShape", "Plan", "MicroBatch", "PlanError", "STRATEGIES"]
+__all__ = ["plan", "AUTO", "CostModel", "Hardware", "ModelShape", "Plan", "MicroBatch", "PlanError", "STRATEGIES", "Topology"]
 
 STRATEGIES = ("balance", "naive", "static")
 
 
+@contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Planning allocates ~10^4 acyclic objects; each allocation burst can trigger a full collection that
+    walks every object of the process (10^5-10^6 with torch and sympy loaded: 150-200 ms, 4x the plan).
+    Reference counting frees a plan's objects, so the cyclic collector is paused while planning."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan(lengths: Sequence[int] | np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
          strategy: str = "balance", pp_size: int = 1, context_length: int | None = None,
-         offload: bool = True) -> Plan:
+         offload: bool = True, shard_blocker: str | None = None) -> Plan:
     """Plan one global batch of sequence `lengths` over `world_size` HDP ranks of `capacity` tokens.
 
     `offload` applies to "naive" (the ablation without offloading); "balance" always offloads and
-    "static" never does. `context_length` is the static mesh's row length (default: longest sequence).
+    "static" never does. "auto" (`AUTO`) plans balance at a few δ, with and without offloading, and
+    static, simulates each and returns the fastest, with `meta["auto"]` saying which won and by how much. `context_length` is the static mesh's row length (default: longest sequence).
+    `shard_blocker` says why the model cannot run a sequence over several ranks (an attention the ring
+    cannot run): every sequence is then its own micro-batch on one rank (`unsharded.py`), and one longer
+    than `capacity` raises `PlanError` with that reason.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy not in (*STRATEGIES, AUTO):
+        raise ValueError(f"strategy must be one of {(*STRATEGIES, AUTO)}, got {strategy!r}")
     for name, value in (("world_size", world_size), ("capacity", capacity), ("pp_size", pp_size)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     lens = check_lengths(lengths)
-    if strategy == "static":
-        return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length)
-    if strategy == "naive":
-        return plan_naive(lens, world_size, capacity, cost_model, pp_size, offload)
-    return plan_balance(lens, world_size, capacity, cost_model, pp_size)
+    with _no_cyclic_gc():
+        if shard_blocker is not None:
+            return plan_unsharded(lens, world_size, capacity, cost_model, strategy, pp_size, shard_blocker)
+        if strategy == "static":
+            return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length)
+        if strategy == "naive":
+            return plan_naive(lens, world_size, capacity, cost_model, pp_size, offload)
+        if strategy == AUTO:
+            return plan_auto(lens, world_size, capacity, cost_model, pp_size, context_length)
+        return plan_balance(lens, world_size, capacity, cost_model, pp_size)

@@ -3,9 +3,11 @@
 Sequences are sorted longest first and cut into buckets of about equal FLOPs. Each sequence then goes
 to the ranks that have the least work so far: a long one to its D(s) least-loaded ranks together,
 a short one into the open packed micro-batch of the least-loaded rank. Ranks that drew short work get
-more micro-batches, so all finish together (§5 "Redefine micro-batch"). With pp_size = 1 buckets are
-taken in order, so ranks run sequences of the same length level at the same time (DP-Balance); with
-pipelines they are taken round-robin so every pipeline gets a mix (PP-Balance).
+more micro-batches, so all finish together (§5 "Redefine micro-batch"). Buckets are taken in order, so
+ranks run sequences of the same length level at the same time (DP-Balance), and with pipelines each
+pipeline takes micro-batches of one or two adjacent length levels, the ones with shorter micro-batches
+more of them (PP-Balance, Insight 1): a 1F1B pipeline's fill and drain are set by its longest
+micro-batches, so mixing levels in one pipeline costs bubble time (`sim/pipeline.py`).
 
 D(s) is the fewest ranks that can *hold* a sequence; a sequence whose work on D(s) ranks exceeds the
 balanced per-rank time (total work / ranks) would alone set the step time, so it gets
@@ -35,9 +37,11 @@ from .plan import Plan
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["plan_balance", "flop_buckets"]
+__all__ = ["DEFAULT_DELTA", "plan_balance", "flop_buckets"]
 
 _DELTA_CANDIDATES = 4
+DEFAULT_DELTA = 0.01
+"""δ as a fraction of the balanced per-rank time (total work / ranks)."""
 
 
 def flop_buckets(flops: np.ndarray, order: np.ndarray, num_buckets: int) -> list[np.ndarray]:
@@ -47,16 +51,6 @@ def flop_buckets(flops: np.ndarray, order: np.ndarray, num_buckets: int) -> list
     cumulative = np.cumsum(flops[order])
     edges = np.searchsorted(cumulative, cumulative[-1] * np.arange(1, num_buckets) / num_buckets, side="right")
     return [b for b in np.split(order, edges) if b.size]
-
-
-def _interleave(buckets: list[np.ndarray]) -> np.ndarray:
-    """PP-Balance: one sequence from each bucket in turn."""
-    longest = max(b.size for b in buckets)
-    grid = np.full((len(buckets), longest), -1, dtype=np.int64)
-    for row, b in enumerate(buckets):
-        grid[row, : b.size] = b
-    flat = grid.T.ravel()
-    return flat[flat >= 0]
 
 
 @dataclass
@@ -184,16 +178,18 @@ def _spread_heavy(lens: np.ndarray, ranks: np.ndarray, ratio: np.ndarray, work: 
 
 
 def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
-                 delta: float | None = None, num_buckets: int = 16) -> Plan:
+                 delta: float | None = None, num_buckets: int = 16, offload: bool = True) -> Plan:
+    """`delta` defaults to 1% of the balanced per-rank time (`DEFAULT_DELTA`); `offload=False` is the
+    ablation that gives every long sequence its D(s, 0) ranks."""
     layers = max(1, cost_model.layers // pp_size)
-    ranks, ratio = ranks_needed(lens, world_size, capacity, cost_model, layers, offload=True)
+    ranks, ratio = ranks_needed(lens, world_size, capacity, cost_model, layers, offload=offload)
     builder = PlanBuilder("balance", lens, world_size, capacity, cost_model, pp_size, layers)
     flops = cost_model.flops(lens) if lens.size else np.zeros(0)
     order = np.argsort(-lens, kind="stable")
     buckets = flop_buckets(flops, order, num_buckets)
-    sequence = (np.concatenate(buckets) if pp_size == 1 else _interleave(buckets)) if buckets else order
+    sequence = np.concatenate(buckets) if buckets else order
     if delta is None:
-        delta = 0.01 * float(builder.seq_time.sum()) / world_size
+        delta = DEFAULT_DELTA * float(builder.seq_time.sum()) / world_size
     fastest = fastest_group(cost_model, lens, builder.seq_time, world_size) if lens.size else np.zeros(0, np.int64)
     ranks, ratio = _spread_heavy(lens, ranks, ratio, builder.seq_time, world_size, capacity, fastest)
     state = _Ranks(builder, world_size, capacity)
@@ -205,4 +201,5 @@ def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: C
             state.add_shared(i, ranks_list[i], widest[i], ratio_list[i], balanced)
         else:
             state.add_packed(i, lens_list[i], seq_time[i], delta)
-    return builder.build(state.schedule(), delta=delta, buckets=len(buckets), balance="dp" if pp_size == 1 else "pp")
+    return builder.build(state.schedule(), delta=delta, buckets=len(buckets), balance="dp" if pp_size == 1 else "pp",
+                         offload=offload)

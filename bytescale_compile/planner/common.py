@@ -63,9 +63,10 @@ def micro_batch_time(cost_model: CostModel, lens: np.ndarray, group_size: int, r
 
 def fastest_group(cost_model: CostModel, lens: np.ndarray, work: np.ndarray, world_size: int) -> np.ndarray:
     """Group size past which a sequence gets no faster: per-rank compute falls as work/d while the
-    ring's per-rank P2P grows toward its floor A = ring_time(s, 2) (then (d-1)·T_local = s), so the
-    two cross at d* = 1 + work / A."""
-    floor = np.maximum(cost_model.ring_time(lens, 2), 1e-12)
+    ring's per-rank P2P grows toward its floor A (then (d-1)·T_local = s, at the bandwidth of the
+    widest ring, which crosses the slowest links), so the two cross at d* = 1 + work / A."""
+    widest = cost_model.hardware.ring_bandwidth(world_size)
+    floor = np.maximum(cost_model.ring_bytes(lens, 2) / widest, 1e-12)
     return np.clip(1 + np.floor(work / floor), 1, np.minimum(world_size, lens)).astype(np.int64)
 
 
@@ -81,6 +82,13 @@ def fastest_time(cost_model: CostModel, lens: np.ndarray, work: np.ndarray, worl
     return np.minimum(*times)
 
 
+def _one_local_tokens(n: int, group_size: int) -> int:
+    """`local_tokens` of one sequence: rank r holds zigzag chunks r and 2d-1-r, each n // 2d tokens plus
+    one of the n % 2d left over for the first chunks, so the most is 2(n // 2d) plus 1 or 2."""
+    base, extra = divmod(n, 2 * group_size)
+    return 2 * base + (extra >= 1) + (extra >= group_size + 1)
+
+
 class PlanBuilder:
     """Collects micro-batches in a global order; each rank runs its own in that order (deadlock-free)."""
 
@@ -90,16 +98,39 @@ class PlanBuilder:
         self.cost_model, self.pp_size, self.layers_per_rank = cost_model, pp_size, layers_per_rank
         self.seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
         self.micro_batches: list[MicroBatch] = []
+        self._bandwidth: dict[int, float] = {}
+        self._lens_list: list[int] = lens.tolist()
+        self._seq_time_list: list[float] = self.seq_time.tolist()
 
     def time_of(self, sequences: Sequence[int], group_size: int, ratio: float) -> float:
-        """Estimated seconds of a micro-batch; a packed one is the sum of its sequences' precomputed times."""
+        """Estimated seconds of a micro-batch; a packed one is the sum of its sequences' precomputed times,
+        one sequence is computed in scalar arithmetic (the planner's hot path)."""
         if group_size == 1 and ratio == 0:
-            return float(self.seq_time[list(sequences)].sum())
+            return sum(self._seq_time_list[i] for i in sequences)
+        if len(sequences) == 1:
+            return self._one_sequence_time(sequences[0], group_size, ratio)
         return micro_batch_time(self.cost_model, self.lens[list(sequences)], group_size, ratio)
 
+    def _one_sequence_time(self, seq: int, group_size: int, ratio: float) -> float:
+        """`micro_batch_time` of one sequence, without numpy's per-call overhead."""
+        cm, n, d = self.cost_model, self._lens_list[seq], group_size
+        compute = self._seq_time_list[seq] / d
+        offload = cm.layers * (cm.alpha2 * n + cm.beta2) * ratio / cm.offload_bandwidth / d if ratio > 0 else 0.0
+        if d == 1:
+            return max(compute, offload)
+        if d not in self._bandwidth:
+            self._bandwidth[d] = float(cm.hardware.ring_bandwidth(d))
+        steps = cm.layers * 3 * (d - 1)
+        ring = steps * (_one_local_tokens(n, d) * cm.kv_bytes_per_token / self._bandwidth[d] + cm.latency)
+        return max(compute, ring, offload)
+
     def add(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float = 0.0) -> MicroBatch:
-        lens = self.lens[list(sequences)]
-        tokens = int(lens.sum()) if len(ranks) == 1 else local_tokens(lens, len(ranks))
+        if len(ranks) == 1:
+            tokens = sum(self._lens_list[i] for i in sequences)
+        elif len(sequences) == 1:
+            tokens = _one_local_tokens(self._lens_list[sequences[0]], len(ranks))
+        else:
+            tokens = local_tokens(self.lens[list(sequences)], len(ranks))
         mb = MicroBatch(id=len(self.micro_batches), ranks=tuple(int(r) for r in ranks),
                         sequences=tuple(int(s) for s in sequences), offload_ratio=float(ratio),
                         tokens_per_rank=tokens, est_time=self.time_of(sequences, len(ranks), ratio))

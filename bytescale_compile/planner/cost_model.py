@@ -18,7 +18,10 @@ from pathlib import Path
 import numpy as np
 import sympy
 
-__all__ = ["CEIL_RTOL", "EXPRS", "KERNELS_PER_LAYER", "PRESETS", "CostModel", "Hardware", "ModelShape"]
+from .topology import Topology
+
+__all__ = ["CEIL_RTOL", "EXPRS", "HARDWARE_PRESETS", "KERNELS_PER_LAYER", "PRESETS", "CostModel", "Hardware", "ModelShape",
+           "Topology"]
 
 BF16 = 2
 """Bytes per element of the bf16 activations, gradients and parameters the analytic model assumes."""
@@ -87,7 +90,9 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One HDP rank: a GPU, or a TP group seen as one rank."""
+    """One HDP rank: a GPU, or a TP group seen as one rank. With a `topology`, ring P2P runs at the
+    bandwidth of the links a ring crosses (`Topology`); without one, every rank has its own
+    `network_bandwidth` link and rings never meet."""
 
     name: str = "h100"
     matmul_flops: float = 989e12
@@ -100,17 +105,67 @@ class Hardware:
     h2d_bandwidth: float = 25e9
     """Bytes/s, PCIe host to device (reload)."""
     network_bandwidth: float = 25e9
-    """Bytes/s per rank, for ring P2P and all-reduce."""
+    """Bytes/s per rank, for ring P2P (without a topology) and the gradient all-reduce."""
     latency: float = 10e-6
     """Seconds per message or kernel launch (the gamma of T(s))."""
+    topology: Topology | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "name" and not (math.isfinite(value) and value > 0):
+            if f.name not in ("name", "topology") and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"Hardware {self.name!r}: {f.name} must be a positive number, got {value}")
         if self.mfu > 1:
             raise ValueError(f"Hardware {self.name!r}: mfu must be <= 1, got {self.mfu}")
+        if self.topology is not None and not isinstance(self.topology, Topology):
+            raise TypeError(f"Hardware {self.name!r}: topology must be a Topology, got {type(self.topology).__name__}")
+
+    @classmethod
+    def preset(cls, name: str, tp_size: int = 1) -> Hardware:
+        """One HDP rank of TP `tp_size` devices on a cluster of `HARDWARE_PRESETS`: peak FLOPs, HBM, PCIe and
+        NIC shares scale with the rank's devices."""
+        if name not in HARDWARE_PRESETS:
+            raise ValueError(f"unknown hardware preset {name!r}; presets: {', '.join(HARDWARE_PRESETS)}")
+        return HARDWARE_PRESETS[name](tp_size)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Hardware:
+        """The inverse of `dataclasses.asdict` (what `CostModel.save` writes)."""
+        topology = data.get("topology")
+        return cls(**{**data, "topology": Topology(**topology) if topology is not None else None})
+
+    def ring_bandwidth(self, group_size) -> np.ndarray:
+        """Bytes/s per rank of a ring of `group_size` adjacent ranks (vectorised)."""
+        if self.topology is None:
+            return np.full(np.shape(group_size), self.network_bandwidth)
+        return self.topology.aligned_ring_bandwidth(group_size)
+
+
+def _l20_cluster(tp_size: int) -> Hardware:
+    """The paper's cluster (the draft text of §6.1): 16 L20s per server (119.5 TFLOP/s dense bf16, 48 GB), 4
+    PCIe switches each linking 4 GPUs and 2 NICs, PCIe 64 GB/s bidirectional (32 per direction), 8 x 400
+    Gbps RDMA per server. Assumed: a switch's uplink to the host is one x16 link (32 GB/s per direction), and
+    the offload copies of the switch's GPUs share it."""
+    topology = Topology(devices_per_node=16, devices_per_switch=4, tp_size=tp_size, device_link=32e9,
+                        switch_uplink=32e9, nic_bandwidth=50e9, nics_per_node=8)
+    offload = topology.switch_uplink / topology.ranks_per_switch
+    return Hardware(name=f"l20-tp{tp_size}", matmul_flops=tp_size * 119.5e12, hbm_bytes=tp_size * 48e9,
+                    d2h_bandwidth=offload, h2d_bandwidth=offload, network_bandwidth=topology.rank_rail,
+                    topology=topology)
+
+
+def _h100_nvlink(tp_size: int) -> Hardware:
+    """8 H100 SXM per node on one NVSwitch (NVLink 450 GB/s per direction), one 400 Gbps NIC per GPU, each
+    GPU with its own PCIe x16 Gen5 link to the host (about 50 GB/s per direction for offload)."""
+    topology = Topology(devices_per_node=8, devices_per_switch=8, tp_size=tp_size, device_link=450e9,
+                        switch_uplink=450e9, nic_bandwidth=50e9, nics_per_node=8)
+    return Hardware(name=f"h100-nvlink-tp{tp_size}", matmul_flops=tp_size * 989e12, hbm_bytes=tp_size * 80e9,
+                    d2h_bandwidth=tp_size * 50e9, h2d_bandwidth=tp_size * 50e9,
+                    network_bandwidth=topology.rank_rail, topology=topology)
+
+
+HARDWARE_PRESETS = {"l20": _l20_cluster, "h100-nvlink": _h100_nvlink}
+"""Clusters by name; each builds the Hardware of one HDP rank for a TP size."""
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -159,6 +214,7 @@ _ACT_FN = sympy.lambdify(_ARGS, _ACT, "numpy")
 _D_FRAC_FN = sympy.lambdify(_ARGS, _D_FRAC, "numpy")
 _R_OVERLAP_FN = sympy.lambdify(_ARGS, _R_OVERLAP, "numpy")
 _R_SAVES_ONE_FN = sympy.lambdify(_ARGS, _R_SAVES_ONE, "numpy")
+_R_NEED_FN = sympy.lambdify((*_ARGS, W_), _R_NEED, "numpy")
 
 # Where, along s, D(s) <= W can switch: r_overlap crossing 1, r_low or r_need; r_low reaching 1;
 # r_need reaching 0 (s = W x C without offload) or 1 (s = W x C x l / 2 with full offload). Numerators
@@ -264,7 +320,7 @@ class CostModel:
             if data.get("format") != _FORMAT:
                 raise ValueError(f"'format' is {data.get('format')!r}, expected {_FORMAT!r}")
             return cls(**data["coefficients"], layers=data["layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
-                       param_bytes=data["param_bytes"], hardware=Hardware(**data["hardware"]), source=data["source"])
+                       param_bytes=data["param_bytes"], hardware=Hardware.from_dict(data["hardware"]), source=data["source"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"cost model file {path} is not a valid cost model: {type(e).__name__}: {e}") from None
 
@@ -368,6 +424,17 @@ class CostModel:
         d[long], r[long] = self._ranks_long(s_long, r_long, capacity, l), r_long
         return d, r
 
+    def ratio_for_ranks(self, s, ranks, capacity: int, layers_per_rank: int | None = None) -> np.ndarray:
+        """The least offload ratio r with D(s, r) <= `ranks` (Eq. 2 solved for r), 0 where the sequence fits
+        without offloading; above 1 where no ratio does (more than l/2 x ranks x C tokens)."""
+        l = self._layers_per_rank(layers_per_rank)
+        _check_capacity(capacity)
+        s, w = np.broadcast_arrays(np.asarray(s, np.float64), np.asarray(ranks, np.float64))
+        if l <= 2:
+            return np.where(self.ranks_needed(s, 0.0, capacity, l) <= w, 0.0, np.inf)
+        r = np.maximum(_R_NEED_FN(s, 0, capacity, l, *self._coeffs(), w), 0.0)
+        return np.where(self.ranks_needed(s, r, capacity, l) <= w, r, np.nextafter(r, np.inf) + CEIL_RTOL)
+
     def _ranks_long(self, s: np.ndarray, r: np.ndarray, capacity: int, l: int) -> np.ndarray:
         """D(s, r) for s > C: the ceiling of Eq. 2's fraction, at least 1."""
         return np.maximum(_ceil(_D_FRAC_FN(s, r, capacity, l, *self._coeffs())), 1)
@@ -400,10 +467,12 @@ class CostModel:
         return steps * np.asarray(tokens_per_rank, np.float64) * self.kv_bytes_per_token
 
     def ring_time(self, tokens_per_rank, group_size) -> np.ndarray:
-        """Ring P2P seconds per rank for one micro-batch (`ring_bytes` at the network bandwidth, each
-        transfer paying `latency`). 0 for a group of one."""
+        """Ring P2P seconds per rank for one micro-batch: `ring_bytes` at the ring's bandwidth (the
+        hardware's topology for a group of adjacent ranks, `Hardware.ring_bandwidth`), each transfer
+        paying `latency`. 0 for a group of one."""
         steps = self.layers * 3 * (np.asarray(group_size, np.float64) - 1)
-        return self.ring_bytes(tokens_per_rank, group_size) / self.network_bandwidth + steps * self.latency
+        bandwidth = self.hardware.ring_bandwidth(group_size)
+        return self.ring_bytes(tokens_per_rank, group_size) / bandwidth + steps * self.latency
 
     def offload_time(self, s, r) -> np.ndarray:
         """Seconds to move a fraction r of s tokens' activations over PCIe, all layers."""

@@ -3,6 +3,14 @@ of the short ones to capacity C, then every rank gets about the same number of t
 
 Balancing tokens rather than time is what makes it naive: attention is quadratic, so ranks holding
 slices of long sequences finish later than ranks holding packed short ones (§5).
+
+With offloading, Eq. 2's D(s) is the fewest ranks that can *hold* a sequence: at full offload a 2M
+sequence fits 16 ranks, which then compute for minutes while the rest of the step is long over. So
+offloading lowers a sequence's ranks from D(s, 0) only while its micro-batch gets no slower: down to
+the ranks whose compute share still hides under its time on D(s, 0) ranks (ring P2P or compute),
+with the least r that fits it there (`naive_ranks`). Compute-bound sequences keep D(s, 0), as in the
+paper's trace (a 312K sequence over 39 = 312K / 8K ranks); ring-bound ones shed the ranks whose
+compute the ring was hiding. Offloading then never makes a micro-batch slower under the cost model.
 """
 
 from __future__ import annotations
@@ -13,12 +21,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .common import PlanBuilder, best_fit_pack
+from .cost_model import CEIL_RTOL
 from .plan import Plan, PlanError
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["plan_naive", "ranks_needed"]
+__all__ = ["plan_naive", "ranks_needed", "naive_ranks"]
 
 
 def ranks_needed(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, layers_per_rank: int,
@@ -35,10 +44,30 @@ def ranks_needed(lens: np.ndarray, world_size: int, capacity: int, cost_model: C
     return ranks, ratio
 
 
+def naive_ranks(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
+                layers_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """D and r of naive HDP with offloading: between Eq. 2's offloaded D(s, r*) and the D(s, 0) of no
+    offloading, the fewest ranks on which the sequence is no slower than on D(s, 0), and the least r
+    that fits it there. Its offload copies hide under its compute (r <= r* <= r_overlap)."""
+    low, _ = ranks_needed(lens, world_size, capacity, cost_model, layers_per_rank, offload=True)
+    high = np.minimum(cost_model.ranks_and_ratio(lens, capacity, layers_per_rank, offload=False)[0], world_size)
+    high = np.maximum(high, low)
+    work = cost_model.seq_time(lens)
+    ring = np.where(high > 1, cost_model.ring_time(lens / np.maximum(high, 1), high), 0.0)
+    baseline = np.maximum(work / np.maximum(high, 1), ring)
+    free = np.ceil(work / np.maximum(baseline, 1e-300) * (1 - CEIL_RTOL)).astype(np.int64)
+    ranks = np.where(low > 0, np.clip(free, low, high), 0)
+    ratio = np.clip(cost_model.ratio_for_ranks(lens, np.maximum(ranks, 1), capacity, layers_per_rank), 0.0, 1.0)
+    return ranks, np.where(ranks > 0, ratio, 0.0)
+
+
 def plan_naive(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
                offload: bool = True) -> Plan:
     layers = max(1, cost_model.layers // pp_size)
-    ranks, ratio = ranks_needed(lens, world_size, capacity, cost_model, layers, offload)
+    if offload and lens.size:
+        ranks, ratio = naive_ranks(lens, world_size, capacity, cost_model, layers)
+    else:
+        ranks, ratio = ranks_needed(lens, world_size, capacity, cost_model, layers, offload)
     builder = PlanBuilder("naive", lens, world_size, capacity, cost_model, pp_size, layers if offload else 0)
     long_ids = np.flatnonzero(ranks > 0)
     long_ids = long_ids[np.argsort(-ranks[long_ids], kind="stable")]

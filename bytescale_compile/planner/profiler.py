@@ -215,9 +215,9 @@ def profile_model(
     K/V and parameter bytes use the model's own element size.
 
     `ranks_per_device` > 1 (CPU only) measures the layer as that many ranks sharing this CPU run it: as
-    many processes at once, each with its share of the cores (as `examples/train.py` sets them), the
-    median of their times per length. One process alone on every core would predict steps several
-    times shorter than the ranks see.
+    many processes at once, each with its share of the cores (as `python -m bytescale_compile.train`
+    sets them), the median of their times per length. One process alone on every core would predict
+    steps several times shorter than the ranks see.
     """
     if ranks_per_device < 1:
         raise ValueError(f"ranks_per_device must be >= 1, got {ranks_per_device}")

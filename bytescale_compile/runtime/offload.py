@@ -6,15 +6,16 @@
     with act_ctx: loss.backward()          # ... and come back, one layer ahead of their use
 
 The offload pass (`passes/offload.py`) routes every token-carrying saved activation of the compiled
-forward through `offload_saved` and hands the backward only small handle tensors — {micro-batch, call,
-member} — so the graph carries no activation and never changes when r does: r is read here, at run
-time, from the micro-batch's entry in `offload_ratios`. A saved storage is token-major (the token
+forward through the `bytescale::offload_saved` op (`ops/offload.py`), which hands the backward only
+data-less handles keyed by a `SavedKey` {act_ctx, micro-batch, call}, so the graph carries no activation
+and never changes when r does: r is read here, at run time, from the micro-batch's entry in
+`offload_ratios`. A saved storage is token-major (the token
 dimension is outermost in memory), so its first ⌊r·T⌋ tokens are one contiguous prefix: that prefix
 goes to a pooled host buffer, the rest stays on the device as its own (smaller) tensor, and the
 original storage is released. On CUDA the copies run on a device-to-host and a host-to-device stream
 ordered by events (host buffers pinned); on CPU the same code runs with plain copies and no streams.
 
-Without an active act_ctx the ops pass tensors through untouched (the eager model's behaviour).
+Without an active act_ctx the ops keep the storage as it is (the eager model's behaviour).
 """
 
 from __future__ import annotations
@@ -35,12 +36,10 @@ __all__ = [
     "ActivationContext",
     "OffloadStats",
     "current_act_ctx",
+    "SavedKey",
     "get_act_ctx",
-    "offload_saved",
-    "reload_saved",
+    "token_major_storage",
 ]
-
-_HANDLE_DTYPE = torch.int64
 
 
 @dataclass
@@ -64,13 +63,20 @@ class OffloadStats:
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
 
+@dataclass(frozen=True)
+class SavedKey:
+    """Where the act_ctx keeps one saved storage: what the forward's handles carry to the backward."""
+
+    uid: int
+    micro_batch_id: int
+    call: int
+
+
 @dataclass
 class _Saved:
     """One saved storage of one forward call: its members, split into a host prefix and a device rest."""
 
     layer: int
-    members: list[tuple[torch.Size, tuple[int, ...], int]]
-    """(size, stride, storage_offset) of every saved tensor viewing the storage."""
     numel: int
     dtype: torch.dtype
     device: torch.device
@@ -183,14 +189,14 @@ class ActivationContext:
         return len(self._waiting[micro_batch_id])
 
     # --- forward --------------------------------------------------------------------------------
-    def offload(self, layer: int, token_dim: int, keep: bool, members: Sequence[Tensor]) -> list[Tensor]:
-        """Take the storage `members` share; return one handle per member for the backward."""
+    def offload(self, layer: int, token_dim: int, keep: bool, member: Tensor) -> SavedKey:
+        """Take the storage `member` views; return the key its backward reloads it by."""
         mb = self.micro_batch_id
-        flat, per_token = _token_major_storage(members[0], token_dim)
+        flat, per_token = token_major_storage(member, token_dim)
         tokens = flat.numel() // per_token if per_token else 0
         offloaded = 0 if keep or not per_token else math.floor(self.offload_ratios[mb] * tokens) * per_token
-        saved = _Saved(layer=layer, members=[(m.shape, m.stride(), m.storage_offset()) for m in members],
-                       numel=flat.numel(), dtype=flat.dtype, device=flat.device, offloaded=offloaded, rest=flat)
+        saved = _Saved(layer=layer, numel=flat.numel(), dtype=flat.dtype, device=flat.device, offloaded=offloaded,
+                       rest=flat)
         if offloaded:
             self._to_host(saved, flat)
         stats = self.stats[mb]
@@ -198,7 +204,7 @@ class ActivationContext:
         stats.add_resident(saved.rest_bytes)
         call = next(self._calls)
         self._waiting[mb][call] = saved
-        return [torch.tensor([self.uid, mb, call, i], dtype=_HANDLE_DTYPE) for i in range(len(members))]
+        return SavedKey(self.uid, mb, call)
 
     def _to_host(self, saved: _Saved, flat: Tensor) -> None:
         streams = _streams.for_device(flat.device)
@@ -217,9 +223,9 @@ class ActivationContext:
         saved.host = host
 
     # --- backward -------------------------------------------------------------------------------
-    def reload(self, layer: int, handles: Sequence[Tensor]) -> list[Tensor]:
-        """The members again, from the handles the forward returned; prefetches the next layer down."""
-        uid, mb, call, _ = (int(x) for x in handles[0])
+    def reload(self, layer: int, key: SavedKey) -> Tensor:
+        """The whole storage again, flat, from the key the forward returned; prefetches the next layer down."""
+        uid, mb, call = key.uid, key.micro_batch_id, key.call
         if uid != self.uid or mb != self.micro_batch_id:
             raise ContextError(
                 f"saved activations of layer {layer} belong to micro-batch {mb} of act_ctx #{uid}, but the backward "
@@ -243,7 +249,7 @@ class ActivationContext:
         if saved.ready is not None:
             torch.cuda.current_stream(full.device).wait_event(saved.ready)
         self._in_use[mb].append(saved)
-        return [full.as_strided(size, stride, offset) for size, stride, offset in saved.members]
+        return full
 
     def _release_above(self, mb: int, layer: int) -> None:
         """The backward moved down to `layer`: storages of the layers above it are done with (freed)."""
@@ -291,7 +297,7 @@ class ActivationContext:
                     self._fetch(saved, mb)
 
 
-def _token_major_storage(t: Tensor, token_dim: int) -> tuple[Tensor, int]:
+def token_major_storage(t: Tensor, token_dim: int) -> tuple[Tensor, int]:
     """The whole storage `t` views, flat, and its elements per token; 0 per token when the storage is not
     token-major (tokens outermost, exactly T of them), so no token prefix of it is contiguous."""
     numel = t.untyped_storage().nbytes() // t.element_size()
@@ -313,28 +319,3 @@ def current_act_ctx() -> ActivationContext | None:
 def get_act_ctx(num_micro_batch: int, offload_ratios: Sequence[float]) -> ActivationContext:
     """The paper's `get_act_ctx`: one per step, `offload_ratios[i]` the r of micro-batch i."""
     return ActivationContext(num_micro_batch, offload_ratios)
-
-
-def offload_saved(layer: int, token_dim: int, keep: bool, *members: Tensor) -> tuple[Tensor, ...]:
-    """Graph op (forward): hand one saved storage to the act_ctx; without one, pass the members through.
-
-    `layer` orders the reloads (-1: outside the transformer layers), `token_dim` is the token dimension
-    of the first member, `keep` leaves the storage resident whatever the ratio (counted all the same).
-    """
-    ctx = current_act_ctx()
-    if ctx is None:
-        return members
-    return tuple(ctx.offload(layer, token_dim, keep, members))
-
-
-def reload_saved(layer: int, *slots: Tensor) -> tuple[Tensor, ...]:
-    """Graph op (backward): the saved members again, from handles or (no act_ctx in the forward) themselves."""
-    if slots[0].is_floating_point():
-        return slots
-    ctx = current_act_ctx()
-    if ctx is None:
-        uid, mb = int(slots[0][0]), int(slots[0][1])
-        raise ContextError(
-            f"the backward needs the saved activations of layer {layer}, which the forward left in act_ctx #{uid} "
-            f"(micro-batch {mb}); run the backward inside `with act_ctx:` after act_ctx.update_micro_batch_id({mb})")
-    return tuple(ctx.reload(layer, slots))

@@ -18,8 +18,10 @@ STRATEGY_SPECS: dict[str, tuple[str, bool]] = {
     "naive-nooffload": ("naive", False),
     "naive": ("naive", True),
     "balance": ("balance", True),
+    "auto": ("auto", True),
 }
-"""CLI name -> (planner strategy, offload). "naive-nooffload" is the paper's communication-only ablation."""
+"""CLI name -> (planner strategy, offload). "naive-nooffload" is the paper's communication-only ablation;
+"auto" the fastest of balance and static candidates under the simulator (`planner/auto.py`)."""
 
 
 @dataclass

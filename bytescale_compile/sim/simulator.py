@@ -2,53 +2,165 @@
 
 Each rank runs its schedule in order. A packed micro-batch starts when its rank is free; a shared one
 when all its ranks are (ring attention keeps the group in lockstep), the early ones idling until then.
-Its time is the planner's estimate: compute split by zigzag, overlapped with the ring P2P and the
-offload copies. With pp_size > 1 each HDP rank is a pipeline of pp stages running 1F1B; it is
-modelled to first order (each micro-batch occupies the pipeline for time/pp, plus a bubble of
-(pp-1)/pp of its longest micro-batch). The step ends with one gradient all-reduce over all ranks.
+A micro-batch takes its compute split by zigzag, overlapped with the ring P2P and the offload copies,
+whichever is longest. Without a topology (`Hardware.topology`) that is the planner's estimate. With one,
+each ring hop is charged to the links it crosses (`Topology.hop`), and a link's bandwidth is shared
+among the hops of every ring whose span overlaps on it: the timeline is re-run with the shared
+bandwidths until it settles (`CONTENTION_ROUNDS` at most). With pp_size > 1 each HDP rank is a pipeline
+of pp stages: its micro-batches occupy it for time/pp each, and it ends with the fill and drain of its
+1F1B run stage by stage (`sim/pipeline.py`; activation sends between stages are not charged). The step
+ends with one gradient all-reduce over all ranks.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..planner.common import fastest_time
-from ..planner.plan import Plan, PlanError
+from ..planner.plan import MicroBatch, Plan, PlanError
+from .pipeline import first_order_bubble, one_f_one_b
 from .timeline import Span, Timeline
 
 if TYPE_CHECKING:
     from ..planner.cost_model import CostModel
+    from ..planner.topology import Link, Topology
 
-__all__ = ["simulate", "busy_times", "lower_bound", "p2p_bytes", "throughput"]
+__all__ = ["CONTENTION_ROUNDS", "simulate", "step_time", "bubble_rates", "busy_times", "lower_bound", "p2p_bytes", "throughput"]
+
+CONTENTION_ROUNDS = 4
+"""Re-runs of the timeline with link bandwidths shared among the rings that overlap in it."""
 
 
 def simulate(plan: Plan, cost_model: CostModel) -> Timeline:
     """The per-rank timeline of one training step under `plan`."""
+    return _timeline(plan, cost_model, *_settle(plan, cost_model))
+
+
+def step_time(plan: Plan, cost_model: CostModel) -> float:
+    """`simulate(plan, cost_model).step_time` without building the timeline's spans."""
+    duration, start = _settle(plan, cost_model)
+    return _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start))
+
+
+def _settle(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], dict[int, float]]:
+    """Every micro-batch's duration and start, link bandwidths shared among overlapping rings."""
+    topology = cost_model.hardware.topology
+    if topology is None:
+        duration = {m.id: m.est_time for m in plan.micro_batches}
+        return duration, _starts(plan, duration)
+    flows = {m.id: topology.ring_flows(sorted(m.ranks)) for m in plan.micro_batches if m.shared}
+    alone = {i: min(topology.bandwidth(link) / n for link, n in f.items()) for i, f in flows.items()}
+    sharing = _LinkSharing.of(flows, topology)
+    bandwidth = alone
+    duration = _durations(plan, cost_model, bandwidth)
+    start = _starts(plan, duration)
+    for _ in range(CONTENTION_ROUNDS if sharing.links else 0):
+        shared = sharing.bandwidth(alone, start, duration, plan.pp_size)
+        if all(abs(shared[i] - bandwidth[i]) <= 1e-9 * bandwidth[i] for i in shared):
+            break
+        bandwidth = shared
+        duration = _durations(plan, cost_model, bandwidth)
+        start = _starts(plan, duration)
+    return duration, start
+
+
+def _durations(plan: Plan, cost_model: CostModel, bandwidth: dict[int, float]) -> dict[int, float]:
+    """Seconds of each micro-batch; a shared one's ring at its own bandwidth (bytes/s per rank)."""
+    lens = np.asarray(plan.sequences)
+    seq_time = cost_model.seq_time(lens)
+    out = {}
+    for m in plan.micro_batches:
+        out[m.id] = m.est_time if not m.shared else _shared_time(m, cost_model, seq_time, lens, bandwidth[m.id])
+    return out
+
+
+def _shared_time(m: MicroBatch, cost_model: CostModel, seq_time: np.ndarray, lens: np.ndarray, bandwidth: float) -> float:
+    d, ids = len(m.ranks), list(m.sequences)
+    compute = float(seq_time[ids].sum()) / d
+    ring = float(cost_model.ring_bytes(m.tokens_per_rank, d)) / bandwidth + cost_model.layers * 3 * (d - 1) * cost_model.latency
+    offload = float(cost_model.offload_time(lens[ids], m.offload_ratio).sum()) / d if m.offload_ratio > 0 else 0.0
+    return max(compute, ring, offload)
+
+
+@dataclass(frozen=True)
+class _LinkSharing:
+    """The (link, ring) pairs on links more than one ring crosses, as flat arrays."""
+
+    links: int
+    link: np.ndarray
+    ring: np.ndarray
+    hops: np.ndarray
+    bandwidth_of: np.ndarray
+
+    @classmethod
+    def of(cls, flows: dict[int, dict[Link, int]], topology: Topology) -> _LinkSharing:
+        users: dict[Link, list[int]] = defaultdict(list)
+        for i, f in flows.items():
+            for link in f:
+                users[link].append(i)
+        shared = [(link, ids) for link, ids in users.items() if len(ids) > 1]
+        link = np.array([k for k, (_, ids) in enumerate(shared) for _ in ids], np.int64)
+        ring = np.array([i for _, ids in shared for i in ids], np.int64)
+        hops = np.array([flows[i][lk] for lk, ids in shared for i in ids], np.float64)
+        bandwidth_of = np.array([topology.bandwidth(lk) for lk, ids in shared for _ in ids], np.float64)
+        return cls(len(shared), link, ring, hops, bandwidth_of)
+
+    def bandwidth(self, alone: dict[int, float], start: dict[int, float], duration: dict[int, float],
+                  pp: int) -> dict[int, float]:
+        """Each ring's bytes/s per rank when every link's bandwidth is split among the hops of all rings
+        whose spans overlap on it: the slowest of its links (`alone` covers those it has to itself).
+        Ring j overlaps ring i iff begin_j < end_i and not end_j <= begin_i; both counts are prefix sums
+        over the (link, time)-sorted begins and ends."""
+        begin = np.array([start[i] for i in self.ring.tolist()])
+        end = begin + np.array([duration[i] for i in self.ring.tolist()]) / pp
+        offset = self.link * (float(end.max()) + 1.0)
+        begins, ends = offset + begin, offset + end
+        total = (self._hops_below(begins, ends, offset, "left") - self._hops_below(ends, begins, offset, "right"))
+        out = dict(alone)
+        for i, bw in zip(self.ring.tolist(), (self.bandwidth_of / total).tolist()):
+            if bw < out[i]:
+                out[i] = bw
+        return out
+
+    def _hops_below(self, keys: np.ndarray, limits: np.ndarray, offset: np.ndarray, side: str) -> np.ndarray:
+        """Per pair: the hops of the pairs on the same link whose key is below its limit (or equal, "right")."""
+        order = np.argsort(keys, kind="stable")
+        cumulative = np.concatenate(([0.0], np.cumsum(self.hops[order])))
+        sorted_keys = keys[order]
+        return (cumulative[np.searchsorted(sorted_keys, limits, side=side)]
+                - cumulative[np.searchsorted(sorted_keys, offset, side="left")])
+
+
+def _starts(plan: Plan, duration: dict[int, float]) -> dict[int, float]:
+    """Every micro-batch's start: each rank runs its schedule in order, a shared micro-batch starting
+    when its last rank arrives."""
     by_id = {m.id: m for m in plan.micro_batches}
     pp = plan.pp_size
     clock = [0.0] * plan.world_size
     head = [0] * plan.world_size
     arrived: dict[int, int] = {}
-    spans: list[Span] = []
+    start: dict[int, float] = {}
     todo = deque(range(plan.world_size))
     while todo:
         rank = todo.popleft()
-        while head[rank] < len(plan.schedule[rank]):
-            mb = by_id[plan.schedule[rank][head[rank]]]
-            if not mb.shared:
-                spans.append(Span(rank, clock[rank], clock[rank] + mb.est_time / pp, mb.id, "packed", mb.tokens_per_rank, 1))
-                clock[rank] += mb.est_time / pp
+        schedule = plan.schedule[rank]
+        while head[rank] < len(schedule):
+            mb = by_id[schedule[head[rank]]]
+            if len(mb.ranks) == 1:
+                start[mb.id] = clock[rank]
+                clock[rank] += duration[mb.id] / pp
                 head[rank] += 1
                 continue
             arrived[mb.id] = arrived.get(mb.id, 0) + 1
             if arrived[mb.id] == len(mb.ranks):
-                start = max(clock[r] for r in mb.ranks)
+                begin = max(clock[r] for r in mb.ranks)
+                start[mb.id] = begin
                 for r in mb.ranks:
-                    spans.append(Span(r, start, start + mb.est_time / pp, mb.id, "shared", mb.tokens_per_rank, len(mb.ranks)))
-                    clock[r] = start + mb.est_time / pp
+                    clock[r] = begin + duration[mb.id] / pp
                     head[r] += 1
                     if r != rank:
                         todo.append(r)
@@ -57,14 +169,58 @@ def simulate(plan: Plan, cost_model: CostModel) -> Timeline:
     stuck = [r for r in range(plan.world_size) if head[r] < len(plan.schedule[r])]
     if stuck:
         raise PlanError(f"simulation deadlocked: ranks {stuck[:8]} wait on shared micro-batches that never assemble")
+    return start
+
+
+def _rank_ends(plan: Plan, duration: dict[int, float], start: dict[int, float]) -> list[float]:
+    """When each rank's last micro-batch ends."""
+    clock = [0.0] * plan.world_size
+    for m in plan.micro_batches:
+        end = start[m.id] + duration[m.id] / plan.pp_size
+        for r in m.ranks:
+            if end > clock[r]:
+                clock[r] = end
+    return clock
+
+
+def _drain(plan: Plan, duration: dict[int, float], rank: int) -> float:
+    """What a rank's pipeline adds to its micro-batches' time / pp: its 1F1B run stage by stage."""
+    times = [duration[i] for i in plan.schedule[rank]]
+    return one_f_one_b(times, plan.pp_size).makespan - sum(times) / plan.pp_size
+
+
+def _step_end(plan: Plan, cost_model: CostModel, duration: dict[int, float], clock: list[float]) -> float:
+    """With pp > 1 each rank's pipeline adds its 1F1B fill and drain (`_drain`); then the gradient
+    all-reduce over all ranks."""
+    pp = plan.pp_size
     if pp > 1:
-        for r in range(plan.world_size):
-            longest = max((by_id[i].est_time for i in plan.schedule[r]), default=0.0)
-            clock[r] += (pp - 1) / pp * longest
-    start = max(clock, default=0.0)
+        clock = [c + _drain(plan, duration, r) for r, c in enumerate(clock)]
     sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
-    spans.extend(Span(r, start, start + sync, -1, "allreduce") for r in range(plan.world_size))
+    return max(clock, default=0.0) + sync
+
+
+def _timeline(plan: Plan, cost_model: CostModel, duration: dict[int, float], start: dict[int, float]) -> Timeline:
+    """The spans of every micro-batch on every rank, then the all-reduce."""
+    spans: list[Span] = []
+    for m in plan.micro_batches:
+        end = start[m.id] + duration[m.id] / plan.pp_size
+        kind = "shared" if m.shared else "packed"
+        spans.extend(Span(r, start[m.id], end, m.id, kind, m.tokens_per_rank, len(m.ranks)) for r in m.ranks)
+    end = _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start))
+    sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
+    spans.extend(Span(r, end - sync, end, -1, "allreduce") for r in range(plan.world_size))
     return Timeline(plan.strategy, plan.world_size, spans)
+
+
+def bubble_rates(plan: Plan, cost_model: CostModel) -> tuple[float, float]:
+    """Mean over ranks of the pipeline bubble rate: stage by stage (1F1B) and the first-order model's."""
+    if plan.pp_size == 1 or not plan.micro_batches:
+        return 0.0, 0.0
+    duration, _ = _settle(plan, cost_model)
+    runs = [[duration[i] for i in ids] for ids in plan.schedule if ids]
+    staged = [one_f_one_b(t, plan.pp_size).bubble_rate for t in runs]
+    first = [first_order_bubble(t, plan.pp_size).bubble_rate for t in runs]
+    return float(np.mean(staged)), float(np.mean(first))
 
 
 def busy_times(timeline: Timeline) -> np.ndarray:

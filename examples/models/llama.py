@@ -65,15 +65,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """RoPE angles computed from position_ids, so packed sequences restart at position 0."""
+    """RoPE angles computed from position_ids, so packed sequences restart at position 0.
+
+    The frequencies are made in fp32 at every call rather than kept as a buffer: `model.to(bfloat16)` would
+    cast a buffer too, and bf16 frequencies put the angle ~14 rad off at position 32,000.
+    """
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=position_ids.device)
+        inv_freq = 1.0 / self.theta ** (steps / self.head_dim)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -6,13 +6,20 @@ runs its own micro-batches in plan order — different counts on different ranks
 under each micro-batch's context and the step's act_ctx (which offloads the micro-batch's share r of
 its saved activations, paper §4.2); ranks sharing a micro-batch meet in its ring. One bucketed
 all-reduce sums the gradients (the loss is token-level, so a plain sum equals data parallelism's
-gradient, paper Eq. 2 = Eq. 1), then clipping and the optimizer step. Strategies differ only in
-the plan: "balance", "naive" and "static" all run through this code.
+gradient, paper Eq. 2 = Eq. 1), then clipping and the optimizer step — skipped on every rank when
+the loss or the gradient norm is not finite (both are the same on every rank after the reductions).
+Strategies differ only in the plan: "balance", "naive" and "static" all run through this code.
+
+Mixed precision is autocast around the forward only: parameters, gradients and optimizer state stay
+fp32 (the master weights), the loss comes back in fp32, and the backward runs outside autocast as
+PyTorch recommends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,12 +32,17 @@ from torch import nn
 
 from ..api import OptimizedModule, optimize
 from ..config import Config
-from ..planner import CostModel, MicroBatch, ModelShape, Plan, plan
-from .batch import build_micro_batch, num_targets
-from .context import micro_batch
-from .offload import get_act_ctx
+from ..planner import STRATEGIES, CostModel, MicroBatch, Plan, plan
+from ..planner.model_shape import model_shape
+from ..runtime.context import micro_batch
+from ..runtime.offload import get_act_ctx
+from .batch import MicroBatchInputs, build_micro_batch, num_targets
 
-__all__ = ["Runtime", "StepStats", "BatchLike"]
+__all__ = ["Runtime", "StepStats", "BatchLike", "ModelProtocolError"]
+
+
+class ModelProtocolError(TypeError):
+    """The model does not take or return what the runtime's model protocol needs (see DESIGN.md)."""
 
 _BUCKET_BYTES = 25 * 2 ** 20
 
@@ -64,6 +76,10 @@ class StepStats:
     """Per rank: the most saved-activation bytes resident on the device in any of its micro-batches."""
     plan: Plan
     """The plan this step ran (the same on every rank)."""
+    grad_norm: float = 0.0
+    """Of the summed gradient, before clipping."""
+    skipped: bool = False
+    """The loss or the gradient norm was not finite: no optimizer step was taken (on any rank)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -88,11 +104,21 @@ class _ListBatch:
 
 
 class Runtime:
-    """`Runtime(model, optimizer, config, cost_model, strategy)`; `step(batch) -> StepStats`."""
+    """`Runtime(model, optimizer, config, cost_model, strategy)`; `step(batch) -> StepStats`,
+    `evaluate(batch) -> float`.
+
+    `mixed_precision` (None or torch.bfloat16/float16) is the autocast dtype of every forward; the model
+    stays where it is, and every micro-batch input goes to the device of its parameters.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
                  cost_model: CostModel | None = None, strategy: str = "balance", *, capacity: int = 8192,
-                 max_grad_norm: float | None = 1.0, context_length: int | None = None) -> None:
+                 max_grad_norm: float | None = 1.0, context_length: int | None = None,
+                 mixed_precision: torch.dtype | None = None) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if mixed_precision not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {mixed_precision!r}")
         self.model = model if isinstance(model, OptimizedModule) else optimize(model, config)
         self.optimizer = optimizer
         self.cost_model = cost_model or default_cost_model(self.model)
@@ -101,15 +127,58 @@ class Runtime:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self._hf_labels = "labels" in inspect.signature(self.model.forward).parameters
+        self.device = next(self.model.parameters()).device
+        self.mixed_precision = mixed_precision
+        self._hf_labels = "labels" in inspect.signature(self.model.original_module.forward).parameters
         self.steps = 0
 
     def plan(self, lengths: np.ndarray) -> Plan:
-        """The step's plan, validated before any communication (identical on every rank)."""
+        """The step's plan, validated before any communication (identical on every rank).
+
+        A model whose compiled graphs hold an attention the pass left alone is never sharded nor packed:
+        every sequence runs alone on one rank, and one longer than the capacity is refused.
+        """
+        blockers = self.shard_blockers()
         result = plan(lengths, self.world_size, self.capacity, self.cost_model, strategy=self.strategy,
-                      context_length=self.context_length)
+                      context_length=self.context_length, shard_blocker="; ".join(blockers) or None)
         result.validate()
         return result
+
+    def shard_blockers(self) -> list[str]:
+        """Why this model's sequences cannot be split over ranks or packed (empty: they can); compiles it first
+        if needed. Every rank compiles the same model, so every rank reaches the same answer without communicating.
+        """
+        if not self.model.compilations:
+            self._compile_probe()
+        return self.model.shard_blockers()
+
+    def _compile_probe(self) -> None:
+        """Compile the model on a tiny packed row (two sequences of 4 tokens) so planning can read its report.
+
+        Forward only, outside any micro-batch context: nothing is communicated and no gradient is touched.
+        """
+        device = next(self.model.parameters()).device
+        positions = torch.arange(4, device=device).repeat(2)[None]
+        labels = torch.zeros_like(positions)
+        labels[:, 3::4] = -100
+        kwargs = {"input_ids": torch.zeros_like(positions), "position_ids": positions, "shift_labels": labels,
+                  "num_items_in_batch": torch.tensor(6, device=device)}
+        if self._hf_labels:
+            kwargs["labels"] = labels
+        self.model.train()
+        with self._autocast():
+            self.model(**kwargs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.mixed_precision is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.mixed_precision)
+
+    def _model_kwargs(self, inputs: MicroBatchInputs) -> dict[str, torch.Tensor]:
+        kwargs = {name: t.to(self.device) for name, t in inputs.model_kwargs().items()}
+        if self._hf_labels:
+            kwargs["labels"] = kwargs["shift_labels"]
+        return kwargs
 
     def step(self, batch: BatchLike | Sequence[torch.Tensor]) -> StepStats:
         if not hasattr(batch, "lengths"):
@@ -120,18 +189,16 @@ class Runtime:
         num_items = num_targets(batch.lengths)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        loss, busy, p2p = torch.zeros(()), 0.0, 0
+        loss, busy, p2p = torch.zeros((), device=self.device), 0.0, 0
         mine = step_plan.micro_batches_of(self.rank)
         act_ctx = get_act_ctx(len(mine), [self._offload_ratio(mb) for mb in mine])
         for i, mb in enumerate(mine):
             began = time.perf_counter()
             inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
-            kwargs = inputs.model_kwargs()
-            if self._hf_labels:
-                kwargs["labels"] = kwargs["shift_labels"]
             act_ctx.update_micro_batch_id(i)
             with micro_batch(ctx=inputs.context), act_ctx:
-                mb_loss = self.model(**kwargs).loss
+                with self._autocast():
+                    mb_loss = self._loss(self.model(**self._model_kwargs(inputs))).float()
                 mb_loss.backward()
             loss += mb_loss.detach()
             busy += time.perf_counter() - began
@@ -140,16 +207,46 @@ class Runtime:
         offloaded = sum(s.offloaded_bytes for s in act_ctx.stats)
         peak_saved = max((s.peak_resident_bytes for s in act_ctx.stats), default=0)
         totals = self._gather([loss.item(), busy, float(len(mine)), float(p2p), float(offloaded), float(peak_saved)])
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        self.optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(float(totals[:, 0].sum())))
+        if not skipped:
+            self.optimizer.step()
         self.steps += 1
         return StepStats(step=self.steps, strategy=self.strategy, loss=float(totals[:, 0].sum()),
                          tokens=int(np.asarray(batch.lengths).sum()), time=time.perf_counter() - start,
                          plan_time=plan_time, busy=totals[:, 1].tolist(), micro_batches=totals[:, 2].astype(int).tolist(),
                          p2p_bytes=int(totals[:, 3].sum()), allreduce_bytes=allreduce_bytes,
                          offloaded_bytes=int(totals[:, 4].sum()), peak_saved_bytes=totals[:, 5].astype(int).tolist(),
-                         plan=step_plan)
+                         plan=step_plan, grad_norm=grad_norm, skipped=skipped)
+
+    def evaluate(self, batch: BatchLike | Sequence[torch.Tensor]) -> float:
+        """The token-level loss of `batch` (the same on every rank): planned and run like a step, in eval mode
+        without gradients, so nothing is offloaded and no parameter or optimizer state changes."""
+        if not hasattr(batch, "lengths"):
+            batch = _ListBatch(batch)
+        step_plan = self.plan(np.asarray(batch.lengths))
+        num_items = num_targets(batch.lengths)
+        loss = torch.zeros((), dtype=torch.float64)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mb in step_plan.micro_batches_of(self.rank):
+                    inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
+                    with micro_batch(ctx=inputs.context), self._autocast():
+                        loss += self._loss(self.model(**self._model_kwargs(inputs))).double().cpu()
+        finally:
+            self.model.train()
+        return float(self._gather([loss.item()])[:, 0].sum())
+
+    def _loss(self, output: Any) -> torch.Tensor:
+        loss = getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            model = type(self.model.original_module).__name__
+            given = "input_ids, position_ids, shift_labels, num_items_in_batch" + (", labels" if self._hf_labels else "")
+            raise ModelProtocolError(f"{model} returned no loss (output.loss is {loss!r}) although the runtime passed "
+                                     f"{given}: its forward must compute the summed next-token loss from shift_labels "
+                                     f"(or labels) divided by num_items_in_batch")
+        return loss
 
     def _offload_ratio(self, mb: MicroBatch) -> float:
         """The plan's r ("auto"), Config's fixed ratio, or 0 ("off")."""
@@ -178,11 +275,11 @@ class Runtime:
 
     def _gather(self, values: list[float]) -> np.ndarray:
         """Every rank's `values` as a [world_size, len(values)] array (one small all-reduce)."""
-        table = torch.zeros(self.world_size, len(values), dtype=torch.float64)
+        table = torch.zeros(self.world_size, len(values), dtype=torch.float64, device=self.device)
         table[self.rank] = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(table)
-        return table.numpy()
+        return table.cpu().numpy()
 
 
 def _all_reduce(params: list[nn.Parameter]) -> int:
@@ -196,17 +293,6 @@ def _all_reduce(params: list[nn.Parameter]) -> int:
 
 
 def default_cost_model(model: nn.Module) -> CostModel:
-    """An analytic cost model from the model's config (our LLaMA or a Hugging Face one)."""
-    cfg = getattr(model, "config", None)
-
-    def field(*names: str) -> Any:
-        for name in names:
-            if hasattr(cfg, name):
-                return getattr(cfg, name)
-        raise ValueError(f"cannot read {names[0]} from {type(model).__name__}.config: pass Runtime(cost_model=...)")
-
-    shape = ModelShape(name=type(model).__name__, layers=field("num_layers", "num_hidden_layers"),
-                       hidden=field("hidden_size"), heads=field("num_heads", "num_attention_heads"),
-                       kv_heads=field("num_kv_heads", "num_key_value_heads"), ffn=field("intermediate_size"),
-                       vocab=field("vocab_size"))
-    return CostModel.analytic(shape)
+    """An analytic cost model from the config of the model (behind `optimize()` if wrapped): our LLaMA or any
+    Hugging Face causal LM; `ModelConfigError` names the model class and the field it could not read."""
+    return CostModel.analytic(model_shape(model))

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ..planner.plan import MicroBatch
-from .context import MicroBatchContext
-from .layout import zigzag_layout
+from ..runtime.context import MicroBatchContext
+from ..runtime.layout import zigzag_layout
 
 __all__ = ["MicroBatchInputs", "TokenReader", "build_micro_batch", "num_targets"]
 

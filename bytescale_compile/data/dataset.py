@@ -6,8 +6,11 @@ rank learns all sequence lengths for the price of the index and reads only the t
 micro-batches. `<prefix>.json` holds the metadata and is written last: a write that dies halfway
 leaves no dataset that opens.
 
-Tokens are bytes (vocab 256): the corpus needs no tokenizer, and the installed Python sources, one
+The token dtype is the smallest of uint8/uint16/uint32 that holds the vocabulary. Datasets built here
+hold bytes (uint8, vocab 256): the corpus needs no tokenizer, and the installed Python sources, one
 sample per file or per package directory, give a real skewed length distribution with a long tail.
+`bytescale_compile.data.prepare` writes tokenizer ids in the same format and records the tokenizer's
+identity in the metadata.
 """
 
 from __future__ import annotations
@@ -26,16 +29,23 @@ import torch
 
 __all__ = [
     "DatasetError",
+    "DatasetWriter",
     "GlobalBatch",
     "GlobalBatchSampler",
     "TokenDataset",
+    "TokenizerInfo",
     "build_from_python_sources",
     "build_from_text_files",
+    "dataset_files",
+    "eval_batches",
+    "python_source_files",
+    "token_dtype",
     "write_dataset",
 ]
 
-_TOKEN_DTYPE = np.dtype(np.uint8)
-_VOCAB_SIZE = 256
+TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
+"""Smallest first: a dataset uses the first that holds its vocabulary."""
+_BYTE_VOCAB_SIZE = 256
 _SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages"})
 """Not walked: bytecode only, or a nested site-packages the roots list on their own."""
 
@@ -44,9 +54,43 @@ class DatasetError(ValueError):
     """A dataset file that is truncated, corrupt or inconsistent with the others; names the file."""
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype holding ids 0..vocab_size-1: the .bin costs 1, 2 or 4 bytes a token."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    for dtype in TOKEN_DTYPES:
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return dtype
+    raise ValueError(f"vocab_size {vocab_size} exceeds the {np.iinfo(TOKEN_DTYPES[-1]).max + 1} ids uint32 holds")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """Which tokenizer produced a dataset's ids: a model must be trained and evaluated with the same one."""
+
+    name_or_path: str
+    sha256: str
+    """Of the tokenizer's files (vocabulary, merges, configuration): renaming a directory keeps it."""
+    eos_token_id: int
+    """Appended to every document, so a model learns where documents end."""
+
+    def to_dict(self) -> dict:
+        return {"name_or_path": self.name_or_path, "sha256": self.sha256, "eos_token_id": self.eos_token_id}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TokenizerInfo:
+        return cls(str(data["name_or_path"]), str(data["sha256"]), int(data["eos_token_id"]))
+
+
 def _file(prefix: Path, ext: str) -> Path:
     """`<prefix>.<ext>`, appended rather than `with_suffix`, so prefixes may contain dots."""
     return prefix.with_name(f"{prefix.name}.{ext}")
+
+
+def dataset_files(prefix: str | Path) -> tuple[Path, Path, Path]:
+    """The metadata, index and token files of the dataset at `prefix`, in that order."""
+    prefix = Path(prefix)
+    return _file(prefix, "json"), _file(prefix, "idx"), _file(prefix, "bin")
 
 
 def _check_range(start: int, end: int | None, length: int) -> tuple[int, int]:
@@ -60,8 +104,9 @@ def _check_range(start: int, end: int | None, length: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class TokenDataset:
     """`<prefix>.bin`: all tokens, flat; `<prefix>.idx`: int64 offsets [n + 1] (np.save format);
-    `<prefix>.json`: {"dtype", "vocab_size", "num_sequences", "num_tokens", "source"}.
-    Both arrays are memory-mapped; build one with `TokenDataset.open`."""
+    `<prefix>.json`: {"dtype", "vocab_size", "num_sequences", "num_tokens", "source", "tokenizer"}, where
+    "dtype" is uint8, uint16 or uint32 and "tokenizer" is null for bytes (absent in older datasets) or
+    `TokenizerInfo.to_dict()`. Both arrays are memory-mapped; build one with `TokenDataset.open`."""
 
     prefix: Path
     _meta: dict = field(repr=False, compare=False)
@@ -73,7 +118,7 @@ class TokenDataset:
     def open(cls, prefix: str | Path) -> TokenDataset:
         """Map the files after checking they agree, so a bad file fails here, naming itself."""
         prefix = Path(prefix)
-        meta_path, idx_path, bin_path = (_file(prefix, ext) for ext in ("json", "idx", "bin"))
+        meta_path, idx_path, bin_path = dataset_files(prefix)
         for path in (meta_path, idx_path, bin_path):
             if not path.is_file():
                 raise FileNotFoundError(f"dataset file {path} not found")
@@ -104,6 +149,17 @@ class TokenDataset:
     def source(self) -> str:
         return str(self._meta["source"])
 
+    @property
+    def dtype(self) -> np.dtype:
+        """Of the tokens on disk; `tokens()` always returns int64."""
+        return self._tokens.dtype
+
+    @property
+    def tokenizer(self) -> TokenizerInfo | None:
+        """None for byte-level datasets (token = byte)."""
+        info = self._meta.get("tokenizer")
+        return None if info is None else TokenizerInfo.from_dict(info)
+
     def max_token(self) -> int:
         """The largest token id present (reads every token once): what a model's vocabulary must cover."""
         return int(self._tokens.max()) if self._tokens.size else -1
@@ -128,15 +184,26 @@ def _read_meta(path: Path) -> dict:
     missing = [k for k in keys if k not in meta]
     if missing:
         raise DatasetError(f"{path}: missing keys {missing}")
-    try:
-        dtype = np.dtype(meta["dtype"])
-    except TypeError as e:
-        raise DatasetError(f"{path}: unknown dtype {meta['dtype']!r}") from e
-    if dtype.kind != "u":
-        raise DatasetError(f"{path}: token dtype {dtype} is not an unsigned integer type")
+    not_ints = [k for k in ("vocab_size", "num_sequences", "num_tokens") if not isinstance(meta[k], int)]
+    if not_ints:
+        raise DatasetError(f"{path}: {not_ints} must be integers")
+    names = [dtype.name for dtype in TOKEN_DTYPES]
+    if meta["dtype"] not in names:
+        raise DatasetError(f"{path}: token dtype {meta['dtype']!r} is not one of {names}")
+    if not 1 <= meta["vocab_size"] <= np.iinfo(meta["dtype"]).max + 1:
+        raise DatasetError(f"{path}: vocab_size {meta['vocab_size']} does not fit token dtype {meta['dtype']}")
     if meta["num_sequences"] < 1:
         raise DatasetError(f"{path}: the dataset holds no sequences")
+    _check_tokenizer_meta(path, meta.get("tokenizer"))
     return meta
+
+
+def _check_tokenizer_meta(path: Path, info: object) -> None:
+    if info is None:
+        return
+    fields = ("name_or_path", "sha256", "eos_token_id")
+    if not isinstance(info, dict) or any(k not in info for k in fields):
+        raise DatasetError(f"{path}: \"tokenizer\" must be null or an object with keys {list(fields)}, found {info!r}")
 
 
 def _read_offsets(path: Path, num_sequences: int, num_tokens: int) -> np.ndarray:
@@ -171,35 +238,86 @@ def _map_tokens(path: Path, dtype: np.dtype, num_tokens: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
 
 
-def write_dataset(prefix: str | Path, documents: Iterable[bytes], source: str) -> TokenDataset:
-    """Stream `documents` (one byte string each; empty ones skipped) to `prefix`; returns it opened.
+class DatasetWriter:
+    """Appends sequences to `<prefix>.bin` one at a time; `finish` writes the index, then the metadata.
 
-    Only one document and the offsets are in memory at a time. Any old metadata goes first and the
-    new one is written last, so a failure mid-stream leaves nothing that opens as a dataset.
+    Only the offsets stay in memory. Any old metadata goes first and the new one is written last, so
+    leaving the `with` block without `finish` leaves nothing that opens; leaving it by an exception
+    removes the files written, so a rerun finds no half dataset in its way.
     """
-    prefix = Path(prefix)
-    meta_path, idx_path, bin_path = (_file(prefix, ext) for ext in ("json", "idx", "bin"))
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    meta_path.unlink(missing_ok=True)
-    offsets = array("q", [0])
-    with open(bin_path, "wb") as out:
+
+    def __init__(self, prefix: str | Path, vocab_size: int = _BYTE_VOCAB_SIZE,
+                 tokenizer: TokenizerInfo | None = None) -> None:
+        self.prefix = Path(prefix)
+        self.vocab_size = vocab_size
+        self.dtype = token_dtype(vocab_size)
+        self.tokenizer = tokenizer
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        _file(self.prefix, "json").unlink(missing_ok=True)
+        self._bin = open(_file(self.prefix, "bin"), "wb")
+        self._offsets = array("q", [0])
+        self._finished = False
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self._bin.close()
+        if exc_type is not None and not self._finished:
+            for path in dataset_files(self.prefix):
+                path.unlink(missing_ok=True)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._offsets[-1]
+
+    def append(self, tokens: bytes | np.ndarray) -> None:
+        """One sequence: bytes (token = byte) or a 1-D array of integer ids below `vocab_size`."""
+        ids = np.frombuffer(tokens, dtype=np.uint8) if isinstance(tokens, bytes) else np.asarray(tokens)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "ui"):
+            raise TypeError(f"{self.prefix}: a sequence must be bytes or a 1-D integer array, "
+                            f"got {ids.dtype} of shape {ids.shape}")
+        if ids.size and not (0 <= ids.min() and ids.max() < self.vocab_size):
+            raise DatasetError(
+                f"{self.prefix}: sequence {self.num_sequences} holds ids {ids.min()}..{ids.max()}, "
+                f"outside the vocabulary 0..{self.vocab_size - 1}"
+            )
+        self._bin.write(np.ascontiguousarray(ids, dtype=self.dtype).data)
+        self._offsets.append(self._offsets[-1] + ids.size)
+
+    def finish(self, source: str) -> TokenDataset:
+        """Close the token file, write the index and the metadata; returns the dataset opened."""
+        self._bin.close()
+        if self.num_sequences == 0:
+            raise DatasetError(f"{self._bin.name}: no non-empty documents to write (source: {source})")
+        with open(_file(self.prefix, "idx"), "wb") as out:  # a file object: np.save would append ".npy" to a path
+            np.save(out, np.frombuffer(self._offsets, dtype=np.int64))
+        meta = {
+            "dtype": self.dtype.name,
+            "vocab_size": self.vocab_size,
+            "num_sequences": self.num_sequences,
+            "num_tokens": self.num_tokens,
+            "source": source,
+            "tokenizer": None if self.tokenizer is None else self.tokenizer.to_dict(),
+        }
+        _file(self.prefix, "json").write_text(json.dumps(meta, indent=1) + "\n")
+        self._finished = True
+        return TokenDataset.open(self.prefix)
+
+
+def write_dataset(prefix: str | Path, documents: Iterable[bytes | np.ndarray], source: str,
+                  vocab_size: int = _BYTE_VOCAB_SIZE, tokenizer: TokenizerInfo | None = None) -> TokenDataset:
+    """Stream `documents` (bytes, or 1-D arrays of ids below `vocab_size`; empty ones skipped) to
+    `prefix` in the smallest dtype holding `vocab_size`; returns it opened. See `DatasetWriter`."""
+    with DatasetWriter(prefix, vocab_size, tokenizer) as writer:
         for doc in documents:
-            if doc:
-                out.write(doc)
-                offsets.append(offsets[-1] + len(doc))
-    if len(offsets) == 1:
-        raise DatasetError(f"{bin_path}: no non-empty documents to write (source: {source})")
-    with open(idx_path, "wb") as out:  # a file object: np.save would append ".npy" to a path
-        np.save(out, np.frombuffer(offsets, dtype=np.int64))
-    meta = {
-        "dtype": _TOKEN_DTYPE.name,
-        "vocab_size": _VOCAB_SIZE,
-        "num_sequences": len(offsets) - 1,
-        "num_tokens": offsets[-1],
-        "source": source,
-    }
-    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
-    return TokenDataset.open(prefix)
+            if len(doc):
+                writer.append(doc)
+        return writer.finish(source)
 
 
 def build_from_text_files(
@@ -244,6 +362,18 @@ def build_from_python_sources(
         documents = itertools.islice(documents, max_documents)
     source = f"python sources, one document per {per}: " + ", ".join(map(str, roots))
     return write_dataset(prefix, documents, source)
+
+
+def python_source_files(max_bytes: int | None = None) -> list[Path]:
+    """The running interpreter's `.py` files (stdlib, then site-packages, each in sorted order), stopping
+    before the file that would pass `max_bytes` in all: a corpus every machine has, bounded for demos."""
+    chosen, total = [], 0
+    for path in (path for root in _python_source_roots() for path in _python_files(root)):
+        total += path.stat().st_size
+        if max_bytes is not None and total > max_bytes:
+            break
+        chosen.append(path)
+    return chosen
 
 
 def _python_source_roots() -> list[Path]:
@@ -357,6 +487,26 @@ class GlobalBatchSampler:
         if epoch < 0 or not 0 <= position <= len(self._eligible):
             raise ValueError(f"sampler state {state} outside {len(self._eligible)} sequences per epoch")
         self._epoch, self._position = epoch, position
+
+
+def eval_batches(dataset: TokenDataset, global_tokens: int, max_len: int | None = None,
+                 max_tokens: int | None = None, min_len: int = 2) -> list[GlobalBatch]:
+    """The sequences of at least `min_len` tokens in dataset order, each truncated to `max_len`, as batches
+    of about `global_tokens` (the last may be smaller), until `max_tokens` tokens in all: the same held-out
+    tokens at every evaluation."""
+    if global_tokens < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"global_tokens and max_tokens must be >= 1, got {global_tokens} and {max_tokens}")
+    used = dataset.lengths if max_len is None else np.minimum(dataset.lengths, max_len)
+    eligible = np.flatnonzero(dataset.lengths >= min_len)
+    if max_tokens is not None:
+        eligible = eligible[: int(np.searchsorted(np.cumsum(used[eligible]), max_tokens)) + 1]
+    batches, start = [], 0
+    ends = np.concatenate(([0], np.cumsum(used[eligible])))
+    while start < len(eligible):
+        end = min(int(np.searchsorted(ends, ends[start] + global_tokens)), len(eligible))
+        batches.append(GlobalBatch(dataset, _frozen(eligible[start:end]), _frozen(used[eligible[start:end]])))
+        start = end
+    return batches
 
 
 def _frozen(values: np.ndarray) -> np.ndarray:

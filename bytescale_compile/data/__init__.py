@@ -1,0 +1,53 @@
+"""Training data: tokenizers, data preparation from users' own text, the memory-mapped token dataset and
+the global-batch sampler (`dataset.py`).
+
+`tokenizers`, `pyarrow`, `datasets` and `tqdm` (the `data` extra) are imported only when used.
+"""
+
+from .dataset import (
+    DatasetError,
+    DatasetWriter,
+    GlobalBatch,
+    GlobalBatchSampler,
+    TokenDataset,
+    TokenizerInfo,
+    eval_batches,
+    python_source_files,
+    write_dataset,
+)
+from .prepare import LONG_DOC_POLICIES, PrepareReport, eval_prefix, prepare
+from .sources import SourceError, SourceStats
+from .tokenizer import (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    LoadedTokenizer,
+    TokenizerError,
+    TrainedTokenizer,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+__all__ = [
+    "DatasetError",
+    "DatasetWriter",
+    "EOS_TOKEN",
+    "GlobalBatch",
+    "GlobalBatchSampler",
+    "LONG_DOC_POLICIES",
+    "PAD_TOKEN",
+    "LoadedTokenizer",
+    "PrepareReport",
+    "SourceError",
+    "SourceStats",
+    "TokenDataset",
+    "TokenizerError",
+    "TokenizerInfo",
+    "TrainedTokenizer",
+    "eval_batches",
+    "eval_prefix",
+    "load_tokenizer",
+    "prepare",
+    "python_source_files",
+    "train_tokenizer",
+    "write_dataset",
+]

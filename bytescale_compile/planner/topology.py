@@ -1,0 +1,114 @@
+"""Where HDP ranks sit and which links a ring hop crosses (paper §6.1's cluster, issue 15).
+
+Devices sit in nodes of `devices_per_node`, behind switches of `devices_per_switch` (PCIe switches on the
+paper's L20 servers, one NVSwitch on an H100 node). An HDP rank is `tp_size` adjacent devices, so rank i
+is devices [i·tp, (i+1)·tp) on node i·tp // devices_per_node. A hop from rank a to rank b crosses:
+
+- same switch: a's device links out, b's in (PCIe lanes or NVLink);
+- same node, another switch: also a's switch uplink out and b's in (through the host's root complex);
+- another node: a's NIC rail out and b's in (each device's share of its node's NICs; rail-optimised
+  network, no contention in the fabric).
+
+Device links and rails belong to one rank, and a rank runs one micro-batch at a time, so only switch
+uplinks are ever shared between rings; the simulator divides them among the flows that overlap in time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["Link", "Topology"]
+
+Link = tuple[str, int, int]
+"""(kind, id, direction): kind "dev" / "rail" (id = rank) or "up" (id = global switch index); 0 out, 1 in."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The links between HDP ranks; bandwidths are bytes/s per direction."""
+
+    devices_per_node: int
+    devices_per_switch: int
+    tp_size: int
+    device_link: float
+    """One device to its switch (a PCIe x16 lane set, or NVLink)."""
+    switch_uplink: float
+    """One switch to the rest of its node; shared by every flow that leaves or enters the switch within the node."""
+    nic_bandwidth: float
+    nics_per_node: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"Topology: {f.name} must be a positive number, got {value}")
+        if self.devices_per_node % self.devices_per_switch:
+            raise ValueError(f"Topology: devices_per_node {self.devices_per_node} is not a multiple of "
+                             f"devices_per_switch {self.devices_per_switch}")
+        if self.devices_per_switch % self.tp_size:
+            raise ValueError(f"Topology: a TP group of {self.tp_size} devices must fit one switch of "
+                             f"{self.devices_per_switch} devices (tp_size must divide devices_per_switch)")
+
+    @property
+    def ranks_per_switch(self) -> int:
+        return self.devices_per_switch // self.tp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.devices_per_node // self.tp_size
+
+    @property
+    def rank_link(self) -> float:
+        """A rank's device links together: its TP devices each carry their shard of the K/V."""
+        return self.tp_size * self.device_link
+
+    @property
+    def rank_rail(self) -> float:
+        """A rank's share of its node's NICs."""
+        return self.tp_size * self.nic_bandwidth * self.nics_per_node / self.devices_per_node
+
+    @cached_property
+    def _bandwidths(self) -> dict[str, float]:
+        return {"dev": self.rank_link, "rail": self.rank_rail, "up": self.switch_uplink}
+
+    def bandwidth(self, link: Link) -> float:
+        return self._bandwidths[link[0]]
+
+    def hop(self, a: int, b: int) -> list[Link]:
+        """The links a ring hop from rank a to rank b crosses."""
+        links: list[Link] = [("dev", a, 0), ("dev", b, 1)]
+        if a // self.ranks_per_node != b // self.ranks_per_node:
+            return links + [("rail", a, 0), ("rail", b, 1)]
+        if a // self.ranks_per_switch != b // self.ranks_per_switch:
+            return links + [("up", a // self.ranks_per_switch, 0), ("up", b // self.ranks_per_switch, 1)]
+        return links
+
+    def ring_flows(self, ranks: Sequence[int]) -> Counter[Link]:
+        """How many of a ring's hops (rank order, the last back to the first) cross each link."""
+        flows: Counter[Link] = Counter()
+        if len(ranks) > 1:
+            for a, b in zip(ranks, [*ranks[1:], ranks[0]]):
+                flows.update(self.hop(a, b))
+        return flows
+
+    def ring_bandwidth(self, ranks: Sequence[int]) -> float:
+        """Bytes/s each rank of a ring over `ranks` can send when it runs alone: its slowest link,
+        divided among the ring's own hops that cross it."""
+        flows = self.ring_flows(ranks)
+        return min((self.bandwidth(link) / n for link, n in flows.items()), default=math.inf)
+
+    def aligned_ring_bandwidth(self, group_size) -> np.ndarray:
+        """`ring_bandwidth` of `group_size` adjacent ranks starting on a node's first rank (vectorised):
+        what the cost model charges, since the planner knows a group's size before its ranks."""
+        d = np.asarray(group_size, np.float64)
+        spans_switches = d > self.ranks_per_switch
+        spans_nodes = d > self.ranks_per_node
+        bw = np.full(d.shape, self.rank_link)
+        bw = np.where(spans_switches, np.minimum(bw, self.switch_uplink), bw)
+        return np.where(spans_nodes, np.minimum(bw, self.rank_rail), bw)

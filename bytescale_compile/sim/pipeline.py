@@ -1,0 +1,71 @@
+"""One pipeline (an HDP rank with pp_size > 1) run stage by stage under 1F1B.
+
+Stage s runs min(pp - s - 1, m) warm-up forwards, then alternates one forward and one backward, then
+drains its backwards. A forward on stage s waits for the same micro-batch's forward on stage s - 1, a
+backward for its backward on stage s + 1; each crossing pays `send` seconds (the activation or its
+gradient between stages). Each micro-batch's forward is a third of its time on the stage, its backward
+two thirds (backward costs twice the forward, as in the cost model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PipelineRun", "one_f_one_b", "first_order_bubble"]
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    makespan: float
+    """Seconds from the first forward on stage 0 to the last backward on stage 0."""
+    bubble_rate: float
+    """Idle fraction of the stages' time: 1 - work / (pp x makespan)."""
+
+
+def _stage_order(stage: int, pp: int, m: int) -> list[tuple[str, int]]:
+    warmup = min(pp - stage - 1, m)
+    order = [("F", j) for j in range(warmup)]
+    for j in range(m - warmup):
+        order += [("F", warmup + j), ("B", j)]
+    return order + [("B", j) for j in range(m - warmup, m)]
+
+
+def one_f_one_b(times: Sequence[float], pp: int, send: float = 0.0) -> PipelineRun:
+    """Run micro-batches of `times` (seconds over all stages, in order) through `pp` stages."""
+    if pp < 1:
+        raise ValueError(f"pp must be >= 1, got {pp}")
+    m = len(times)
+    if m == 0:
+        return PipelineRun(0.0, 0.0)
+    fwd = [t / (3 * pp) for t in times]
+    bwd = [2 * t / (3 * pp) for t in times]
+    orders = [_stage_order(s, pp, m) for s in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}
+    head, clock = [0] * pp, [0.0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for s in range(pp):
+            while head[s] < len(orders[s]):
+                kind, j = orders[s][head[s]]
+                dep = ("F", j, s - 1) if kind == "F" else ("B", j, s + 1)
+                has_dep = (kind == "F" and s > 0) or (kind == "B" and s < pp - 1)
+                if has_dep and dep not in done:
+                    break
+                ready = done[dep] + send if has_dep else 0.0
+                clock[s] = max(clock[s], ready) + (fwd[j] if kind == "F" else bwd[j])
+                done[kind, j, s] = clock[s]
+                head[s] += 1
+                progress = True
+    makespan = max(clock)
+    return PipelineRun(makespan, 1.0 - sum(times) / (pp * makespan) if makespan > 0 else 0.0)
+
+
+def first_order_bubble(times: Sequence[float], pp: int) -> PipelineRun:
+    """The simulator's first-order model: each micro-batch occupies the pipeline for time / pp, plus a
+    drain of (pp - 1) / pp of the longest."""
+    if not times:
+        return PipelineRun(0.0, 0.0)
+    makespan = sum(times) / pp + (pp - 1) / pp * max(times)
+    return PipelineRun(makespan, 1.0 - sum(times) / (pp * makespan))

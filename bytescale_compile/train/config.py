@@ -1,0 +1,191 @@
+"""The training run's configuration: one flat TOML table whose keys are the command line's options.
+
+`python -m bytescale_compile.train --config run.toml --lr 1e-3` reads `run.toml`, then applies the
+options given on the command line, then validates. The resolved configuration is written back as
+`config.toml` in the output directory by `to_toml` (tomllib reads TOML but nothing in the standard
+library writes it, and the flat table of scalars needs no more than this writer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..planner import STRATEGIES
+from ..sim.experiments import parse_size
+
+__all__ = ["ALL_STRATEGIES", "ConfigError", "DTYPES", "SIZES", "TrainConfig", "load_config", "to_toml"]
+
+DTYPES = ("fp32", "bf16")
+"""fp32: everything in fp32. bf16: autocast forward in bf16; fp32 master weights, gradients, optimizer and loss."""
+ALL_STRATEGIES = "all"
+"""Every strategy in turn, from the same initial weights on the same batches, then a comparison."""
+SIZES = ("global_tokens", "capacity", "max_len", "eval_tokens")
+"""Token counts that also accept K/M suffixes ("16K")."""
+
+
+class ConfigError(ValueError):
+    """A configuration value, file or path the run cannot use; names the key and what it accepts."""
+
+
+def _setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a training run (each field's help is the command line's). `model` and `data` are
+    required; the rest have defaults."""
+
+    model: str = _setting("", "a directory with a Hugging Face config.json (weights loaded if present, else random "
+                                "init), a preset of examples/models/llama.py (tiny, small), or MODULE:FACTORY")
+    data: str = _setting("", "prefix of a dataset from `bytescale-compile data prepare`; PREFIX_eval is the held-out "
+                             "split")
+    out: str = _setting("runs/train", "output directory: metrics.jsonl, config.toml, checkpoints/, final/")
+    tokenizer: str | None = _setting(None, "tokenizer saved into final/ (default: the one the dataset records)")
+    steps: int = _setting(100, "optimizer steps")
+    global_tokens: int = _setting(32768, "tokens per optimizer step over all ranks (K/M suffixes allowed)")
+    capacity: int = _setting(4096, "tokens per rank per micro-batch, C")
+    max_len: int = _setting(8192, "context length: longer sequences are truncated; the static strategy's row")
+    strategy: str = _setting("balance", "HDP plan: balance, naive, static, or all (each from the same weights "
+                                        "on the same batches, then a comparison)")
+    dtype: str = _setting("fp32", "fp32, or bf16: autocast forward, fp32 master weights, optimizer and loss")
+    lr: float = _setting(3e-4, "peak learning rate")
+    min_lr_ratio: float = _setting(0.1, "the cosine ends at lr times this")
+    warmup: int = _setting(0, "steps of linear warmup")
+    decay_steps: int | None = _setting(None, "step where the cosine reaches its end (default: steps)")
+    weight_decay: float = _setting(0.1, "AdamW weight decay on matrices and embeddings (norms, biases: none)")
+    beta1: float = _setting(0.9, "AdamW beta1")
+    beta2: float = _setting(0.95, "AdamW beta2")
+    max_grad_norm: float = _setting(1.0, "gradient clipping norm")
+    eval_every: int = _setting(0, "held-out loss every N steps and after the last (0: never)")
+    eval_tokens: int | None = _setting(None, "held-out tokens per evaluation (default: global_tokens)")
+    checkpoint_every: int = _setting(0, "checkpoint every N steps (0: never)")
+    resume: bool = _setting(False, "continue from the latest complete checkpoint in the output directory")
+    zero: bool = _setting(False, "ZeRO-1: shard the optimizer state over the ranks")
+    seed: int = _setting(0, "initialisation and batch order")
+    cost_model: str | None = _setting(None, "profiled cost model JSON (`bytescale-compile profile`; default: "
+                                            "analytic from the model config)")
+
+    def __post_init__(self) -> None:
+        for key in ("model", "data", "out", "tokenizer", "cost_model"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
+                raise ConfigError(f"{key} must be a string, got {getattr(self, key)!r}")
+        for key in ("model", "data", "out"):
+            if not getattr(self, key):
+                raise ConfigError(f"{key} is required: pass --{key.replace('_', '-')} or set {key} in the config file")
+        _check_choice("strategy", self.strategy, (*STRATEGIES, ALL_STRATEGIES))
+        _check_choice("dtype", self.dtype, DTYPES)
+        for key in ("steps", "global_tokens", "capacity"):
+            _check_int(key, getattr(self, key), 1)
+        _check_int("max_len", self.max_len, 2)
+        for key in ("warmup", "eval_every", "checkpoint_every", "seed"):
+            _check_int(key, getattr(self, key), 0)
+        for key in ("decay_steps", "eval_tokens"):
+            if getattr(self, key) is not None:
+                _check_int(key, getattr(self, key), 1)
+        if self.warmup >= self.schedule_steps:
+            raise ConfigError(f"warmup ({self.warmup}) must be below decay_steps ({self.schedule_steps}), "
+                              f"so that the cosine has steps to decay over")
+        _check_float("lr", self.lr, 0.0, math.inf, low_open=True)
+        _check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _check_float("weight_decay", self.weight_decay, 0.0, math.inf)
+        _check_float("beta1", self.beta1, 0.0, 1.0, high_open=True)
+        _check_float("beta2", self.beta2, 0.0, 1.0, high_open=True)
+        _check_float("max_grad_norm", self.max_grad_norm, 0.0, math.inf, low_open=True)
+        for key in ("resume", "zero"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be true or false, got {getattr(self, key)!r}")
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.decay_steps if self.decay_steps is not None else self.steps
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return STRATEGIES if self.strategy == ALL_STRATEGIES else (self.strategy,)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_int(key: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
+
+
+def _check_float(key: str, value: object, low: float, high: float, low_open: bool = False,
+                 high_open: bool = False) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (number and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)):
+        if high == math.inf:
+            bounds = f"{'>' if low_open else '>='} {low}"
+        else:
+            bounds = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{key} must be a finite number {bounds}, got {value!r}")
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """The config file at `path` (if any) with `overrides` (None: not given) applied on top, validated."""
+    values = _read_toml(Path(path)) if path is not None else {}
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        where = f" in {path}" if path is not None else ""
+        raise ConfigError(f"unknown setting(s) {unknown}{where}; known: {sorted(known)}")
+    for key in SIZES:
+        if isinstance(values.get(key), str):
+            values[key] = _size(key, values[key])
+    return TrainConfig(**values)
+
+
+def _size(key: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from e
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"reading {path} needs Python >= 3.11 (tomllib); pass the settings as options instead") from e
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from e
+    tables = sorted(k for k, v in values.items() if isinstance(v, dict))
+    if tables:
+        raise ConfigError(f"{path}: tables {tables} are not used: settings are top-level keys (e.g. lr = 3e-4)")
+    return values
+
+
+def to_toml(config: TrainConfig) -> str:
+    """The configuration as a flat TOML table that `load_config` reads back to an equal config (None is left out)."""
+    lines = ["# resolved by python -m bytescale_compile.train"]
+    for key, value in config.to_dict().items():
+        if value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: bool | int | float | str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string

@@ -1,0 +1,57 @@
+"""Process-group set-up for scripts launched by `torchrun`, safe across elastic restarts."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistEnv", "init_distributed", "local_device"]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This rank's place in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    """cuda:LOCAL_RANK with CUDA, else the CPU."""
+
+
+def local_device(local_rank: int = 0) -> torch.device:
+    """cuda:`local_rank` when CUDA is available, else the CPU."""
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None) -> DistEnv:
+    """Set this rank's device, then `init_process_group` (NCCL with CUDA, else gloo).
+
+    With CUDA each rank owns `cuda:LOCAL_RANK`: `set_device` and `device_id` come before any
+    communication, so NCCL never puts two ranks' communicators on GPU 0. Under torchrun the ranks
+    meet in the elastic agent's store, which outlives a restart: a restarted worker group would read
+    the gloo addresses the crashed one published there and fail to connect ("Connection refused") or
+    hang. Every restart attempt therefore gets its own key prefix.
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = timeout or datetime.timedelta(minutes=10)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = local_device(local_rank)
+    options: dict = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options["device_id"] = device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                    is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        options.update(store=dist.PrefixStore(f"bytescale/attempt_{attempt}", agent_store), rank=rank,
+                       world_size=world_size)
+    dist.init_process_group(backend, timeout=timeout, **options)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)

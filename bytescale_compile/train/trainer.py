@@ -1,0 +1,233 @@
+"""One training run, driven by a `TrainConfig`.
+
+`setup` checks everything a run needs before any step or communication — the datasets, the model, the
+vocabulary, the tokenizer for final/, the cost model, the output directory — so a bad setting fails on
+every rank at once with a message that names it. `run` then trains each strategy in turn from the same
+initial weights on the same batches: AdamW with the warmup-cosine schedule, the HDP `Runtime` for every
+step, evaluation, checkpoints, metrics and, for Hugging Face models, `final/`. The strategies share one
+optimized model (its weights reset in place between them), so the model compiles once per run: a plan
+changes only the micro-batch context, never the graphs. It works in one process without
+`torch.distributed` as well as under torchrun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..api import OptimizedModule, optimize
+from ..data import (
+    GlobalBatch,
+    GlobalBatchSampler,
+    LoadedTokenizer,
+    TokenDataset,
+    TokenizerError,
+    eval_batches,
+    eval_prefix,
+    load_tokenizer,
+)
+from ..planner import CostModel
+from .batch import num_targets
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import ALL_STRATEGIES, ConfigError, TrainConfig, to_toml
+from .engine import Runtime, default_cost_model
+from .metrics import MetricsLog, StepRecord, echo, progress
+from .models import LoadedModel, load_model
+from .optim import LRSchedule, build_optimizer
+
+__all__ = ["CHECKPOINTS_DIR", "CONFIG_FILE", "FINAL_DIR", "RunInputs", "RunResult", "VocabularyError", "evaluate",
+           "run", "run_dir", "setup"]
+
+CONFIG_FILE = "config.toml"
+FINAL_DIR = "final"
+CHECKPOINTS_DIR = "checkpoints"
+RESUME_KEYS = ("model", "data", "global_tokens", "max_len", "seed", "zero")
+"""Settings a checkpoint's sampler position and optimizer state only make sense under."""
+
+
+class VocabularyError(ConfigError):
+    """The data's token ids do not fit the model's embedding."""
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """Everything `setup` checked, ready to train."""
+
+    config: TrainConfig
+    train_data: TokenDataset
+    eval_data: TokenDataset | None
+    model: LoadedModel
+    """Its initial weights are every strategy's start; `run` trains it in place."""
+    tokenizer: LoadedTokenizer | None
+    """Saved into final/ (Hugging Face models whose data records a tokenizer, or --tokenizer)."""
+    cost_model: CostModel
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    run_dir: Path
+    records: list[StepRecord]
+    """The steps this process ran (a resumed run's earlier steps are in metrics.jsonl)."""
+    eval_loss: float | None
+    """After the last step, when evaluation is on."""
+    final_dir: Path | None
+
+
+def run_dir(config: TrainConfig, strategy: str) -> Path:
+    """`out`, or `out/<strategy>` when every strategy runs."""
+    out = Path(config.out)
+    return out / strategy if config.strategy == ALL_STRATEGIES else out
+
+
+def setup(config: TrainConfig) -> RunInputs:
+    """Open and check the datasets, build the model, resolve the tokenizer and the cost model."""
+    train_data = _open_dataset(config.data, "--data",
+                               "make it with `bytescale-compile data prepare --input ... --tokenizer DIR --out PREFIX`")
+    eval_data = None
+    if config.eval_every:
+        eval_data = _open_dataset(eval_prefix(config.data), "the held-out split of --data",
+                                  "prepare the data with --eval-fraction > 0, or set eval_every = 0")
+        _check_same_tokens(train_data, eval_data)
+    model = load_model(config.model, config.seed)
+    _check_vocabulary(train_data, model)
+    tokenizer = _final_tokenizer(config, train_data, model)
+    cost = CostModel.load(config.cost_model) if config.cost_model else default_cost_model(model.module)
+    if not config.resume:
+        for strategy in config.strategies:
+            if found := latest_checkpoint(run_dir(config, strategy) / CHECKPOINTS_DIR):
+                raise ConfigError(f"{found} is a checkpoint of an earlier run: pass --resume to continue it, or "
+                                  f"another --out for a new run")
+    return RunInputs(config, train_data, eval_data, model, tokenizer, cost)
+
+
+def _open_dataset(prefix: str | Path, what: str, hint: str) -> TokenDataset:
+    try:
+        return TokenDataset.open(prefix)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{what} {prefix}: {e}; {hint}") from e
+
+
+def _check_same_tokens(train: TokenDataset, held_out: TokenDataset) -> None:
+    if (train.tokenizer, train.vocab_size) != (held_out.tokenizer, held_out.vocab_size):
+        raise VocabularyError(f"{held_out.prefix} (vocab {held_out.vocab_size}, tokenizer {held_out.tokenizer}) was "
+                              f"not tokenized like {train.prefix} (vocab {train.vocab_size}, tokenizer "
+                              f"{train.tokenizer}): prepare both with the same tokenizer")
+
+
+def _check_vocabulary(data: TokenDataset, model: LoadedModel) -> None:
+    if data.vocab_size > model.vocab_size:
+        source = data.tokenizer.name_or_path if data.tokenizer else "bytes"
+        raise VocabularyError(f"dataset {data.prefix} has a vocabulary of {data.vocab_size} ({source}), more than "
+                              f"model {model.spec}'s vocab_size of {model.vocab_size}: its token ids would index past "
+                              f"the embedding. Use a model with vocab_size >= {data.vocab_size}, or data tokenized "
+                              f"for this model")
+
+
+def _final_tokenizer(config: TrainConfig, data: TokenDataset, model: LoadedModel) -> LoadedTokenizer | None:
+    """The tokenizer final/ gets: --tokenizer or the dataset's, which must be the one the data was made with."""
+    if model.hf_directory is None or (config.tokenizer is None and data.tokenizer is None):
+        return None
+    path = config.tokenizer or data.tokenizer.name_or_path
+    try:
+        loaded = load_tokenizer(path)
+    except TokenizerError as e:
+        raise TokenizerError(f"{e} (the tokenizer final/ gets: pass --tokenizer DIR with the one {data.prefix} was "
+                             f"prepared with)") from e
+    if data.tokenizer is not None and loaded.info.sha256 != data.tokenizer.sha256:
+        raise TokenizerError(f"tokenizer {path} is not the one {data.prefix} was prepared with "
+                             f"({data.tokenizer.name_or_path}, sha256 {data.tokenizer.sha256[:12]}..., found "
+                             f"{loaded.info.sha256[:12]}...): pass --tokenizer with that tokenizer")
+    if loaded.vocab_size > model.vocab_size:
+        raise VocabularyError(f"tokenizer {path} has {loaded.vocab_size} tokens, more than model {model.spec}'s "
+                              f"vocab_size of {model.vocab_size}")
+    return loaded
+
+
+def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult]:
+    """Train every strategy of the config in turn on `device` (default: the CPU), each from the model's
+    initial weights; rank 0 writes config.toml first."""
+    config = inputs.config
+    if _is_rank0():
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+        (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
+    model = inputs.model.module.to(device or torch.device("cpu"))
+    initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    optimized = optimize(model)
+    results = []
+    for strategy in config.strategies:
+        model.load_state_dict(initial)
+        results.append(_train(inputs, strategy, optimized))
+    return results
+
+
+def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunResult:
+    config, directory, rank0 = inputs.config, run_dir(inputs.config, strategy), _is_rank0()
+    model = optimized.original_module
+    optimizer = build_optimizer(model, config.lr, config.weight_decay, (config.beta1, config.beta2), config.zero)
+    schedule = LRSchedule(config.lr, config.warmup, config.schedule_steps, config.min_lr_ratio)
+    runtime = Runtime(optimized, optimizer, cost_model=inputs.cost_model, strategy=strategy, capacity=config.capacity,
+                      max_grad_norm=config.max_grad_norm,
+                      context_length=config.max_len if strategy == "static" else None,
+                      mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None)
+    sampler = GlobalBatchSampler(inputs.train_data, config.global_tokens, seed=config.seed, max_len=config.max_len)
+    held_out = eval_batches(inputs.eval_data, config.global_tokens, config.max_len,
+                            config.eval_tokens or config.global_tokens) if inputs.eval_data else []
+    done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR, config) if config.resume else 0
+    log = MetricsLog(directory, rank0, resumed_step=done)
+    records, eval_loss, batches = [], None, iter(sampler)
+    for step in progress(range(done + 1, config.steps + 1), strategy, rank0):
+        lr = schedule.apply(optimizer, step)
+        record = StepRecord.from_stats(runtime.step(next(batches)), lr, inputs.cost_model)
+        if held_out and (step % config.eval_every == 0 or step == config.steps):
+            record.eval_loss = eval_loss = evaluate(runtime, held_out)
+        log.write(record)
+        records.append(record)
+        echo(record.summary(), rank0)
+        if config.checkpoint_every and step % config.checkpoint_every == 0:
+            save_checkpoint(directory / CHECKPOINTS_DIR, step, runtime.model, optimizer,
+                            {"step": step, "sampler": sampler.state_dict(), "config": config.to_dict()})
+    log.close()
+    final = _save_final(model, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
+    return RunResult(strategy, directory, records, eval_loss, final)
+
+
+def _resume(runtime: Runtime, sampler: GlobalBatchSampler, checkpoints: Path, config: TrainConfig) -> int:
+    """Restore the latest checkpoint under `checkpoints` if there is one; returns its step (0: none)."""
+    found = latest_checkpoint(checkpoints)
+    if found is None:
+        return 0
+    state = load_checkpoint(found, runtime.model, runtime.optimizer)
+    saved, now = state["config"], config.to_dict()
+    changed = {key: (saved[key], now[key]) for key in RESUME_KEYS if saved[key] != now[key]}
+    if changed:
+        raise CheckpointError(f"{found} was saved by a run with other settings, {{setting: (then, now)}}: {changed}; "
+                              f"resume with those, or start a new run in another --out")
+    sampler.load_state_dict(state["sampler"])
+    runtime.steps = state["step"]
+    echo(f"[{runtime.strategy}] resumed from {found} at step {state['step']}", _is_rank0())
+    return state["step"]
+
+
+def evaluate(runtime: Runtime, batches: list[GlobalBatch]) -> float:
+    """The token-level loss over all `batches`: each batch's mean weighted by its targets."""
+    targets = [num_targets(b.lengths) for b in batches]
+    return sum(runtime.evaluate(b) * n for b, n in zip(batches, targets)) / sum(targets)
+
+
+def _save_final(model: torch.nn.Module, inputs: RunInputs, path: Path) -> Path:
+    """`save_pretrained` of the trained weights (fp32) and the tokenizer, on rank 0; every rank waits for it."""
+    if _is_rank0():
+        model.save_pretrained(path)
+        if inputs.tokenizer is not None:
+            inputs.tokenizer.tokenizer.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
