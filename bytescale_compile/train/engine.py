@@ -44,6 +44,7 @@ __all__ = ["Runtime", "StepStats", "BatchLike", "ModelProtocolError"]
 class ModelProtocolError(TypeError):
     """The model does not take or return what the runtime's model protocol needs (see DESIGN.md)."""
 
+
 _BUCKET_BYTES = 25 * 2 ** 20
 
 
@@ -157,12 +158,11 @@ class Runtime:
 
         Forward only, outside any micro-batch context: nothing is communicated and no gradient is touched.
         """
-        device = next(self.model.parameters()).device
-        positions = torch.arange(4, device=device).repeat(2)[None]
+        positions = torch.arange(4, device=self.device).repeat(2)[None]
         labels = torch.zeros_like(positions)
         labels[:, 3::4] = -100
         kwargs = {"input_ids": torch.zeros_like(positions), "position_ids": positions, "shift_labels": labels,
-                  "num_items_in_batch": torch.tensor(6, device=device)}
+                  "num_items_in_batch": torch.tensor(6, device=self.device)}
         if self._hf_labels:
             kwargs["labels"] = labels
         self.model.train()
