@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 import bytescale_compile as bsc
 from bytescale_compile.planner import PlanError
 from bytescale_compile.runtime.spawn import run_distributed
+from bytescale_compile.train.engine import BatchError, SkippedStepsError
 from examples.models.llama import tiny
 from tests.conftest import rel_err
 from tests.helpers import reference_step
@@ -127,3 +129,30 @@ def test_evaluate_changes_nothing_and_non_finite_steps_are_skipped():
         model.lm_head.weight[0, 0] = before["lm_head.weight"][0, 0]
     stats = runtime.step(_batch())
     assert not stats.skipped and stats.grad_norm > 0 and optimizer.state
+
+
+@pytest.mark.parametrize("bad,message", [
+    (torch.zeros(2, 3, dtype=torch.long), "sequence 1 has shape (2, 3)"),
+    (torch.zeros(4), "sequence 1 holds torch.float32 values"),
+    (torch.tensor([3, 500]), "sequence 1 holds token id 500, outside the model's vocabulary of 128"),
+    (torch.tensor([3, -1]), "sequence 1 holds token id -1"),
+])
+def test_step_refuses_malformed_sequences_naming_them(bad, message):
+    model = tiny()
+    runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.1), capacity=128)
+    with pytest.raises(BatchError, match=re.escape(message)):
+        runtime.step([torch.tensor([1, 2, 3]), bad])
+
+
+def test_batch_without_targets_is_skipped_and_repeated_skips_stop_training():
+    torch.manual_seed(0)
+    model = tiny()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    runtime = bsc.Runtime(model, optimizer, capacity=128, max_skipped_steps=2)
+    no_targets = [torch.tensor([5]), torch.tensor([7])]  # one token each: nothing to predict, loss 0/0
+    assert runtime.step(no_targets).skipped
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and not optimizer.state
+    with pytest.raises(SkippedStepsError, match=r"steps \[1, 2\] were all skipped"):
+        runtime.step(no_targets)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -38,11 +38,19 @@ from ..runtime.context import micro_batch
 from ..runtime.offload import get_act_ctx
 from .batch import MicroBatchInputs, build_micro_batch, num_targets
 
-__all__ = ["Runtime", "StepStats", "BatchLike", "ModelProtocolError"]
+__all__ = ["Runtime", "StepStats", "BatchLike", "ModelProtocolError", "BatchError", "SkippedStepsError"]
 
 
 class ModelProtocolError(TypeError):
     """The model does not take or return what the runtime's model protocol needs (see DESIGN.md)."""
+
+
+class BatchError(ValueError):
+    """A global batch the runtime cannot train on: not 1-D integer token ids inside the vocabulary."""
+
+
+class SkippedStepsError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient: training is not making progress."""
 
 
 _BUCKET_BYTES = 25 * 2 ** 20
@@ -94,10 +102,20 @@ class StepStats:
 
 
 class _ListBatch:
-    """A list of 1-D token tensors as a batch."""
+    """A list of 1-D integer token tensors as a batch, checked against the vocabulary."""
 
-    def __init__(self, sequences: Sequence[torch.Tensor]) -> None:
-        self.sequences = [torch.as_tensor(s).reshape(-1) for s in sequences]
+    def __init__(self, sequences: Sequence[torch.Tensor], vocab_size: int | None) -> None:
+        self.sequences = [torch.as_tensor(s) for s in sequences]
+        for i, seq in enumerate(self.sequences):
+            if seq.dim() != 1 or seq.numel() == 0:
+                raise BatchError(f"sequence {i} has shape {tuple(seq.shape)}: each sequence must be a non-empty 1-D "
+                                 f"tensor of token ids")
+            if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
+                raise BatchError(f"sequence {i} holds {seq.dtype} values: token ids must be integers")
+            low, high = int(seq.min()), int(seq.max())
+            if low < 0 or (vocab_size is not None and high >= vocab_size):
+                raise BatchError(f"sequence {i} holds token id {low if low < 0 else high}, outside the model's "
+                                 f"vocabulary of {vocab_size} (ids 0 to {(vocab_size or 1) - 1})")
         self.lengths = np.array([s.numel() for s in self.sequences], dtype=np.int64)
 
     def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -115,7 +133,7 @@ class Runtime:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
                  cost_model: CostModel | None = None, strategy: str = "balance", *, capacity: int = 8192,
                  max_grad_norm: float | None = 1.0, context_length: int | None = None,
-                 mixed_precision: torch.dtype | None = None) -> None:
+                 mixed_precision: torch.dtype | None = None, max_skipped_steps: int = 3) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if mixed_precision not in (None, torch.bfloat16, torch.float16):
@@ -130,8 +148,13 @@ class Runtime:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.device = next(self.model.parameters()).device
         self.mixed_precision = mixed_precision
+        if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
+            raise ValueError(f"max_skipped_steps must be an int >= 1, got {max_skipped_steps!r}")
+        self.max_skipped_steps = max_skipped_steps
+        self.vocab_size = _vocab_size(self.model.original_module)
         self._hf_labels = "labels" in inspect.signature(self.model.original_module.forward).parameters
         self.steps = 0
+        self._skipped_in_a_row: list[int] = []
 
     def plan(self, lengths: np.ndarray) -> Plan:
         """The step's plan, validated before any communication (identical on every rank).
@@ -182,7 +205,7 @@ class Runtime:
 
     def step(self, batch: BatchLike | Sequence[torch.Tensor]) -> StepStats:
         if not hasattr(batch, "lengths"):
-            batch = _ListBatch(batch)
+            batch = _ListBatch(batch, self.vocab_size)
         start = time.perf_counter()
         step_plan = self.plan(np.asarray(batch.lengths))
         plan_time = time.perf_counter() - start
@@ -212,6 +235,7 @@ class Runtime:
         if not skipped:
             self.optimizer.step()
         self.steps += 1
+        self._count_skip(skipped, float(totals[:, 0].sum()), grad_norm)
         return StepStats(step=self.steps, strategy=self.strategy, loss=float(totals[:, 0].sum()),
                          tokens=int(np.asarray(batch.lengths).sum()), time=time.perf_counter() - start,
                          plan_time=plan_time, busy=totals[:, 1].tolist(), micro_batches=totals[:, 2].astype(int).tolist(),
@@ -223,7 +247,7 @@ class Runtime:
         """The token-level loss of `batch` (the same on every rank): planned and run like a step, in eval mode
         without gradients, so nothing is offloaded and no parameter or optimizer state changes."""
         if not hasattr(batch, "lengths"):
-            batch = _ListBatch(batch)
+            batch = _ListBatch(batch, self.vocab_size)
         step_plan = self.plan(np.asarray(batch.lengths))
         num_items = num_targets(batch.lengths)
         loss = torch.zeros((), dtype=torch.float64)
@@ -237,6 +261,15 @@ class Runtime:
         finally:
             self.model.train()
         return float(self._gather([loss.item()])[:, 0].sum())
+
+    def _count_skip(self, skipped: bool, loss: float, grad_norm: float) -> None:
+        """Raise once `max_skipped_steps` steps in a row were skipped (the parameters are still those before them)."""
+        self._skipped_in_a_row = self._skipped_in_a_row + [self.steps] if skipped else []
+        if len(self._skipped_in_a_row) >= self.max_skipped_steps:
+            raise SkippedStepsError(
+                f"steps {self._skipped_in_a_row} were all skipped (last loss {loss}, gradient norm {grad_norm}); the "
+                f"parameters are unchanged since step {self._skipped_in_a_row[0] - 1}: check the data (a batch with "
+                f"no target gives 0/0) and the learning rate, or resume from a checkpoint")
 
     def _loss(self, output: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)
@@ -296,3 +329,10 @@ def default_cost_model(model: nn.Module) -> CostModel:
     """An analytic cost model from the config of the model (behind `optimize()` if wrapped): our LLaMA or any
     Hugging Face causal LM; `ModelConfigError` names the model class and the field it could not read."""
     return CostModel.analytic(model_shape(model))
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """Rows of the input embedding (HF `get_input_embeddings()`, else the first `nn.Embedding`); None without one."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None
