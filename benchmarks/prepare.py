@@ -1,7 +1,7 @@
 """Data-preparation throughput: MB of text per second through `bytescale_compile.data.prepare`.
 
-The corpus is the running interpreter's standard-library `.py` files (sorted; `--mb` MB of them, one
-document per file). A byte-level BPE (`--vocab-size`) is first trained on the same files with
+The corpus is the running interpreter's `.py` files (`data.python_source_files`: stdlib first, sorted;
+`--mb` MB of them, one document per file). A byte-level BPE (`--vocab-size`) is first trained on the same files with
 `train_tokenizer`, and its time printed. Then `prepare` runs with 1 and 2 workers (or `--workers`); the
 time is the whole call: reading, tokenizing, splitting off 1% for eval and writing both datasets.
 TOKENIZERS_PARALLELISM is switched off, so one worker is one core and the worker count is the
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -22,25 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 from bytescale_compile.data import prepare, train_tokenizer  # noqa: E402
-
-_SKIPPED = {"__pycache__", "site-packages", "dist-packages"}
-
-
-def stdlib_sources(megabytes: float) -> list[Path]:
-    """Standard-library `.py` files in sorted order until `megabytes` MB (a stable corpus per Python version)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED)
-        files.extend(Path(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
-    chosen, total = [], 0
-    for path in files:
-        if total >= megabytes * 1e6:
-            break
-        chosen.append(path)
-        total += path.stat().st_size
-    return chosen
-
+from bytescale_compile.data.dataset import python_source_files  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,9 +29,9 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--workers", default="1,2", help="worker counts to measure (default 1,2)")
     args = parser.parse_args()
-    files = stdlib_sources(args.mb)
+    files = python_source_files(int(args.mb * 1e6))
     size = sum(p.stat().st_size for p in files) / 1e6
-    print(f"corpus: {len(files)} stdlib .py files, {size:.1f} MB, from {sysconfig.get_paths()['stdlib']}; "
+    print(f"corpus: {len(files)} .py files of this interpreter (stdlib first), {size:.1f} MB; "
           f"{os.cpu_count()} CPU cores")
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
