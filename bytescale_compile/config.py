@@ -9,7 +9,7 @@ from .kernels.cross_entropy_ref import DEFAULT_CHUNK_SIZE
 
 __all__ = ["Config"]
 
-_PARTITIONERS = ("default", "min_cut")
+_PARTITIONERS = ("auto", "default", "min_cut")
 _OFFLOAD_MODES = ("auto", "off")
 _CODEGEN = ("auto", "inductor", "none")
 
@@ -25,7 +25,7 @@ class Config:
     dynamic: mark the token dimension (dim 1 of every `[B, T, ...]` input) dynamic so varying
         micro-batch lengths do not recompile.
     partitioner: how AOTAutograd splits forward from backward: "default" saves what eager saves,
-        "min_cut" recomputes cheap ops to save memory.
+        "min_cut" recomputes cheap ops to save memory, "auto" picks per device (`resolve_partitioner`).
     keep_graph_text: keep the graphs before and after the passes as text in the report.
     offload: selective activation offload (paper §4.2): "auto" takes each micro-batch's ratio r from
         the plan, a number in [0, 1] uses that r for every micro-batch, "off" leaves the graphs alone.
@@ -40,7 +40,7 @@ class Config:
     fused_loss: bool = True
     loss_chunk_size: int = DEFAULT_CHUNK_SIZE
     dynamic: bool = True
-    partitioner: str = "default"
+    partitioner: str = "auto"
     keep_graph_text: bool = True
     offload: str | float = "auto"
     codegen: str = "auto"
@@ -66,6 +66,14 @@ class Config:
         if self.codegen != "auto":
             return self.codegen
         return "inductor" if device_type == "cuda" else "none"
+
+    def resolve_partitioner(self, device_type: str) -> str:
+        """The partitioner for graphs on `device_type`: "auto" is min-cut on CUDA, where it halved peak memory
+        at equal step time on an H100 (issue 18), and the default split on CPU, where recomputation costs
+        time that the memory, plentiful there, does not buy back."""
+        if self.partitioner != "auto":
+            return self.partitioner
+        return "min_cut" if device_type == "cuda" else "default"
 
     def with_overrides(self, **overrides: Any) -> Config:
         """A copy with some fields changed; unknown names raise ValueError listing the known ones."""

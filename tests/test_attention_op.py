@@ -426,3 +426,20 @@ def test_context_packing_never_reads_position_ids():
     with micro_batch(cu_seqlens=[0, 4, 9]):
         packing = _row_packing(q, torch.empty(1, 9, dtype=torch.long, device="meta"))
     assert [cu.tolist() for cu in packing] == [[0, 4, 9]]
+
+
+def test_position_ids_are_read_to_the_host_once_while_unchanged(monkeypatch) -> None:
+    """Every layer passes the same position_ids: one host read serves them all, until they change in place."""
+    from bytescale_compile.ops import attention as op_module
+
+    reads = []
+    read = op_module._read_restarts
+    monkeypatch.setattr(op_module, "_read_restarts", lambda *args: reads.append(1) or read(*args))
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    first = [attention(q, k, v, SCALE, position_ids)[0] for _ in range(3)]
+    assert len(reads) == 1 and all(torch.equal(out, first[0]) for out in first)
+    position_ids[0, 4:] = torch.arange(4, 8)  # one sequence now: the cached boundaries must not be used
+    whole = attention(q, k, v, SCALE, position_ids)[0]
+    assert len(reads) == 2 and torch.equal(whole, attention(q, k, v, SCALE, None)[0])
+    assert not torch.equal(whole, first[0])

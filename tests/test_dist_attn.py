@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import math
 import os
 import random
@@ -387,11 +389,14 @@ def test_peer_that_never_arrives_times_out():
 
 
 class _FailingWork:
-    def __init__(self, error: Exception):
+    def __init__(self, error: Exception | None):
         self.error = error
+        self.timeouts: list[object] = []
 
     def wait(self, timeout=None):
-        raise self.error
+        self.timeouts.append(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 @pytest.mark.parametrize("error,raised", [
@@ -406,3 +411,16 @@ def test_wait_maps_backend_errors_to_ring_errors(error, raised):
     with pytest.raises(RingError) as err:
         ring.wait([_FailingWork(error)], "a K/V block", (1,))
     assert type(err.value).__name__ == raised and "ring group [0]" in str(err.value)
+
+
+@pytest.mark.parametrize("backend,timeout", [("gloo", datetime.timedelta(seconds=1)), ("nccl", None)])
+def test_wait_blocks_the_cpu_only_off_nccl(monkeypatch, backend, timeout):
+    """On NCCL the wait is stream-ordered (no CPU-blocking timeout); elsewhere it waits `timeout_s`."""
+    from bytescale_compile.runtime import dist_attn
+
+    ring = dist_attn._make_ring(zigzag_layout([8], 1), [0], 1.0, None, None)
+    monkeypatch.setattr(dist_attn.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist_attn.dist, "get_backend", lambda: backend)
+    work = _FailingWork(None)
+    ring.wait([work], "a K/V block", (1,))
+    assert work.timeouts == [timeout]

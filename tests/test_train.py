@@ -71,8 +71,8 @@ def _torchrun(nproc: int, args: list[str], *torchrun_args: str) -> list[str]:
             "-m", "bytescale_compile.train", *args]
 
 
-def _run(command: list[str]) -> str:
-    result = subprocess.run(command, cwd=ROOT, env=_ENV, capture_output=True, text=True, timeout=600)
+def _run(command: list[str], **env: str) -> str:
+    result = subprocess.run(command, cwd=ROOT, env={**_ENV, **env}, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 

@@ -79,15 +79,17 @@ class Backend:
                  ", ".join(f"{p.name}: {len(p.rewrites)} rewritten" for p in report.passes))
         self.on_graph(report)
         _refuse_unshardable(report)
-        if self.config.resolve_codegen(_device_type(example_inputs)) == "inductor":
-            partition = self._partition_fn(report, inductor=True)
+        device_type = _device_type(example_inputs)
+        partitioner = self.config.resolve_partitioner(device_type)
+        if self.config.resolve_codegen(device_type) == "inductor":
+            partition = self._partition_fn(report, partitioner, inductor=True)
             return compile_with_inductor(gm, example_inputs, self.config, report, partition)
         return aot_module_simplified(
             gm,
             example_inputs,
             fw_compiler=self._graph_compiler(report, "forward_graph"),
             bw_compiler=self._graph_compiler(report, "backward_graph"),
-            partition_fn=self._partition_fn(report),
+            partition_fn=self._partition_fn(report, partitioner),
             keep_inference_input_mutations=True,
         )
 
@@ -110,8 +112,8 @@ class Backend:
         where = cause.user_stack[-1] if cause.user_stack else None
         self.last_graph_break = f"{message}, at {where.filename}:{where.lineno} in {where.name}" if where else message
 
-    def _partition_fn(self, report: GraphReport, inductor: bool = False) -> Callable:
-        base = min_cut_rematerialization_partition if self.config.partitioner == "min_cut" else default_partition
+    def _partition_fn(self, report: GraphReport, partitioner: str, inductor: bool = False) -> Callable:
+        base = min_cut_rematerialization_partition if partitioner == "min_cut" else default_partition
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
             if base is default_partition:  # Inductor names itself as `compiler`, for min-cut's recompute choices

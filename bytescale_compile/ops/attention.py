@@ -23,6 +23,7 @@ when the backward graph runs (which must be under the same context as the forwar
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -78,10 +79,27 @@ def _row_packing(q: Tensor, position_ids: Tensor | None) -> list[Tensor] | None:
     return _restarts(position_ids, q.shape[0], q.shape[2])
 
 
+_last_restarts: tuple[Any, ...] = ()
+"""(weakref to position_ids, (its version, batch, tokens), boundaries) of the latest `_restarts` call: every
+layer of a forward passes the same position_ids, so reading them to the host once per step is enough."""
+
+
 def _restarts(position_ids: Tensor, batch: int, tokens: int) -> list[Tensor] | None:
-    """Per row, segment boundaries where a position is not its predecessor's plus one."""
+    """Per row, segment boundaries where a position is not its predecessor's plus one (a host read, cached
+    while the same, unmodified position_ids tensor comes back)."""
+    global _last_restarts
     if position_ids.shape[-1] != tokens:
         raise ValueError(f"position_ids has {position_ids.shape[-1]} tokens but the attention input has {tokens}")
+    key = None if position_ids.is_inference() else (position_ids._version, batch, tokens)
+    if key is not None and _last_restarts and _last_restarts[0]() is position_ids and _last_restarts[1] == key:
+        return _last_restarts[2]
+    bounds = _read_restarts(position_ids, batch, tokens)
+    if key is not None:
+        _last_restarts = (weakref.ref(position_ids), key, bounds)
+    return bounds
+
+
+def _read_restarts(position_ids: Tensor, batch: int, tokens: int) -> list[Tensor] | None:
     pos = position_ids.reshape(-1, tokens).expand(batch, tokens).cpu()
     starts = pos[:, 1:] != pos[:, :-1] + 1
     if not bool(starts.any()):

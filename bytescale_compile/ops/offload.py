@@ -17,8 +17,8 @@ Declared: neither op mutates an input and no output aliases one. Both are opaque
 for Inductor; `offload_saved` asks for the members' exact strides (`needs_exact_strides`), though
 Inductor may still re-lay out a non-contiguous one, so under Inductor the pass offloads contiguous
 storages only, and members that no longer view one storage raise `OffloadError`. As the handles are
-meta tensors, the dispatcher runs `reload_saved` under its meta kernel, which is therefore the real
-implementation; fake tensors use the fake kernel.
+meta tensors, the dispatcher runs `reload_saved` under its Meta kernel, the fake kernel, which does the
+real reload unless its handles are fake tensors.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bytescale_compile.runtime.context import ContextError
@@ -103,9 +104,12 @@ def _reload_saved(layer: int, handles: list[Tensor], device: torch.device) -> Te
 
 
 reload_saved = torch.library.custom_op("bytescale::reload_saved", _reload_saved, mutates_args=())
-reload_saved.register_kernel("meta")(_reload_saved)
 
 
 @reload_saved.register_fake
-def _reload_saved_fake(layer: int, handles: list[Tensor], device: torch.device) -> Tensor:
-    return torch.empty(_storage_span(handles), dtype=handles[0].dtype, device=device)
+def _reload_saved_meta(layer: int, handles: list[Tensor], device: torch.device) -> Tensor:
+    """Fake tensors get an empty result; real meta handles (the dispatcher sends them here, to the Meta
+    kernel, which torch before 2.13 does not let a second registration override) the real reload."""
+    if is_fake(handles[0]):
+        return torch.empty(_storage_span(handles), dtype=handles[0].dtype, device=device)
+    return _reload_saved(layer, handles, device)

@@ -121,11 +121,15 @@ class _Ring:
     def wait(self, works: list[Any], what: str, peers: tuple[int, ...]) -> None:
         """Wait for posted P2P; a timeout raises `RingTimeoutError`, a lost peer `RingError`, on any backend.
 
-        NCCL reports both as `DistBackendError` (a RuntimeError) whose text names the timeout.
+        On NCCL the wait is stream-ordered (the CPU goes on queueing compute) and the timeout is the
+        process group's, enforced by NCCL's watchdog: `wait(timeout=...)` there would block the CPU for
+        the whole transfer. NCCL reports both faults as `DistBackendError` (a RuntimeError) whose text
+        names the timeout.
         """
+        stream_ordered = dist.is_initialized() and dist.get_backend() == "nccl"
         for work in works:
             try:
-                work.wait(timeout=self.timeout)
+                work.wait() if stream_ordered else work.wait(timeout=self.timeout)
             except RuntimeError as e:
                 where = f"ring group {list(self.group)}: rank {self.me}"
                 if "timed out" in str(e).lower() or "timeout" in str(e).lower():
