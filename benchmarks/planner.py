@@ -9,7 +9,9 @@ Prints:
   3. the case study (LLaMA-7B, Byted-like, 2M context, 1024 ranks, C = 8K): step time and speedup over
      static of naive without offload, naive with offload and balance (paper: 1.59x / 2.01x / 3.69x);
   4. GitHub-like throughput from 256K to 2M per strategy and the mean slowdown per context doubling
-     (paper: static ~2x, naive 1.23x, balance 1.08x).
+     (paper: static ~2x, naive 1.23x, balance 1.08x);
+  5. pipelines (8M tokens, 128K context, 32 pipelines, C = 8K x pp): step time and mean 1F1B bubble rate
+     per strategy, with the stage-to-stage activation sends charged and without, and the first-order bubble.
 With --figures DIR it also writes the case-study timelines and the throughput plot as PNG.
 """
 
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bytescale_compile.planner import CostModel, plan  # noqa: E402
 from bytescale_compile.sim.experiments import STRATEGY_SPECS, run_strategy  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
-from bytescale_compile.sim.simulator import lower_bound  # noqa: E402
+from bytescale_compile.sim.simulator import bubble_rates, lower_bound, step_time  # noqa: E402
 
 K, M = 2 ** 10, 2 ** 20
 TOKENS, CAPACITY = 32 * M, 8 * K
@@ -109,6 +111,21 @@ def github_scaling(cost: CostModel, figures: Path | None) -> None:
         print(f"throughput: {path}")
 
 
+def pipelines(cost: CostModel) -> None:
+    print("\n5. pipelines: 8M tokens, 128K context, 32 pipelines, C = 8K x pp (seed 0)")
+    print(f"{'data':>7} {'pp':>3} {'strategy':>8} {'step s':>8} {'no sends':>9} {'bubble':>7} {'no sends':>9} {'1st order':>9}")
+    for dataset in ("github", "byted"):
+        lens = sample_global_batch(dataset, 8 * M, seed=0, max_len=128 * K)
+        for pp in (2, 4):
+            for name in ("balance", "static", "naive", "auto"):
+                strategy, offload = STRATEGY_SPECS[name]
+                p = plan(lens, 32, CAPACITY * pp, cost, strategy=strategy, pp_size=pp, context_length=128 * K,
+                         offload=offload)
+                (staged, first), (unsent, _) = bubble_rates(p, cost), bubble_rates(p, cost, sends=False)
+                print(f"{dataset:>7} {pp:>3} {name:>8} {step_time(p, cost):>8.2f} {step_time(p, cost, sends=False):>9.2f} "
+                      f"{staged:>7.3f} {unsent:>9.3f} {first:>9.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-7b")
@@ -122,6 +139,7 @@ def main() -> None:
     balance_quality(cost)
     case_study(cost, args.figures)
     github_scaling(cost, args.figures)
+    pipelines(cost)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,43 @@
-"""bytescale_compile: ByteScale (HDP long-context training) as torch.compile passes."""
+"""bytescale_compile: ByteScale (HDP long-context training) as torch.compile passes.
 
-from .api import OptimizedModule, RecompileLimitError, explain, optimize
-from .config import Config
-from .passes.report import CompileReport
-from .train.engine import Runtime, StepStats
+The public names load on first use (PEP 562): `import bytescale_compile` and the `bytescale-compile`
+CLI's planner commands do not pay for importing torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import OptimizedModule, RecompileLimitError, explain, optimize
+    from .config import Config
+    from .passes.report import CompileReport
+    from .train.engine import Runtime, StepStats
+
+_EXPORTS = {
+    "optimize": ".api",
+    "explain": ".api",
+    "OptimizedModule": ".api",
+    "RecompileLimitError": ".api",
+    "Config": ".config",
+    "CompileReport": ".passes.report",
+    "Runtime": ".train.engine",
+    "StepStats": ".train.engine",
+}
+"""Public name -> the module that defines it."""
 
 __all__ = ["optimize", "explain", "Config", "OptimizedModule", "CompileReport", "RecompileLimitError", "Runtime", "StepStats"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import the defining module of a public name when it is first asked for, and cache the name."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,5 +1,8 @@
 """`bytescale-compile`: inspect a model's compilation, plan and simulate HDP steps, profile a cost model,
-train a tokenizer and prepare token datasets from your own text."""
+train a tokenizer and prepare token datasets from your own text.
+
+Usage errors print one line and exit with status 2; `bytescale-compile --debug COMMAND ...` shows the
+traceback instead. torch and the compiler load only in the commands that need them (inspect, profile)."""
 
 from __future__ import annotations
 
@@ -9,14 +12,12 @@ import inspect as pyinspect
 import json
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
-from torch import nn
-
-from .api import explain, optimize
-from .config import Config
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["main"]
 
@@ -25,14 +26,93 @@ class CLIError(Exception):
     """A command-line argument that cannot be used, with what to pass instead."""
 
 
+class UsageError(CLIError):
+    """An argument the parser refused; `prog` is the (sub)command that refused it."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(f"{message} (see {prog} --help)")
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors reach `main` as exceptions, to be printed in one line like the commands' own
+    (argparse would print the usage first and exit)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, message)
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`, refused while parsing, before any work."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _size(text: str) -> int:
+    """An argparse type: one positive size such as 8K, 32M or 1000."""
+    from .sim.experiments import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a size >= 1, got {text!r}")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    """An argparse type: comma-separated positive sizes (256K,512K,1M)."""
+    sizes = [_size(t) for t in text.split(",") if t.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes such as 256K,1M, got {text!r}")
+    return sizes
+
+
+def _output_file(path: str, option: str) -> Path:
+    """Check a file the command writes before the work starts, so that a long run does not fail at its
+    end: not an existing directory, not a read-only file, and a folder that exists or can be created."""
+    target = Path(path)
+    if target.is_dir():
+        raise CLIError(f"{option} {path} is a directory; give a file path")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise CLIError(f"{option} {path} exists and is not writable")
+    _output_folder(target.parent, option, path)
+    return target
+
+
+def _output_folder(folder: Path, option: str, path: str) -> None:
+    """Check that `folder`, where `option` writes `path`, exists or can be created: its nearest existing
+    ancestor is a writable directory. Nothing is created yet (`_created`), so a refused run leaves no trace."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise CLIError(f"cannot write {option} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CLIError(f"cannot write {option} {path}: the folder {existing} is not writable")
+
+
+def _created(path: Path) -> Path:
+    """`path`, with its missing parent folders created (checked by `_output_file` before the work)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _cwd_importable() -> None:
     """MODULE:FACTORY specs name modules of the current project, like `python -m` would find them."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
 
 
-def load_factory(spec: str) -> nn.Module:
-    """`package.module:factory` → the model the factory builds (the current directory is importable)."""
+def resolve_factory(spec: str) -> Callable[[], Any]:
+    """`package.module:factory` → the factory, imported but not called (the current directory is importable)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise CLIError(f"expected MODULE:FACTORY (e.g. examples.models.llama:small), got {spec!r}")
@@ -44,7 +124,14 @@ def load_factory(spec: str) -> nn.Module:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise CLIError(f"{module_name} has no callable {attr!r}")
-    model = factory()
+    return factory
+
+
+def load_factory(spec: str) -> nn.Module:
+    """`package.module:factory` → the model the factory builds."""
+    from torch import nn
+
+    model = resolve_factory(spec)()
     if not isinstance(model, nn.Module):
         raise CLIError(f"{spec} returned {type(model).__name__}, not an nn.Module")
     return model
@@ -52,6 +139,8 @@ def load_factory(spec: str) -> nn.Module:
 
 def protocol_inputs(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> dict[str, Any]:
     """One packed row of the causal-LM protocol; Hugging Face extras only where forward takes them."""
+    import torch
+
     config = getattr(model, "config", None)
     vocab = vocab_size or getattr(config, "vocab_size", None)
     if vocab is None:
@@ -74,8 +163,11 @@ def protocol_inputs(model: nn.Module, seq_len: int, vocab_size: int | None = Non
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    if args.seq_len < 2:
-        raise CLIError(f"--seq-len must be at least 2 (one token and its target), got {args.seq_len}")
+    import torch
+
+    from .api import explain, optimize
+    from .config import Config
+
     torch.manual_seed(0)
     model = load_factory(args.target)
     model.train(not args.eval)
@@ -99,13 +191,13 @@ def _cost_model(name: str, hardware: str | None = None, tp: int = 1) -> Any:
     return dataclasses.replace(cost, hardware=cluster) if cluster and name.endswith(".json") else cost
 
 
-def _sizes(text: str) -> list[int]:
-    from .sim.experiments import parse_size
+def _strategy(name: str) -> str:
+    """A strategy `run_strategy` knows, checked before any planning or output."""
+    from .sim.experiments import STRATEGY_SPECS
 
-    try:
-        return [parse_size(t) for t in text.split(",") if t]
-    except ValueError as e:
-        raise CLIError(str(e)) from e
+    if name not in STRATEGY_SPECS:
+        raise CLIError(f"unknown strategy {name!r}; strategies: {', '.join(STRATEGY_SPECS)}")
+    return name
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -113,14 +205,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .sim.experiments import run_strategy
     from .sim.lengths import sample_global_batch
 
-    (tokens,), (capacity,) = _sizes(args.global_tokens), _sizes(args.capacity)
-    context = _sizes(args.context)[0] if args.context else None
+    tokens, capacity, context, strategy = args.global_tokens, args.capacity, args.context, _strategy(args.strategy)
+    cost_model = _cost_model(args.model, args.hardware, args.tp)
     lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
     try:
-        outcome = run_strategy(args.strategy, lens, args.ranks, capacity, _cost_model(args.model, args.hardware, args.tp),
-                               context, args.pp)
+        outcome = run_strategy(strategy, lens, args.ranks, capacity, cost_model, context, args.pp)
         outcome.plan.validate()
-    except PlanError as e:
+    except (PlanError, ValueError) as e:
         raise CLIError(str(e)) from e
     if args.json:
         print(outcome.plan.to_json())
@@ -148,8 +239,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .sim.lengths import sample_global_batch
     from .sim.timeline import plot_throughput, plot_timelines
 
-    (tokens,), (capacity,) = _sizes(args.global_tokens), _sizes(args.capacity)
-    contexts, strategies = _sizes(args.context), [s for s in args.strategies.split(",") if s]
+    plot = _output_file(args.plot, "--plot") if args.plot else None
+    timeline = _output_file(args.timeline, "--timeline") if args.timeline else None
+    tokens, capacity, contexts = args.global_tokens, args.capacity, args.context
+    strategies = [_strategy(s) for s in args.strategies.split(",") if s]
     cost_model = _cost_model(args.model, args.hardware, args.tp)
     table: dict[str, list[float]] = {s: [] for s in strategies}
     print(f"{'context':>8} " + " ".join(f"{s + ' tok/s':>22}" for s in strategies) + "   speedup over first")
@@ -164,24 +257,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             table[o.name].append(o.tokens_per_second)
         speedups = " ".join(f"{o.tokens_per_second / last[0].tokens_per_second:.2f}x" for o in last)
         print(f"{context // 1024:>7}K " + " ".join(f"{o.tokens_per_second:>22,.0f}" for o in last) + f"   {speedups}")
-    if args.plot:
-        plot_throughput(contexts, table, args.plot, title=f"{args.model}, {args.dataset}, {args.ranks} ranks")
-        print(f"throughput plot: {args.plot}")
-    if args.timeline and last:
-        plot_timelines([o.timeline for o in last], args.timeline,
+    if plot:
+        plot_throughput(contexts, table, str(_created(plot)), title=f"{args.model}, {args.dataset}, {args.ranks} ranks")
+        print(f"throughput plot: {plot}")
+    if timeline and last:
+        plot_timelines([o.timeline for o in last], str(_created(timeline)),
                        title=f"{args.model}, {args.dataset}, context {contexts[-1] // 1024}K, {args.ranks} ranks")
-        print(f"timelines: {args.timeline}")
+        print(f"timelines: {timeline}")
     return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from .planner.profiler import profile_model
 
-    _cwd_importable()
-    result = profile_model(args.target, _sizes(args.lengths), args.out, repeats=args.repeats,
-                           ranks_per_device=args.ranks_per_device)
+    out = _output_file(args.out, "--out")
+    resolve_factory(args.target)
+    try:
+        result = profile_model(args.target, args.lengths, _created(out), repeats=args.repeats,
+                               ranks_per_device=args.ranks_per_device)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
     print(result.summary())
-    print(f"cost model written to {args.out}")
+    print(f"cost model of {result.device} written to {out}")
     return 0
 
 
@@ -194,6 +291,9 @@ the path or option to fix."""
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from .data import train_tokenizer
 
+    if Path(args.out).is_file():
+        raise CLIError(f"--out {args.out} is a file; give the tokenizer directory to write")
+    _output_folder(Path(args.out), "--out", args.out)
     try:
         trained = train_tokenizer(args.input, args.vocab_size, args.out, text_field=args.text_field,
                                   min_frequency=args.min_frequency, overwrite=args.overwrite, progress=True)
@@ -206,6 +306,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from .data import prepare
 
+    _output_folder(Path(args.out).parent, "--out", args.out)
     try:
         report = prepare(args.input, args.tokenizer, args.out, text_field=args.text_field, workers=args.workers,
                          max_len=args.max_len, long_docs=args.long_docs, eval_fraction=args.eval_fraction,
@@ -226,7 +327,7 @@ def _add_data_commands(sub: Any) -> None:
     p.add_argument("--vocab-size", type=int, required=True, help="at most this many tokens (>= 258)")
     p.add_argument("--out", required=True, metavar="DIR", help="the tokenizer directory to write")
     p.add_argument("--text-field", default="text", help="the record field holding the text (default text)")
-    p.add_argument("--min-frequency", type=int, default=2, help="merge only pairs seen this often (default 2)")
+    p.add_argument("--min-frequency", type=_int_at_least(1), default=2, help="merge only pairs seen this often (default 2)")
     p.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in DIR")
     p.set_defaults(func=cmd_tokenizer_train)
 
@@ -238,24 +339,27 @@ def _add_data_commands(sub: Any) -> None:
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="a Hugging Face tokenizer directory with an EOS")
     p.add_argument("--out", required=True, metavar="PREFIX", help="dataset prefix; the eval split goes to PREFIX_eval")
     p.add_argument("--text-field", default="text", help="the record field holding the text (default text)")
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    p.add_argument("--workers", type=_int_at_least(1), default=1, help="tokenizing processes (default 1)")
     p.add_argument("--max-len", type=int, default=None, help="tokens per document at most, EOS included")
     p.add_argument("--long-docs", choices=("split", "drop"), default="split",
                    help="what happens to documents over --max-len (default split)")
     p.add_argument("--eval-fraction", type=float, default=0.01,
                    help="share of documents held out for evaluation (default 0.01; 0: no eval split)")
-    p.add_argument("--seed", type=int, default=0, help="draws the eval split (default 0)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="draws the eval split (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace existing datasets at PREFIX and PREFIX_eval")
     p.set_defaults(func=cmd_data_prepare)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bytescale-compile", description=__doc__)
+    parser = _Parser(prog="bytescale-compile", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="compile a model on one sequence and print what every pass did")
     p.add_argument("target", help="MODULE:FACTORY returning an nn.Module, e.g. examples.models.llama:small")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens in the sample row (default 512)")
-    p.add_argument("--vocab-size", type=int, default=None, help="when the model has no config.vocab_size")
+    p.add_argument("--seq-len", type=_int_at_least(2), default=512,
+                   help="tokens in the sample row, at least 2: a token and its target (default 512)")
+    p.add_argument("--vocab-size", type=_int_at_least(1), default=None, help="when the model has no config.vocab_size")
     p.add_argument("--eval", action="store_true", help="compile in eval mode (the loss is not fused)")
     p.add_argument("--no-attention", action="store_true", help="switch the attention pass off")
     p.add_argument("--no-fused-loss", action="store_true", help="switch the fused-loss pass off")
@@ -266,43 +370,44 @@ def build_parser() -> argparse.ArgumentParser:
     datasets = ("byted", "github", "python")
     p = sub.add_parser("plan", help="plan one global batch and print a summary or the plan JSON")
     p.add_argument("--dataset", choices=datasets, default="byted")
-    p.add_argument("--global-tokens", default="32M")
-    p.add_argument("--ranks", type=int, default=1024)
-    p.add_argument("--capacity", default="8K", help="tokens per rank, C")
+    p.add_argument("--global-tokens", type=_size, default="32M")
+    p.add_argument("--ranks", type=_int_at_least(1), default=1024)
+    p.add_argument("--capacity", type=_size, default="8K", help="tokens per rank, C")
     p.add_argument("--strategy", default="balance", help="balance | naive | naive-nooffload | static | auto")
     p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
     p.add_argument("--hardware", default=None, help="cluster preset for the ranks: l20 | h100-nvlink (default: "
                    "private 25 GB/s links per rank)")
-    p.add_argument("--tp", type=int, default=1, help="devices per HDP rank on the --hardware cluster")
-    p.add_argument("--context", default=None, help="context length (truncates longer samples; the static mesh's row)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages per HDP rank")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=_int_at_least(1), default=1, help="devices per HDP rank on the --hardware cluster")
+    p.add_argument("--context", type=_size, default=None,
+                   help="context length (truncates longer samples; the static mesh's row)")
+    p.add_argument("--pp", type=_int_at_least(1), default=1, help="pipeline stages per HDP rank")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="simulate strategies over context lengths and print tokens/s")
     p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
     p.add_argument("--dataset", choices=datasets, default="github")
-    p.add_argument("--context", default="256K,512K,1M,2M")
-    p.add_argument("--ranks", type=int, default=1024)
-    p.add_argument("--capacity", default="8K")
-    p.add_argument("--global-tokens", default="32M")
+    p.add_argument("--context", type=_sizes, default="256K,512K,1M,2M")
+    p.add_argument("--ranks", type=_int_at_least(1), default=1024)
+    p.add_argument("--capacity", type=_size, default="8K")
+    p.add_argument("--global-tokens", type=_size, default="32M")
     p.add_argument("--strategies", default="static,naive,balance", help="of static, naive, naive-nooffload, balance, auto")
     p.add_argument("--hardware", default=None, help="cluster preset for the ranks: l20 | h100-nvlink (default: "
                    "private 25 GB/s links per rank)")
-    p.add_argument("--tp", type=int, default=1, help="devices per HDP rank on the --hardware cluster")
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, help="write a throughput-vs-context PNG here")
+    p.add_argument("--tp", type=_int_at_least(1), default=1, help="devices per HDP rank on the --hardware cluster")
+    p.add_argument("--pp", type=_int_at_least(1), default=1)
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--plot", default=None, help="write a throughput-vs-context PNG here (missing folders are created)")
     p.add_argument("--timeline", default=None, help="write per-rank timelines of the last context here (PNG)")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("profile", help="fit T(s) and Act(s) of one layer of a model on this device")
     p.add_argument("target", help="MODULE:FACTORY, e.g. examples.models.llama:small")
-    p.add_argument("--lengths", default="256,512,1K,2K")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="cost_model.json")
-    p.add_argument("--ranks-per-device", type=int, default=1,
+    p.add_argument("--lengths", type=_sizes, default="256,512,1K,2K", help="at least 3 distinct lengths")
+    p.add_argument("--repeats", type=_int_at_least(1), default=3)
+    p.add_argument("--out", default="cost_model.json", help="the cost-model JSON to write (records the device)")
+    p.add_argument("--ranks-per-device", type=_int_at_least(1), default=1,
                    help="CPU: profile as this many ranks sharing the cores would run (that many processes at once)")
     p.set_defaults(func=cmd_profile)
     _add_data_commands(sub)
@@ -310,10 +415,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; a usage error prints `bytescale-compile COMMAND: error: ...` and returns 2 (with
+    --debug, the traceback of a command's error is shown instead; argparse's own errors name the nested
+    command, `bytescale-compile data prepare: error: ...`, as they always did)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except CLIError as e:
+        if args.debug:
+            raise
         print(f"bytescale-compile {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -203,7 +203,7 @@ def test_resume_after_step_2_equals_an_uninterrupted_run(workspace, tmp_path):
     np.testing.assert_allclose(_losses(tmp_path / "cut"), _losses(tmp_path / "full"), rtol=1e-6, atol=0)
     again = _args(workspace, tmp_path / "cut", "--steps", "6", "--resume", "--seed", "1", *common)
     other_seed = subprocess.run(_torchrun(2, again), cwd=ROOT, env=_ENV, capture_output=True, text=True, timeout=600)
-    assert other_seed.returncode != 0 and "'seed': (0, 1)" in other_seed.stderr, other_seed.stderr[-2000:]
+    assert other_seed.returncode != 0 and "seed: 0 -> 1" in other_seed.stderr, other_seed.stderr[-2000:]
 
 
 def _worker_pids(torchrun_pid: int) -> list[int]:

@@ -43,8 +43,9 @@ def plan(lengths: Sequence[int] | np.ndarray, world_size: int, capacity: int, co
     """Plan one global batch of sequence `lengths` over `world_size` HDP ranks of `capacity` tokens.
 
     `offload` applies to "naive" (the ablation without offloading); "balance" always offloads and
-    "static" never does. "auto" (`AUTO`) plans balance at a few δ, with and without offloading, and
-    static, simulates each and returns the fastest, with `meta["auto"]` saying which won and by how much. `context_length` is the static mesh's row length (default: longest sequence).
+    "static" never does. "auto" (`AUTO`) plans balance with and without offloading, and static,
+    simulates each and returns the fastest, with `meta["auto"]` saying which won and by how much.
+    `context_length` is the static mesh's row length (default: longest sequence), for "auto"'s static too.
     `shard_blocker` says why the model cannot run a sequence over several ranks (an attention the ring
     cannot run): every sequence is then its own micro-batch on one rank (`unsharded.py`), and one longer
     than `capacity` raises `PlanError` with that reason.
@@ -56,8 +57,9 @@ def plan(lengths: Sequence[int] | np.ndarray, world_size: int, capacity: int, co
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     lens = check_lengths(lengths)
     with _no_cyclic_gc():
-        if shard_blocker is not None:
-            return plan_unsharded(lens, world_size, capacity, cost_model, strategy, pp_size, shard_blocker)
+        if shard_blocker is not None:  # one plan for every strategy: "auto" has nothing to choose, and a plan
+            named = "balance" if strategy == AUTO else strategy  # names a planner strategy
+            return plan_unsharded(lens, world_size, capacity, cost_model, named, pp_size, shard_blocker)
         if strategy == "static":
             return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length)
         if strategy == "naive":

@@ -7,7 +7,9 @@ more micro-batches, so all finish together (§5 "Redefine micro-batch"). Buckets
 ranks run sequences of the same length level at the same time (DP-Balance), and with pipelines each
 pipeline takes micro-batches of one or two adjacent length levels, the ones with shorter micro-batches
 more of them (PP-Balance, Insight 1): a 1F1B pipeline's fill and drain are set by its longest
-micro-batches, so mixing levels in one pipeline costs bubble time (`sim/pipeline.py`).
+micro-batches, so mixing levels in one pipeline costs bubble time (`sim/pipeline.py`). PP-balance
+also counts each pipeline's fill and drain in its load, and caps a micro-batch at 1/(4 pp) of the
+balanced time, spreading long sequences over more ranks (`_longest_micro_batch`).
 
 D(s) is the fewest ranks that can *hold* a sequence; a sequence whose work on D(s) ranks exceeds the
 balanced per-rank time (total work / ranks) would alone set the step time, so it gets
@@ -42,6 +44,8 @@ __all__ = ["DEFAULT_DELTA", "plan_balance", "flop_buckets"]
 _DELTA_CANDIDATES = 4
 DEFAULT_DELTA = 0.01
 """δ as a fraction of the balanced per-rank time (total work / ranks)."""
+MICRO_BATCHES_PER_STAGE = 4
+"""With pipelines, sequences are spread until each pipeline has at least this many micro-batches per stage."""
 
 
 def flop_buckets(flops: np.ndarray, order: np.ndarray, num_buckets: int) -> list[np.ndarray]:
@@ -61,6 +65,7 @@ class _Packed:
     sequences: list[int] = field(default_factory=list)
     tokens: int = 0
     room: float = 0.0
+    seconds: float = 0.0
 
 
 class _Ranks:
@@ -69,15 +74,27 @@ class _Ranks:
     A shared micro-batch starts when its busiest rank is free; the others would idle until then. Each
     such gap becomes a packed micro-batch placed just before the shared one, and later (shorter)
     sequences fill it first: work that costs the step nothing.
+
+    With pipelines (pp > 1) a rank's load is its busy time plus its 1F1B fill and drain, (pp - 1) times
+    its longest micro-batch (`drain`): a rank that runs a long micro-batch takes less other work.
     """
 
-    def __init__(self, builder: PlanBuilder, world_size: int, capacity: int) -> None:
-        self.builder, self.capacity = builder, capacity
+    def __init__(self, builder: PlanBuilder, world_size: int, capacity: int, pp_size: int = 1) -> None:
+        self.builder, self.capacity, self.stretch = builder, capacity, float(pp_size - 1)
         self.heap = [(0.0, r) for r in range(world_size)]
+        self.drain = [0.0] * world_size
         self.entries: list[list[int | _Packed]] = [[] for _ in range(world_size)]
         self.open = [_Packed(r) for r in range(world_size)]
         self.gaps: list[tuple[float, int, _Packed]] = []  # sorted by seconds left
         self._gap_ids = 0
+
+    def _grow_drain(self, rank: int, seconds: float) -> float:
+        """How much a micro-batch of `seconds` on `rank` adds to its fill and drain (0 without pipelines)."""
+        grown = self.stretch * seconds - self.drain[rank]
+        if grown <= 0.0:
+            return 0.0
+        self.drain[rank] += grown
+        return grown
 
     def close(self, rank: int) -> None:
         if self.open[rank].sequences:
@@ -88,7 +105,7 @@ class _Ranks:
         """Run `seq` on its `group_size` least-loaded ranks. When it would end past `target` (the balanced
         step time), widen the group (up to `widest`) onto ranks idle by the time it starts anyway, as long
         as that makes it finish sooner: few, long sequences then split like a static mesh would."""
-        group = [heapq.heappop(self.heap) for _ in range(group_size)]
+        group = [self._pop_clock() for _ in range(group_size)]
         start = max(t for t, _ in group)
         best = self.builder.time_of([seq], len(group), ratio)
         while start + best > target and len(group) < widest and self.heap and self.heap[0][0] <= start:
@@ -97,7 +114,7 @@ class _Ranks:
             seconds = self.builder.time_of([seq], wider, wider_ratio)
             if seconds >= best:
                 break
-            group.append(heapq.heappop(self.heap))
+            group.append(self._pop_clock())
             best, ratio = seconds, wider_ratio
         mb = self.builder.add(sorted(r for _, r in group), [seq], ratio)
         for t, r in group:
@@ -107,7 +124,12 @@ class _Ranks:
                 self.entries[r].append(gap)
                 bisect.insort(self.gaps, (gap.room, self._next_gap_id(), gap))
             self.entries[r].append(mb.id)
-            heapq.heappush(self.heap, (start + mb.est_time, r))
+            heapq.heappush(self.heap, (start + mb.est_time + self.drain[r] + self._grow_drain(r, mb.est_time), r))
+
+    def _pop_clock(self) -> tuple[float, int]:
+        """The least-loaded rank and when it is free (its load less its fill and drain)."""
+        load, r = heapq.heappop(self.heap)
+        return load - self.drain[r], r
 
     def _next_gap_id(self) -> int:
         self._gap_ids += 1
@@ -144,9 +166,11 @@ class _Ranks:
         t, r = chosen
         if self.open[r].tokens + tokens > self.capacity:
             self.close(r)
-        self.open[r].sequences.append(seq)
-        self.open[r].tokens += tokens
-        heapq.heappush(self.heap, (t + seconds, r))
+        packed = self.open[r]
+        packed.sequences.append(seq)
+        packed.tokens += tokens
+        packed.seconds += seconds
+        heapq.heappush(self.heap, (t + seconds + self._grow_drain(r, packed.seconds), r))
 
     def schedule(self) -> list[list[int]]:
         """Every rank's micro-batch ids in execution order; packed ones get their ids here."""
@@ -164,17 +188,24 @@ class _Ranks:
 
 
 def _spread_heavy(lens: np.ndarray, ranks: np.ndarray, ratio: np.ndarray, work: np.ndarray, world_size: int,
-                  capacity: int, fastest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Give sequences heavier than the balanced per-rank time enough ranks to finish within it, but no
-    more than make them faster (the ring's P2P floor, `fastest`)."""
+                  capacity: int, fastest: np.ndarray, longest: float) -> tuple[np.ndarray, np.ndarray]:
+    """Give sequences heavier than `longest` (the longest micro-batch a rank should run) enough ranks to
+    finish within it, but no more than make them faster (the ring's P2P floor, `fastest`)."""
     if lens.size == 0:
         return ranks, ratio
-    balanced = float(work.sum()) / world_size
-    wanted = np.minimum(np.ceil(work / balanced - 1e-9).astype(np.int64), fastest)
+    wanted = np.minimum(np.ceil(work / longest - 1e-9).astype(np.int64), fastest)
     heavy = wanted > np.maximum(ranks, 1)
     ranks = np.where(heavy, wanted, ranks)
     ratio = np.where(heavy & (lens <= ranks * capacity), 0.0, ratio)
     return ranks, ratio
+
+
+def _longest_micro_batch(balanced: float, pp_size: int) -> float:
+    """The longest micro-batch a rank should run: the balanced per-rank time without pipelines. A
+    pipeline's fill and drain last (pp - 1)/pp of its longest micro-batch, so with pp > 1 the cap is
+    1/(MICRO_BATCHES_PER_STAGE x pp) of it: at most (pp - 1)/(4 pp + pp - 1) of the step is bubble
+    (Insight 1: more, shorter micro-batches per pipeline)."""
+    return balanced if pp_size == 1 else balanced / (MICRO_BATCHES_PER_STAGE * pp_size)
 
 
 def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
@@ -191,11 +222,12 @@ def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: C
     if delta is None:
         delta = DEFAULT_DELTA * float(builder.seq_time.sum()) / world_size
     fastest = fastest_group(cost_model, lens, builder.seq_time, world_size) if lens.size else np.zeros(0, np.int64)
-    ranks, ratio = _spread_heavy(lens, ranks, ratio, builder.seq_time, world_size, capacity, fastest)
-    state = _Ranks(builder, world_size, capacity)
+    balanced = float(builder.seq_time.sum()) / world_size
+    ranks, ratio = _spread_heavy(lens, ranks, ratio, builder.seq_time, world_size, capacity, fastest,
+                                 _longest_micro_batch(balanced, pp_size))
+    state = _Ranks(builder, world_size, capacity, pp_size)
     seq_time, lens_list, ranks_list, ratio_list = builder.seq_time.tolist(), lens.tolist(), ranks.tolist(), ratio.tolist()
     widest = np.maximum(fastest, ranks).tolist()
-    balanced = float(builder.seq_time.sum()) / world_size
     for i in sequence.tolist():
         if ranks_list[i] > 0:
             state.add_shared(i, ranks_list[i], widest[i], ratio_list[i], balanced)

@@ -33,6 +33,7 @@ CEIL_RTOL = 1e-12
 """D's ceiling forgives this relative float error, so a sequence of exactly k x Act(C) gets k ranks."""
 
 _FORMAT = "bytescale_compile.cost_model"
+_COEFFICIENT_KEYS = ("alpha1", "beta1", "gamma", "alpha2", "beta2")
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,8 @@ class CostModel:
     param_bytes: float
     hardware: Hardware
     source: str
+    device: str | None = None
+    """Where the coefficients were measured ("cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"); None for analytic ones."""
 
     def __post_init__(self) -> None:
         for name in ("alpha1", "beta1", "gamma", "alpha2", "beta2", "param_bytes"):
@@ -309,7 +312,8 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        """A model written by `save` (the profiler's output); errors name the file."""
+        """A model written by `save` (the profiler's output); errors name the file and a missing key. Files
+        written before `device` was recorded load with device None."""
         path = Path(path)
         try:
             text = path.read_text()
@@ -319,9 +323,14 @@ class CostModel:
             data = json.loads(text)
             if data.get("format") != _FORMAT:
                 raise ValueError(f"'format' is {data.get('format')!r}, expected {_FORMAT!r}")
-            return cls(**data["coefficients"], layers=data["layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
-                       param_bytes=data["param_bytes"], hardware=Hardware.from_dict(data["hardware"]), source=data["source"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            coefficients = {k: data["coefficients"][k] for k in _COEFFICIENT_KEYS}
+            return cls(**coefficients, layers=data["layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
+                       param_bytes=data["param_bytes"], hardware=Hardware.from_dict(data["hardware"]),
+                       source=data["source"], device=data.get("device"))
+        except KeyError as e:
+            raise ValueError(f"cost model file {path} lacks the key {e.args[0]!r}: write it again with "
+                             f"`bytescale-compile profile` or CostModel.save") from None
+        except (ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"cost model file {path} is not a valid cost model: {type(e).__name__}: {e}") from None
 
     def save(self, path: str | Path) -> None:
@@ -329,11 +338,12 @@ class CostModel:
         data = {
             "format": _FORMAT,
             "source": self.source,
-            "coefficients": {k: getattr(self, k) for k in ("alpha1", "beta1", "gamma", "alpha2", "beta2")},
+            "coefficients": {k: getattr(self, k) for k in _COEFFICIENT_KEYS},
             "layers": self.layers,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "param_bytes": self.param_bytes,
             "hardware": asdict(self.hardware),
+            "device": self.device,
         }
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 

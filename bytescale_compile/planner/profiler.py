@@ -146,7 +146,16 @@ def profile_layer(
             samples.append(time.perf_counter() - start)
         times.append(statistics.median(samples))
 
-    return _fit(lengths, times, act_bytes, str(device))
+    return _fit(lengths, times, act_bytes, _device_label(device))
+
+
+def _device_label(device: torch.device) -> str:
+    """"cpu", or a CUDA device with its name ("cuda:0 (NVIDIA H100 80GB HBM3)"): which GPU a profile
+    measured matters when reading it, "cuda" alone does not say."""
+    if device.type != "cuda":
+        return str(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
 def _fit(lengths: Sequence[int], times: Sequence[float], act_bytes: Sequence[int], device: str) -> ProfileResult:
@@ -161,10 +170,12 @@ def _fit(lengths: Sequence[int], times: Sequence[float], act_bytes: Sequence[int
 def fit_cost_model(
     result: ProfileResult, layers: int, kv_bytes_per_token: int, param_bytes: float, hardware: Hardware | None = None
 ) -> CostModel:
-    """The profiled coefficients as a CostModel (source "profiled"); bandwidths and latency come from
-    `hardware`, which the layer profile cannot see."""
+    """The profiled coefficients as a CostModel (source "profiled", `device` where they were measured);
+    bandwidths and latency come from `hardware`, which the layer profile cannot see. Without one, the
+    default links are named after the measured device, not the default's "h100"."""
     return CostModel(result.alpha1, result.beta1, result.gamma, result.alpha2, result.beta2, layers,
-                     kv_bytes_per_token, param_bytes, hardware or Hardware(), source="profiled")
+                     kv_bytes_per_token, param_bytes, hardware or Hardware(name=result.device), source="profiled",
+                     device=result.device)
 
 
 def _build(spec: str) -> nn.Module:

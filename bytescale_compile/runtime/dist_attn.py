@@ -103,8 +103,8 @@ class _Ring:
         self.stats.blocks_computed += len(blocks)
         self.stats.blocks_skipped += pairs - len(blocks)
 
-    def post(self, send: Tensor | None, dst: int, recv: Tensor | None, src: int) -> list[Any]:
-        """Send to `dst` and receive from `src` without waiting; None on a side that has nothing to move."""
+    def post(self, send: Tensor | None, dst: int, recv: Tensor | None, src: int, what: str) -> list[Any]:
+        """Send `what` to `dst` and receive it from `src` without waiting; None on a side that has nothing to move."""
         ops = []
         if send is None:
             self.stats.sends_skipped += 1
@@ -116,7 +116,16 @@ class _Ring:
         else:
             self.stats.bytes_received += recv.numel() * recv.element_size()
             ops.append(dist.P2POp(dist.irecv, recv, src))
-        return dist.batch_isend_irecv(ops) if ops else []
+        return self.start(ops, what, (dst, src))
+
+    def start(self, ops: list[Any], what: str, peers: tuple[int, ...]) -> list[Any]:
+        """Post `ops`; a peer already lost (gloo refuses to post to a closed connection) raises `RingError`."""
+        if not ops:
+            return []
+        try:
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise self.fault(e, what, peers) from e
 
     def wait(self, works: list[Any], what: str, peers: tuple[int, ...]) -> None:
         """Wait for posted P2P; a timeout raises `RingTimeoutError`, a lost peer `RingError`, on any backend.
@@ -131,13 +140,15 @@ class _Ring:
             try:
                 work.wait() if stream_ordered else work.wait(timeout=self.timeout)
             except RuntimeError as e:
-                where = f"ring group {list(self.group)}: rank {self.me}"
-                if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                    raise RingTimeoutError(
-                        f"{where} waited {self.timeout.total_seconds():.0f}s for {what} (peers {list(peers)}); "
-                        f"a peer never joined this ring step or is stuck elsewhere"
-                    ) from e
-                raise RingError(f"{where} lost a peer while exchanging {what}: {str(e).splitlines()[0]}") from e
+                raise self.fault(e, what, peers) from e
+
+    def fault(self, error: RuntimeError, what: str, peers: tuple[int, ...]) -> RingError:
+        """The ring error of a backend error: `RingTimeoutError` when its text names a timeout."""
+        where = f"ring group {list(self.group)}: rank {self.me}"
+        if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+            return RingTimeoutError(f"{where} waited {self.timeout.total_seconds():.0f}s for {what} (peers "
+                                    f"{list(peers)}); a peer never joined this ring step or is stuck elsewhere")
+        return RingError(f"{where} lost a peer while exchanging {what}: {str(error).splitlines()[0]}")
 
 
 def _make_ring(layout: ZigzagLayout, group: list[int] | tuple[int, ...], timeout_s: float, stats: RingStats | None,
@@ -240,16 +251,16 @@ def _exchange_with_group(ring: _Ring, payload: bytes, device: torch.device) -> d
     peers = tuple(r for r in ring.group if r != ring.me)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = {r: torch.empty_like(size) for r in peers}
-    ring.wait(_all_to_peers(size, sizes), "the input descriptor", peers)
+    ring.wait(_all_to_peers(ring, size, sizes), "the input descriptor", peers)
     data = {r: torch.empty(int(sizes[r]), dtype=torch.uint8, device=device) for r in peers}
     mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    ring.wait(_all_to_peers(mine, data), "the input descriptor", peers)
+    ring.wait(_all_to_peers(ring, mine, data), "the input descriptor", peers)
     return {ring.me: payload, **{r: bytes(data[r].cpu().tolist()) for r in peers}}
 
 
-def _all_to_peers(mine: Tensor, theirs: dict[int, Tensor]) -> list[Any]:
+def _all_to_peers(ring: _Ring, mine: Tensor, theirs: dict[int, Tensor]) -> list[Any]:
     ops = [dist.P2POp(dist.isend, mine, r) for r in theirs] + [dist.P2POp(dist.irecv, t, r) for r, t in theirs.items()]
-    return dist.batch_isend_irecv(ops)
+    return ring.start(ops, "the input descriptor", tuple(theirs))
 
 
 # --- K/V steps ------------------------------------------------------------------------------------
@@ -317,7 +328,7 @@ def _kv_steps(ring: _Ring, k: Tensor, v: Tensor) -> Iterator[_Step]:
         incoming = ring.incoming(step)
         buffer = mine.new_empty((incoming.num_rows, rows.width))
         works = ring.post(_gather(mine, ring.outgoing(step).ranges), ring.peer(step),
-                          buffer if incoming.num_rows else None, ring.peer(-step))
+                          buffer if incoming.num_rows else None, ring.peer(-step), "K/V rows")
         return works, buffer, incoming.blocks
 
     pending = post(1)
@@ -430,7 +441,7 @@ class _Returning:
         """Send this step's dK/dV rows `part` back to their owner; receive ours from where this step's K/V went."""
         ours = ring.outgoing(step)
         buffer = part.new_empty((ours.num_rows, part.shape[1])) if ours.num_rows else None
-        works = ring.post(part if part.shape[0] else None, ring.peer(-step), buffer, ring.peer(step))
+        works = ring.post(part if part.shape[0] else None, ring.peer(-step), buffer, ring.peer(step), "dK/dV rows")
         return cls(ring, step, works, buffer, ours.ranges)
 
     def add_to(self, grads: Tensor) -> None:

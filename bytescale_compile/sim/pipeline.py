@@ -2,8 +2,9 @@
 
 Stage s runs min(pp - s - 1, m) warm-up forwards, then alternates one forward and one backward, then
 drains its backwards. A forward on stage s waits for the same micro-batch's forward on stage s - 1, a
-backward for its backward on stage s + 1; each crossing pays `send` seconds (the activation or its
-gradient between stages). Each micro-batch's forward is a third of its time on the stage, its backward
+backward for its backward on stage s + 1; each crossing pays its send (the micro-batch's boundary
+activations forward, their gradient backward: `send[j][s]` seconds for micro-batch j between stages s
+and s + 1, or one number for all). Each micro-batch's forward is a third of its time on the stage, its backward
 two thirds (backward costs twice the forward, as in the cost model).
 """
 
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+Sends = float | Sequence[Sequence[float]]
+"""Seconds of one stage-to-stage send: one for all, or per micro-batch and stage boundary."""
 
 __all__ = ["PipelineRun", "one_f_one_b", "first_order_bubble"]
 
@@ -31,13 +35,22 @@ def _stage_order(stage: int, pp: int, m: int) -> list[tuple[str, int]]:
     return order + [("B", j) for j in range(m - warmup, m)]
 
 
-def one_f_one_b(times: Sequence[float], pp: int, send: float = 0.0) -> PipelineRun:
+def _send_table(send: Sends, m: int, pp: int) -> Sequence[Sequence[float]]:
+    if isinstance(send, (int, float)):
+        return [[float(send)] * max(pp - 1, 0)] * m
+    if len(send) != m or any(len(row) != pp - 1 for row in send):
+        raise ValueError(f"send must hold {m} rows (one per micro-batch) of {pp - 1} seconds (one per stage boundary)")
+    return send
+
+
+def one_f_one_b(times: Sequence[float], pp: int, send: Sends = 0.0) -> PipelineRun:
     """Run micro-batches of `times` (seconds over all stages, in order) through `pp` stages."""
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     m = len(times)
     if m == 0:
         return PipelineRun(0.0, 0.0)
+    sends = _send_table(send, m, pp)
     fwd = [t / (3 * pp) for t in times]
     bwd = [2 * t / (3 * pp) for t in times]
     orders = [_stage_order(s, pp, m) for s in range(pp)]
@@ -53,7 +66,7 @@ def one_f_one_b(times: Sequence[float], pp: int, send: float = 0.0) -> PipelineR
                 has_dep = (kind == "F" and s > 0) or (kind == "B" and s < pp - 1)
                 if has_dep and dep not in done:
                     break
-                ready = done[dep] + send if has_dep else 0.0
+                ready = done[dep] + sends[j][s - 1 if kind == "F" else s] if has_dep else 0.0
                 clock[s] = max(clock[s], ready) + (fwd[j] if kind == "F" else bwd[j])
                 done[kind, j, s] = clock[s]
                 head[s] += 1

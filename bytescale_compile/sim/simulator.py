@@ -8,8 +8,9 @@ each ring hop is charged to the links it crosses (`Topology.hop`), and a link's 
 among the hops of every ring whose span overlaps on it: the timeline is re-run with the shared
 bandwidths until it settles (`CONTENTION_ROUNDS` at most). With pp_size > 1 each HDP rank is a pipeline
 of pp stages: its micro-batches occupy it for time/pp each, and it ends with the fill and drain of its
-1F1B run stage by stage (`sim/pipeline.py`; activation sends between stages are not charged). The step
-ends with one gradient all-reduce over all ranks.
+1F1B run stage by stage (`sim/pipeline.py`), each stage-to-stage send charged on the link between the
+two stages (`pipeline_sends`; `sends=False` leaves them out). The step ends with one gradient all-reduce
+over all ranks.
 """
 
 from __future__ import annotations
@@ -22,28 +23,58 @@ import numpy as np
 
 from ..planner.common import fastest_time
 from ..planner.plan import MicroBatch, Plan, PlanError
-from .pipeline import first_order_bubble, one_f_one_b
+from .pipeline import PipelineRun, first_order_bubble, one_f_one_b
 from .timeline import Span, Timeline
 
 if TYPE_CHECKING:
     from ..planner.cost_model import CostModel
     from ..planner.topology import Link, Topology
 
-__all__ = ["CONTENTION_ROUNDS", "simulate", "step_time", "bubble_rates", "busy_times", "lower_bound", "p2p_bytes", "throughput"]
+__all__ = ["CONTENTION_ROUNDS", "boundary_bytes_per_token", "pipeline_sends", "simulate", "step_time", "bubble_rates", "busy_times", "lower_bound", "p2p_bytes", "throughput"]
 
 CONTENTION_ROUNDS = 4
 """Re-runs of the timeline with link bandwidths shared among the rings that overlap in it."""
+BF16 = 2
 
 
-def simulate(plan: Plan, cost_model: CostModel) -> Timeline:
-    """The per-rank timeline of one training step under `plan`."""
-    return _timeline(plan, cost_model, *_settle(plan, cost_model))
+def simulate(plan: Plan, cost_model: CostModel, sends: bool = True) -> Timeline:
+    """The per-rank timeline of one training step under `plan`; `sends=False` leaves the pipeline's
+    stage-to-stage sends uncharged."""
+    return _timeline(plan, cost_model, *_settle(plan, cost_model), sends)
 
 
-def step_time(plan: Plan, cost_model: CostModel) -> float:
-    """`simulate(plan, cost_model).step_time` without building the timeline's spans."""
+def step_time(plan: Plan, cost_model: CostModel, sends: bool = True) -> float:
+    """`simulate(plan, cost_model, sends).step_time` without building the timeline's spans."""
     duration, start = _settle(plan, cost_model)
-    return _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start))
+    return _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start), sends)
+
+
+def boundary_bytes_per_token(cost_model: CostModel) -> float:
+    """Bytes one token's activations take at a stage boundary: hidden x bf16. The cost model keeps no
+    hidden size, so it is read back from attention's coefficient, alpha1 = 3 x 2 hidden / rate: exact for
+    analytic models, the effective width the profile measured otherwise."""
+    hw = cost_model.hardware
+    return float(BF16 * round(cost_model.alpha1 * hw.matmul_flops * hw.mfu / 6))
+
+
+def _boundary_bandwidths(plan: Plan, cost_model: CostModel, rank: int) -> list[float]:
+    """Bytes/s between consecutive stages of HDP rank `rank`'s pipeline. Stages are placed stage-major,
+    stage s of rank i at position s x world_size + i, so each stage's ranks stay adjacent as the rings
+    (and `Topology`'s rank numbering) assume; a send runs at the slowest link its hop crosses."""
+    topology, world = cost_model.hardware.topology, plan.world_size
+    if topology is None:
+        return [cost_model.network_bandwidth] * (plan.pp_size - 1)
+    return [min(topology.bandwidth(link) for link in topology.hop(s * world + rank, (s + 1) * world + rank))
+            for s in range(plan.pp_size - 1)]
+
+
+def pipeline_sends(plan: Plan, cost_model: CostModel, rank: int) -> list[list[float]]:
+    """Seconds of each of `rank`'s micro-batches' sends across each stage boundary: its tokens on the rank
+    x `boundary_bytes_per_token`, at the boundary's bandwidth, plus one message latency."""
+    tokens = {m.id: m.tokens_per_rank for m in plan.micro_batches}
+    per_token = boundary_bytes_per_token(cost_model)
+    bandwidths = _boundary_bandwidths(plan, cost_model, rank)
+    return [[tokens[i] * per_token / bw + cost_model.latency for bw in bandwidths] for i in plan.schedule[rank]]
 
 
 def _settle(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], dict[int, float]]:
@@ -183,43 +214,51 @@ def _rank_ends(plan: Plan, duration: dict[int, float], start: dict[int, float]) 
     return clock
 
 
-def _drain(plan: Plan, duration: dict[int, float], rank: int) -> float:
+def _pipeline_run(plan: Plan, cost_model: CostModel, duration: dict[int, float], rank: int, sends: bool) -> PipelineRun:
+    times = [duration[i] for i in plan.schedule[rank]]
+    return one_f_one_b(times, plan.pp_size, pipeline_sends(plan, cost_model, rank) if sends else 0.0)
+
+
+def _drain(plan: Plan, cost_model: CostModel, duration: dict[int, float], rank: int, sends: bool) -> float:
     """What a rank's pipeline adds to its micro-batches' time / pp: its 1F1B run stage by stage."""
     times = [duration[i] for i in plan.schedule[rank]]
-    return one_f_one_b(times, plan.pp_size).makespan - sum(times) / plan.pp_size
+    return _pipeline_run(plan, cost_model, duration, rank, sends).makespan - sum(times) / plan.pp_size
 
 
-def _step_end(plan: Plan, cost_model: CostModel, duration: dict[int, float], clock: list[float]) -> float:
+def _step_end(plan: Plan, cost_model: CostModel, duration: dict[int, float], clock: list[float],
+              sends: bool = True) -> float:
     """With pp > 1 each rank's pipeline adds its 1F1B fill and drain (`_drain`); then the gradient
     all-reduce over all ranks."""
     pp = plan.pp_size
     if pp > 1:
-        clock = [c + _drain(plan, duration, r) for r, c in enumerate(clock)]
+        clock = [c + _drain(plan, cost_model, duration, r, sends) for r, c in enumerate(clock)]
     sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
     return max(clock, default=0.0) + sync
 
 
-def _timeline(plan: Plan, cost_model: CostModel, duration: dict[int, float], start: dict[int, float]) -> Timeline:
+def _timeline(plan: Plan, cost_model: CostModel, duration: dict[int, float], start: dict[int, float],
+              sends: bool) -> Timeline:
     """The spans of every micro-batch on every rank, then the all-reduce."""
     spans: list[Span] = []
     for m in plan.micro_batches:
         end = start[m.id] + duration[m.id] / plan.pp_size
         kind = "shared" if m.shared else "packed"
         spans.extend(Span(r, start[m.id], end, m.id, kind, m.tokens_per_rank, len(m.ranks)) for r in m.ranks)
-    end = _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start))
+    end = _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start), sends)
     sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
     spans.extend(Span(r, end - sync, end, -1, "allreduce") for r in range(plan.world_size))
     return Timeline(plan.strategy, plan.world_size, spans)
 
 
-def bubble_rates(plan: Plan, cost_model: CostModel) -> tuple[float, float]:
-    """Mean over ranks of the pipeline bubble rate: stage by stage (1F1B) and the first-order model's."""
+def bubble_rates(plan: Plan, cost_model: CostModel, sends: bool = True) -> tuple[float, float]:
+    """Mean over ranks of the pipeline bubble rate: stage by stage (1F1B, waiting on the sends unless
+    `sends=False`) and the first-order model's (no sends)."""
     if plan.pp_size == 1 or not plan.micro_batches:
         return 0.0, 0.0
     duration, _ = _settle(plan, cost_model)
-    runs = [[duration[i] for i in ids] for ids in plan.schedule if ids]
-    staged = [one_f_one_b(t, plan.pp_size).bubble_rate for t in runs]
-    first = [first_order_bubble(t, plan.pp_size).bubble_rate for t in runs]
+    ranks = [r for r, ids in enumerate(plan.schedule) if ids]
+    staged = [_pipeline_run(plan, cost_model, duration, r, sends).bubble_rate for r in ranks]
+    first = [first_order_bubble([duration[i] for i in plan.schedule[r]], plan.pp_size).bubble_rate for r in ranks]
     return float(np.mean(staged)), float(np.mean(first))
 
 

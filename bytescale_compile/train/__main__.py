@@ -3,8 +3,9 @@
 Trains a model (a Hugging Face directory or a preset) on a prepared token dataset with Hybrid Data
 Parallelism: every rank plans each global batch identically and trains its own micro-batches. Options
 override the config file; the resolved config, metrics.jsonl, checkpoints/ and (Hugging Face models)
-final/ go to --out. `--strategy all` trains balance, naive and static from the same weights on the same
-batches and compares them. Without torchrun it runs as one process. gloo on CPU, NCCL on GPU.
+final/ go to --out. `--strategy all` trains balance, naive, static and auto from the same weights on the
+same batches, compares them, and prints the simulator's projection of the same model and data at 512
+ranks. Without torchrun it runs as one process. gloo on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from ..planner import STRATEGIES, PlanError
+from ..planner import PlanError
+from ..planner.model_shape import ModelConfigError
 from .checkpoint import CheckpointError
 from .compare import comparison, summarize
 from .config import ALL_STRATEGIES, DTYPES, SIZES, TrainConfig, load_config
+from .engine import RUNTIME_STRATEGIES
 from .launch import init_distributed, local_device
 from .metrics import METRICS_FILE, echo
-from .trainer import RunResult, run, setup
+from .projection import project_run
+from .trainer import RunInputs, RunResult, run, setup
 
 PROG = "python -m bytescale_compile.train"
 _ARG_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
-_CHOICES = {"strategy": (*STRATEGIES, ALL_STRATEGIES), "dtype": DTYPES}
+_CHOICES = {"strategy": (*RUNTIME_STRATEGIES, ALL_STRATEGIES), "dtype": DTYPES}
 _SETUP_ERRORS = (OSError, ValueError)
 """Reported as one line, not a traceback: missing or unreadable files (FileNotFoundError names them), and
 ConfigError, VocabularyError, ModelSourceError, TokenizerError, DatasetError (all ValueErrors)."""
@@ -72,7 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if launched:
             dist.destroy_process_group()
-    report(results, not launched or int(os.environ["RANK"]) == 0)
+    rank0 = not launched or int(os.environ["RANK"]) == 0
+    report(results, rank0)
+    if rank0 and inputs.config.strategy == ALL_STRATEGIES:
+        echo("\n" + projection(inputs, int(os.environ.get("WORLD_SIZE", "1"))), rank0)
     return 0
 
 
@@ -88,6 +95,14 @@ def report(results: list[RunResult], enabled: bool) -> None:
         if r.final_dir is not None:
             lines.append(f"final model: {r.final_dir} (AutoModelForCausalLM.from_pretrained)")
         echo(", ".join(lines), enabled)
+
+
+def projection(inputs: RunInputs, world_size: int) -> str:
+    """The simulated 512-rank projection of the run's model and data, or why there is none."""
+    try:
+        return project_run(inputs.config, inputs.model.module, inputs.train_data.lengths, world_size).report()
+    except ModelConfigError as e:
+        return f"no simulated projection: {e}"
 
 
 if __name__ == "__main__":

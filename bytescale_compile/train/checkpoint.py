@@ -6,12 +6,17 @@ Layout of one checkpoint:
         .metadata            DCP metadata (written by the coordinator, rank 0)
         __<rank>_0.distcp    DCP data files (replicated tensors are deduplicated: each is written once)
         train_state.json     the caller's JSON-able dict (sampler state, step, seeds, run config), rank 0
+        MANIFEST.json        size and sha256 of every file above (all ranks' shards) and the world size, rank 0
         COMPLETE             the commit marker: a directory without it is not a checkpoint
 
 Saving is atomic: every rank writes into `<root>/step_<step>.tmp/`; after a barrier rank 0 writes
-`train_state.json` and the `COMPLETE` marker there, then renames the directory to its final name (one
-`rename`, so the final name only ever exists complete). A crash mid-save leaves a `.tmp` directory that
-`latest_checkpoint` ignores, so the previous checkpoint stays the latest.
+`train_state.json`, the manifest and the `COMPLETE` marker there, then renames the directory to its final
+name (one `rename`, so the final name only ever exists complete). A crash mid-save leaves a `.tmp` directory
+that `latest_checkpoint` ignores, so the previous checkpoint stays the latest; `remove_stale_tmp` deletes it.
+
+Loading verifies the manifest first (rank 0 hashes, every rank gets the verdict), so a truncated, missing or
+overwritten shard is an error naming the file instead of silently different weights. `resume_latest` takes
+the newest checkpoint that verifies and reports each newer one it skipped and why.
 
 The model is replicated on every rank (data-parallel style): state dicts come from
 `torch.distributed.checkpoint.state_dict.get_state_dict` (optimizer state keyed by parameter FQN) and go
@@ -23,12 +28,15 @@ process). The root directory must be on a file system every rank sees (one machi
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +55,28 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = [
     "COMPLETE_MARKER",
+    "MANIFEST_FILE",
     "TRAIN_STATE_FILE",
+    "CheckpointChoice",
     "CheckpointError",
+    "Resumed",
+    "SkippedCheckpoint",
     "checkpoint_dir",
     "latest_checkpoint",
     "load_checkpoint",
+    "remove_stale_tmp",
+    "resume_latest",
     "save_checkpoint",
+    "select_checkpoint",
+    "verify_checkpoint",
 ]
+
+logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
 TRAIN_STATE_FILE = "train_state.json"
+MANIFEST_FILE = "MANIFEST.json"
+_MANIFEST_VERSION = 1
 _DCP_METADATA = ".metadata"
 _PREFIX = "step_"
 _TMP_SUFFIX = ".tmp"
@@ -64,6 +84,31 @@ _TMP_SUFFIX = ".tmp"
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is corrupt or incomplete (the message names it and what is missing)."""
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint directory passed over on resume, and why."""
+
+    path: Path
+    reason: str
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """The newest checkpoint that verifies (None: there are none at all) and the newer ones skipped."""
+
+    path: Path | None
+    skipped: tuple[SkippedCheckpoint, ...]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `resume_latest` restored."""
+
+    path: Path
+    train_state: dict[str, Any]
+    skipped: tuple[SkippedCheckpoint, ...]
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
@@ -79,6 +124,10 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _on_rank0(what: str, fn: Any) -> Any:
@@ -196,6 +245,59 @@ def _write_file(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+# -- manifest -------------------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(directory: Path) -> None:
+    """Record every file's size and sha256 (all ranks' shards: the caller saw them all written) and the world
+    size; the manifest and the COMPLETE marker themselves are not listed."""
+    files = {
+        f.relative_to(directory).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(directory.rglob("*")) if f.is_file() and f.name not in (MANIFEST_FILE, COMPLETE_MARKER)
+    }
+    manifest = {"version": _MANIFEST_VERSION, "world_size": _world_size(), "files": files}
+    _write_file(directory / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint directory {path}: manifest {MANIFEST_FILE} missing (saved by an older "
+                              "version, or damaged): its files cannot be verified") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint directory {path}: unreadable {MANIFEST_FILE}: {e}") from e
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lists no files")
+    return manifest
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise `CheckpointError` naming the first problem: no COMPLETE marker, no manifest, or a listed file
+    missing, of another size, or whose sha256 differs."""
+    path = Path(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise CheckpointError(f"checkpoint directory {path} has no {COMPLETE_MARKER} marker (an interrupted save?)")
+    for name, entry in sorted(_read_manifest(path)["files"].items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint directory {path}: file {name} is missing")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"checkpoint directory {path}: file {name} has {size} bytes, the manifest "
+                                  f"says {entry['size']}")
+        if _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint directory {path}: file {name} checksum differs from the manifest "
+                                  "(sha256): it was modified or corrupted after the save")
+
+
 # -- save -----------------------------------------------------------------------------------------------
 
 def save_checkpoint(
@@ -241,6 +343,7 @@ def save_checkpoint(
 
     def commit() -> None:
         _write_file(tmp / TRAIN_STATE_FILE, state_text)
+        _write_manifest(tmp)
         _write_file(tmp / COMPLETE_MARKER, f"step {step}\n")
         _fsync_dir(tmp)
         old = None
@@ -286,6 +389,51 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return None if best is None else best[1]
 
 
+def _step_dirs(root: Path) -> list[Path]:
+    """Every `step_<digits>` directory under `root`, newest first (`.tmp` and `.old` are not checkpoints)."""
+    if not root.is_dir():
+        return []
+    found = [(step, child) for child in root.iterdir() if (step := _step_of(child)) is not None and child.is_dir()]
+    return [child for _, child in sorted(found, reverse=True)]
+
+
+def _choose(root: Path) -> CheckpointChoice:
+    skipped: list[SkippedCheckpoint] = []
+    for path in _step_dirs(root):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            skipped.append(SkippedCheckpoint(path, str(e)))
+            logger.warning("skipping checkpoint %s: %s", path, e)
+            continue
+        return CheckpointChoice(path, tuple(skipped))
+    if skipped:
+        tried = "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
+        raise CheckpointError(f"no checkpoint under {root} verifies, tried {len(skipped)}: {tried}. Delete the "
+                              "damaged ones to start over, or restore them from a copy")
+    return CheckpointChoice(None, ())
+
+
+def select_checkpoint(root: str | Path) -> CheckpointChoice:
+    """The newest `step_*` directory under `root` that is complete and matches its manifest; every rank must
+    call it and gets rank 0's choice. Each newer one skipped is logged with its reason; `CheckpointError`
+    (naming every directory tried) when checkpoints exist but none verifies."""
+    return _on_rank0(f"choosing a checkpoint under {root}", lambda: _choose(Path(root)))
+
+
+def remove_stale_tmp(root: str | Path) -> list[Path]:
+    """Delete the `.tmp` directories crashed saves left under `root` (rank 0; every rank must call it and
+    gets the list). Call it before any save starts: a `.tmp` is also a save in progress."""
+    def remove() -> list[Path]:
+        stale = sorted(p for p in Path(root).glob(f"{_PREFIX}*{_TMP_SUFFIX}") if p.is_dir())
+        for path in stale:
+            shutil.rmtree(path)
+            logger.warning("removed %s, left by an interrupted checkpoint save", path)
+        return stale
+
+    return _on_rank0(f"removing stale {_TMP_SUFFIX} directories under {root}", remove)
+
+
 # -- load -----------------------------------------------------------------------------------------------
 
 def _short(e: BaseException) -> str:
@@ -306,22 +454,40 @@ def _check_complete(path: Path) -> None:
         raise CheckpointError(f"checkpoint directory {path} is incomplete: missing {what}{hint}")
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore `model` and `optimizer` in place from the checkpoint at `path`; return its train_state.
+def _check_world_size(path: Path) -> None:
+    saved = _read_manifest(path).get("world_size")
+    if saved is not None and saved != _world_size():
+        raise CheckpointError(f"checkpoint directory {path} was saved by {saved} rank(s), this run has "
+                              f"{_world_size()}: resume with {saved} (torchrun --nproc_per_node), or start a new "
+                              "run in another --out")
 
-    Every rank must call it. A directory without the COMPLETE marker, DCP metadata or train state, or
-    whose contents do not match the model/optimizer, raises `CheckpointError` naming the directory.
-    """
-    path = Path(path)
-    _check_complete(path)
+
+def _check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
+    """The checkpoint's model tensors must be this model's, by name and shape (DCP's metadata has both)."""
+    saved = {key[len("model."):]: list(meta.size)
+             for key, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(meta, "size")}
+    now = {name: list(t.shape) for name, t in model_state.items() if isinstance(t, torch.Tensor)}
+    differences = [f"{name}: saved {saved.get(name, 'absent')}, this model {now.get(name, 'absent')}"
+                   for name in sorted(saved.keys() | now.keys()) if saved.get(name) != now.get(name)]
+    if differences:
+        shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
+        raise CheckpointError(f"checkpoint directory {path} holds another model ({len(differences)} tensor(s) "
+                              f"differ: {shown}): resume with the model it was saved with")
+
+
+def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore from a checkpoint directory `verify_checkpoint` passed."""
     try:
         train_state = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint directory {path}: unreadable {TRAIN_STATE_FILE}: {e}") from e
 
+    _check_world_size(path)
     _check_optimizer_kind(path, optimizer)
     target = _model_for_dcp(model)
     state = _state_dicts(target, optimizer)  # templates: tensors on their destination devices
+    _check_model_shapes(path, state["model"])
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
@@ -329,3 +495,25 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         raise CheckpointError(f"checkpoint directory {path}: could not load model/optimizer state: {_short(e)}") from e
     _restore(target, optimizer, state)
     return train_state
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore `model` and `optimizer` in place from the checkpoint at `path`; return its train_state.
+
+    Every rank must call it. A directory without the COMPLETE marker, DCP metadata, train state or manifest,
+    a file that does not match the manifest, a checkpoint saved by another number of ranks, or contents that
+    do not match the model/optimizer raise `CheckpointError` naming the directory (and the file).
+    """
+    path = Path(path)
+    _check_complete(path)
+    _on_rank0(f"verifying {path}", lambda: verify_checkpoint(path))
+    return _load(path, model, optimizer)
+
+
+def resume_latest(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
+    """Restore the newest checkpoint under `root` that verifies (see `select_checkpoint`); None if there are
+    no checkpoints. Every rank must call it."""
+    choice = select_checkpoint(root)
+    if choice.path is None:
+        return None
+    return Resumed(choice.path, _load(choice.path, model, optimizer), choice.skipped)

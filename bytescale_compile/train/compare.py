@@ -1,12 +1,15 @@
 """The end-of-run table: per strategy, steady-state throughput, busy-time spread and ring bytes, measured
-and as the simulator predicts them for the same plans, with the final training and held-out losses."""
+and as the simulator predicts them for the same plans, with the final training and held-out losses.
+Strategy "auto" is labelled with how many steps ran each candidate, e.g. "auto (balance 3/static 0)"."""
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ..planner.auto import CANDIDATES
 from .metrics import StepRecord
 
 __all__ = ["StrategySummary", "comparison", "summarize"]
@@ -32,6 +35,16 @@ class StrategySummary:
     predicted_step_time: float
     final_loss: float
     eval_loss: float | None
+    auto_choices: dict[str, int] = field(default_factory=dict)
+    """Strategy "auto": how many of the run's steps (all of them, not only the steady ones) ran each candidate."""
+
+    @property
+    def label(self) -> str:
+        """The strategy, for auto with the candidates it chose (and static, to show when it never was)."""
+        if not self.auto_choices:
+            return self.strategy
+        shown = [c.name for c in CANDIDATES if self.auto_choices.get(c.name) or c.name == "static"]
+        return f"{self.strategy} ({'/'.join(f'{name} {self.auto_choices.get(name, 0)}' for name in shown)})"
 
 
 def summarize(records: Sequence[StepRecord], eval_loss: float | None, skip: int = 1) -> StrategySummary:
@@ -49,19 +62,21 @@ def summarize(records: Sequence[StepRecord], eval_loss: float | None, skip: int 
         predicted_tokens_per_second=tokens / predicted,
         predicted_busy_spread=statistics.mean(r.predicted_busy_spread for r in steady),
         predicted_p2p_mib=statistics.mean(r.predicted_p2p_bytes for r in steady) / _MIB,
-        predicted_step_time=predicted / len(steady), final_loss=records[-1].loss, eval_loss=eval_loss)
+        predicted_step_time=predicted / len(steady), final_loss=records[-1].loss, eval_loss=eval_loss,
+        auto_choices=dict(Counter(r.auto_choice for r in records if r.auto_choice is not None)))
 
 
 def comparison(summaries: Sequence[StrategySummary]) -> str:
     """The table, plus each strategy's speedup over static when static ran too."""
+    width = max([10, *(len(s.label) for s in summaries)])
     lines = [
-        "             ---------------- measured ----------------   ---------------- predicted ---------------",
-        "strategy     tokens/s  busy max/min  P2P MiB/step  step s    tokens/s  busy max/min  P2P MiB/step  step s"
-        "   final loss   eval loss",
+        " " * width + "   ---------------- measured ----------------   ---------------- predicted ---------------",
+        f"{'strategy':<{width}}   tokens/s  busy max/min  P2P MiB/step  step s    tokens/s  busy max/min  P2P MiB/step"
+        "  step s   final loss   eval loss",
     ]
     for s in summaries:
         held_out = f"{s.eval_loss:>11.4f}" if s.eval_loss is not None else f"{'-':>11}"
-        lines.append(f"{s.strategy:<10} {s.tokens_per_second:>10,.0f} {s.busy_spread:>13.2f} {s.p2p_mib:>13.1f} "
+        lines.append(f"{s.label:<{width}} {s.tokens_per_second:>10,.0f} {s.busy_spread:>13.2f} {s.p2p_mib:>13.1f} "
                      f"{s.step_time:>7.2f}  {s.predicted_tokens_per_second:>10,.0f} {s.predicted_busy_spread:>13.2f} "
                      f"{s.predicted_p2p_mib:>13.1f} {s.predicted_step_time:>7.2f} {s.final_loss:>12.4f} {held_out}")
     if summaries:

@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..planner import STRATEGIES
 from ..sim.experiments import parse_size
+from .engine import RUNTIME_STRATEGIES
 
-__all__ = ["ALL_STRATEGIES", "ConfigError", "DTYPES", "SIZES", "TrainConfig", "load_config", "to_toml"]
+__all__ = ["ALL_STRATEGIES", "ConfigError", "DTYPES", "NEVER_CHANGED", "NOT_COMPARED", "SIZES", "TrainConfig",
+           "check_resume_config", "config_changes", "load_config", "to_toml"]
 
 DTYPES = ("fp32", "bf16")
 """fp32: everything in fp32. bf16: autocast forward in bf16; fp32 master weights, gradients, optimizer and loss."""
@@ -25,6 +26,14 @@ ALL_STRATEGIES = "all"
 """Every strategy in turn, from the same initial weights on the same batches, then a comparison."""
 SIZES = ("global_tokens", "capacity", "max_len", "eval_tokens")
 """Token counts that also accept K/M suffixes ("16K")."""
+NOT_SAVED = ("allow_config_change",)
+"""Switches of one invocation, left out of config.toml."""
+NOT_COMPARED = ("out", "steps", "resume", "allow_config_change", "checkpoint_every", "eval_every", "eval_tokens")
+"""Settings a resume may change freely: where and how far to run, and when to checkpoint and evaluate (the
+steps run so far do not depend on them; decay_steps is compared resolved, so a longer --steps with the
+default decay_steps is a change of the LR schedule)."""
+NEVER_CHANGED = ("model",)
+"""Refused on resume even with allow_config_change: the checkpoints hold this model's weights."""
 
 
 class ConfigError(ValueError):
@@ -50,8 +59,9 @@ class TrainConfig:
     global_tokens: int = _setting(32768, "tokens per optimizer step over all ranks (K/M suffixes allowed)")
     capacity: int = _setting(4096, "tokens per rank per micro-batch, C")
     max_len: int = _setting(8192, "context length: longer sequences are truncated; the static strategy's row")
-    strategy: str = _setting("balance", "HDP plan: balance, naive, static, or all (each from the same weights "
-                                        "on the same batches, then a comparison)")
+    strategy: str = _setting("balance", "HDP plan: balance, naive, static, auto (the fastest candidate under the "
+                                        "cost model, per step), or all (each of them from the same weights on the "
+                                        "same batches, then a comparison)")
     dtype: str = _setting("fp32", "fp32, or bf16: autocast forward, fp32 master weights, optimizer and loss")
     lr: float = _setting(3e-4, "peak learning rate")
     min_lr_ratio: float = _setting(0.1, "the cosine ends at lr times this")
@@ -64,7 +74,11 @@ class TrainConfig:
     eval_every: int = _setting(0, "held-out loss every N steps and after the last (0: never)")
     eval_tokens: int | None = _setting(None, "held-out tokens per evaluation (default: global_tokens)")
     checkpoint_every: int = _setting(0, "checkpoint every N steps (0: never)")
-    resume: bool = _setting(False, "continue from the latest complete checkpoint in the output directory")
+    resume: bool = _setting(False, "continue from the newest checkpoint in the output directory that verifies "
+                                   "(its files match their sha256 manifest)")
+    allow_config_change: bool = _setting(False, "on --resume, accept settings that differ from the output "
+                                                "directory's config.toml (each is printed); the model and the "
+                                                "number of ranks can never change")
     zero: bool = _setting(False, "ZeRO-1: shard the optimizer state over the ranks")
     seed: int = _setting(0, "initialisation and batch order")
     cost_model: str | None = _setting(None, "profiled cost model JSON (`bytescale-compile profile`; default: "
@@ -77,7 +91,7 @@ class TrainConfig:
         for key in ("model", "data", "out"):
             if not getattr(self, key):
                 raise ConfigError(f"{key} is required: pass --{key.replace('_', '-')} or set {key} in the config file")
-        _check_choice("strategy", self.strategy, (*STRATEGIES, ALL_STRATEGIES))
+        _check_choice("strategy", self.strategy, (*RUNTIME_STRATEGIES, ALL_STRATEGIES))
         _check_choice("dtype", self.dtype, DTYPES)
         for key in ("steps", "global_tokens", "capacity"):
             _check_int(key, getattr(self, key), 1)
@@ -96,7 +110,7 @@ class TrainConfig:
         _check_float("beta1", self.beta1, 0.0, 1.0, high_open=True)
         _check_float("beta2", self.beta2, 0.0, 1.0, high_open=True)
         _check_float("max_grad_norm", self.max_grad_norm, 0.0, math.inf, low_open=True)
-        for key in ("resume", "zero"):
+        for key in ("resume", "allow_config_change", "zero"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be true or false, got {getattr(self, key)!r}")
 
@@ -106,7 +120,7 @@ class TrainConfig:
 
     @property
     def strategies(self) -> tuple[str, ...]:
-        return STRATEGIES if self.strategy == ALL_STRATEGIES else (self.strategy,)
+        return RUNTIME_STRATEGIES if self.strategy == ALL_STRATEGIES else (self.strategy,)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -176,9 +190,38 @@ def to_toml(config: TrainConfig) -> str:
     """The configuration as a flat TOML table that `load_config` reads back to an equal config (None is left out)."""
     lines = ["# resolved by python -m bytescale_compile.train"]
     for key, value in config.to_dict().items():
-        if value is not None:
+        if value is not None and key not in NOT_SAVED:
             lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def config_changes(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """{setting: (saved, now)} for every setting a resume compares (see NOT_COMPARED)."""
+    def view(config: TrainConfig) -> dict[str, Any]:
+        values = {k: v for k, v in config.to_dict().items() if k not in NOT_COMPARED}
+        return {**values, "decay_steps": config.schedule_steps}
+
+    before, after = view(saved), view(now)
+    return {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+
+
+def check_resume_config(saved: TrainConfig, now: TrainConfig, source: str | Path) -> list[str]:
+    """The differences between the config `source` saved and this resume's, one `key: saved -> now` line each.
+
+    Raises `ConfigError` listing them unless `now.allow_config_change`; a change of NEVER_CHANGED always."""
+    changes = config_changes(saved, now)
+    lines = [f"{key}: {before!r} -> {after!r}" for key, (before, after) in changes.items()]
+    never = [line for key, line in zip(changes, lines) if key in NEVER_CHANGED]
+    listed = "".join(f"\n  {line}" for line in lines)
+    if never:
+        raise ConfigError(f"--resume cannot change {', '.join(never)} (saved in {source}): the checkpoints hold that "
+                          f"model's weights; resume with it, or start a new run in another --out. All differences:"
+                          f"{listed}")
+    if lines and not now.allow_config_change:
+        raise ConfigError(f"--resume with settings that differ from {source}:{listed}\nresume with the saved "
+                          "settings, pass --allow-config-change to accept the change, or start a new run in another "
+                          "--out")
+    return lines
 
 
 def _toml_value(value: bool | int | float | str) -> str:

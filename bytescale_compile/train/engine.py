@@ -8,11 +8,16 @@ its saved activations, paper §4.2); ranks sharing a micro-batch meet in its rin
 all-reduce sums the gradients (the loss is token-level, so a plain sum equals data parallelism's
 gradient, paper Eq. 2 = Eq. 1), then clipping and the optimizer step — skipped on every rank when
 the loss or the gradient norm is not finite (both are the same on every rank after the reductions).
-Strategies differ only in the plan: "balance", "naive" and "static" all run through this code.
+Strategies differ only in the plan: "balance", "naive", "static" and "auto" (the fastest of the planner's
+candidates under the simulator, `planner/auto.py`) all run through this code.
 
 Mixed precision is autocast around the forward only: parameters, gradients and optimizer state stay
 fp32 (the master weights), the loss comes back in fp32, and the backward runs outside autocast as
 PyTorch recommends.
+
+After its first measured steps (steps 2 and 3 of this Runtime: the first compiles) rank 0 holds their
+wall time against the simulator's prediction for their plans and warns once, naming the cost model,
+when they differ by more than 2× either way: plans balanced by a cost model that far off may be poor.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,13 +38,19 @@ from torch import nn
 
 from ..api import OptimizedModule, optimize
 from ..config import Config
-from ..planner import STRATEGIES, CostModel, MicroBatch, Plan, plan
+from ..planner import AUTO, STRATEGIES, CostModel, MicroBatch, Plan, plan
 from ..planner.model_shape import model_shape
 from ..runtime.context import micro_batch
 from ..runtime.offload import get_act_ctx
+from ..sim.simulator import step_time
 from .batch import MicroBatchInputs, build_micro_batch, num_targets
 
-__all__ = ["Runtime", "StepStats", "BatchLike", "ModelProtocolError", "BatchError", "SkippedStepsError"]
+__all__ = ["Runtime", "StepStats", "BatchLike", "ModelProtocolError", "BatchError", "SkippedStepsError",
+           "CostModelWarning", "prediction_off", "PREDICTION_TOLERANCE", "RUNTIME_STRATEGIES"]
+
+RUNTIME_STRATEGIES = (*STRATEGIES, AUTO)
+"""What a Runtime plans with: the planner's strategies, which name a plan, and "auto", which picks one of
+them per step (its plans carry the winner's name, so `planner.STRATEGIES` stays what a Plan may be)."""
 
 
 class ModelProtocolError(TypeError):
@@ -53,7 +65,15 @@ class SkippedStepsError(RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient: training is not making progress."""
 
 
+class CostModelWarning(UserWarning):
+    """Measured step times are far from the cost model's predictions: the plans it balances may be poor."""
+
+
 _BUCKET_BYTES = 25 * 2 ** 20
+PREDICTION_TOLERANCE = 2.0
+"""Measured and predicted step time may differ by this factor either way before the runtime warns."""
+_COMPARED_CALLS = (2, 3)
+"""Which of a Runtime's steps are held against the prediction: the first compiles the model."""
 
 
 class BatchLike(Protocol):
@@ -89,10 +109,22 @@ class StepStats:
     """Of the summed gradient, before clipping."""
     skipped: bool = False
     """The loss or the gradient norm was not finite: no optimizer step was taken (on any rank)."""
+    predicted_time: float = 0.0
+    """Seconds the simulator predicts for `plan` under the runtime's cost model."""
+    auto_choice: str | None = None
+    """Strategy "auto": the candidate it ran (`planner.auto.CANDIDATES`, e.g. "balance", "static"); else None."""
+    auto_speedup: float | None = None
+    """Strategy "auto": the simulated speedup of its choice over static (None also where static cannot plan
+    the batch, and for a model that cannot be sharded, which has one plan whatever the strategy)."""
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.time if self.time else 0.0
+
+    @property
+    def time_vs_predicted(self) -> float:
+        """Measured / predicted step time (0 without a prediction): above 1, slower than the cost model says."""
+        return self.time / self.predicted_time if self.predicted_time > 0 else 0.0
 
     @property
     def busy_spread(self) -> float:
@@ -134,8 +166,8 @@ class Runtime:
                  cost_model: CostModel | None = None, strategy: str = "balance", *, capacity: int = 8192,
                  max_grad_norm: float | None = 1.0, context_length: int | None = None,
                  mixed_precision: torch.dtype | None = None, max_skipped_steps: int = 3) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if strategy not in RUNTIME_STRATEGIES:
+            raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
         if mixed_precision not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {mixed_precision!r}")
         self.model = model if isinstance(model, OptimizedModule) else optimize(model, config)
@@ -155,6 +187,8 @@ class Runtime:
         self._hf_labels = "labels" in inspect.signature(self.model.original_module.forward).parameters
         self.steps = 0
         self._skipped_in_a_row: list[int] = []
+        self._timed: list[StepStats] = []
+        """This Runtime's steps so far, up to the last of `_COMPARED_CALLS`."""
 
     def plan(self, lengths: np.ndarray) -> Plan:
         """The step's plan, validated before any communication (identical on every rank).
@@ -236,12 +270,33 @@ class Runtime:
             self.optimizer.step()
         self.steps += 1
         self._count_skip(skipped, float(totals[:, 0].sum()), grad_norm)
-        return StepStats(step=self.steps, strategy=self.strategy, loss=float(totals[:, 0].sum()),
-                         tokens=int(np.asarray(batch.lengths).sum()), time=time.perf_counter() - start,
-                         plan_time=plan_time, busy=totals[:, 1].tolist(), micro_batches=totals[:, 2].astype(int).tolist(),
-                         p2p_bytes=int(totals[:, 3].sum()), allreduce_bytes=allreduce_bytes,
-                         offloaded_bytes=int(totals[:, 4].sum()), peak_saved_bytes=totals[:, 5].astype(int).tolist(),
-                         plan=step_plan, grad_norm=grad_norm, skipped=skipped)
+        auto = step_plan.meta.get("auto", {})
+        stats = StepStats(step=self.steps, strategy=self.strategy, loss=float(totals[:, 0].sum()),
+                          tokens=int(np.asarray(batch.lengths).sum()), time=time.perf_counter() - start,
+                          plan_time=plan_time, busy=totals[:, 1].tolist(),
+                          micro_batches=totals[:, 2].astype(int).tolist(), p2p_bytes=int(totals[:, 3].sum()),
+                          allreduce_bytes=allreduce_bytes,
+                          offloaded_bytes=int(totals[:, 4].sum()), peak_saved_bytes=totals[:, 5].astype(int).tolist(),
+                          plan=step_plan, grad_norm=grad_norm, skipped=skipped,
+                          predicted_time=step_time(step_plan, self.cost_model), auto_choice=auto.get("chosen"),
+                          auto_speedup=auto.get("speedup_over_static"))
+        self._compare_with_prediction(stats)
+        return stats
+
+    def _compare_with_prediction(self, stats: StepStats) -> None:
+        """Warn once, on rank 0, when this Runtime's steps `_COMPARED_CALLS` together took more than
+        `PREDICTION_TOLERANCE` times their predicted time, or less than its inverse."""
+        if len(self._timed) >= _COMPARED_CALLS[-1]:
+            return
+        self._timed.append(stats)
+        if len(self._timed) < _COMPARED_CALLS[-1] or self.rank != 0:
+            return
+        compared = self._timed[_COMPARED_CALLS[0] - 1:]
+        measured, predicted = sum(s.time for s in compared), sum(s.predicted_time for s in compared)
+        if prediction_off(measured, predicted):
+            steps = f"steps {compared[0].step}-{compared[-1].step}"
+            warnings.warn(_prediction_message(steps, measured, predicted, self.cost_model), CostModelWarning,
+                          stacklevel=3)
 
     def evaluate(self, batch: BatchLike | Sequence[torch.Tensor]) -> float:
         """The token-level loss of `batch` (the same on every rank): planned and run like a step, in eval mode
@@ -323,6 +378,21 @@ def _all_reduce(params: list[nn.Parameter]) -> int:
         p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
         offset += p.numel()
     return flat.numel() * flat.element_size()
+
+
+def prediction_off(measured: float, predicted: float, tolerance: float = PREDICTION_TOLERANCE) -> bool:
+    """Measured and predicted seconds differ by more than `tolerance` either way (never without a prediction)."""
+    if measured <= 0 or predicted <= 0:
+        return False
+    return max(measured / predicted, predicted / measured) > tolerance
+
+
+def _prediction_message(steps: str, measured: float, predicted: float, cost_model: CostModel) -> str:
+    how = f"{measured / predicted:.3g}x slower" if measured > predicted else f"{predicted / measured:.3g}x faster"
+    return (f"{steps} took {measured:.3g} s, {how} than the {predicted:.3g} s that cost model "
+            f"{cost_model.source!r} (hardware {cost_model.hardware.name!r}) predicts: plans balanced by it may be "
+            f"poor. Fit one on this machine with `bytescale-compile profile MODULE:FACTORY --out cost.json` and pass "
+            f"it (Runtime(cost_model=CostModel.load('cost.json')), or cost_model in the training config)")
 
 
 def default_cost_model(model: nn.Module) -> CostModel:

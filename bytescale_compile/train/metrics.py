@@ -3,7 +3,8 @@ the console (tqdm when installed). Only rank 0 writes; every rank computes the s
 
 Each step's record holds the measured figures next to the simulator's prediction for the same plan
 (`sim/simulator.py` with the run's cost model), so a run shows how far the cost model is from the
-hardware it plans for.
+hardware it plans for. Strategy "auto" also records which candidate each step ran and its simulated
+speedup over static (the fields are left out of other strategies' lines).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from .engine import StepStats
 __all__ = ["METRICS_FILE", "MetricsLog", "StepRecord", "echo", "progress"]
 
 METRICS_FILE = "metrics.jsonl"
-_SCALARS = ("loss", "tokens_per_second", "lr", "grad_norm", "eval_loss")
+_SCALARS = ("loss", "tokens_per_second", "lr", "grad_norm", "eval_loss", "auto_speedup")
 """What goes to TensorBoard."""
+_OPTIONAL = ("eval_loss", "auto_choice", "auto_speedup")
+"""Left out of a metrics.jsonl line when None: steps without evaluation, strategies other than auto."""
 
 
 @dataclass
@@ -47,9 +50,13 @@ class StepRecord:
     predicted_busy_spread: float
     predicted_p2p_bytes: float
     eval_loss: float | None = None
+    auto_choice: str | None = None
+    auto_speedup: float | None = None
 
     @classmethod
     def from_stats(cls, stats: StepStats, lr: float, cost_model: CostModel) -> StepRecord:
+        """`cost_model` must be the Runtime's: the busy spread and P2P bytes are simulated with it, next to the
+        step time the Runtime predicted with it."""
         timeline = simulate(stats.plan, cost_model)
         busy = busy_times(timeline)
         busy = busy[busy > 0]
@@ -57,15 +64,13 @@ class StepRecord:
                    tokens_per_second=stats.tokens_per_second, lr=lr, time=stats.time, grad_norm=stats.grad_norm,
                    skipped=stats.skipped, busy_spread=stats.busy_spread, micro_batches=stats.micro_batches,
                    p2p_bytes=stats.p2p_bytes, offloaded_bytes=stats.offloaded_bytes,
-                   predicted_time=timeline.step_time,
+                   predicted_time=stats.predicted_time,
                    predicted_busy_spread=float(busy.max() / busy.min()) if busy.size else 1.0,
-                   predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model))
+                   predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model), auto_choice=stats.auto_choice,
+                   auto_speedup=stats.auto_speedup)
 
     def to_dict(self) -> dict[str, Any]:
-        record = asdict(self)
-        if self.eval_loss is None:
-            del record["eval_loss"]
-        return record
+        return {key: value for key, value in asdict(self).items() if value is not None or key not in _OPTIONAL}
 
     def summary(self) -> str:
         line = (f"[{self.strategy}] step {self.step}: loss {self.loss:.4f}, lr {self.lr:.2e}, {self.tokens} tokens, "
@@ -73,6 +78,9 @@ class StepRecord:
                 f"micro-batches per rank {self.micro_batches}")
         if self.skipped:
             line += ", SKIPPED (non-finite loss or gradient)"
+        if self.auto_choice is not None:
+            speedup = f" ({self.auto_speedup:.2f}x static, simulated)" if self.auto_speedup is not None else ""
+            line += f", ran {self.auto_choice}{speedup}"
         if self.eval_loss is not None:
             line += f", eval loss {self.eval_loss:.4f}"
         return line

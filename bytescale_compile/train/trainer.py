@@ -12,6 +12,7 @@ changes only the micro-batch context, never the graphs. It works in one process 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +30,10 @@ from ..data import (
     eval_prefix,
     load_tokenizer,
 )
-from ..planner import CostModel
+from ..planner import AUTO, CostModel
 from .batch import num_targets
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import ALL_STRATEGIES, ConfigError, TrainConfig, to_toml
+from .checkpoint import CheckpointError, latest_checkpoint, remove_stale_tmp, resume_latest, save_checkpoint
+from .config import ALL_STRATEGIES, ConfigError, TrainConfig, check_resume_config, load_config, to_toml
 from .engine import Runtime, default_cost_model
 from .metrics import MetricsLog, StepRecord, echo, progress
 from .models import LoadedModel, load_model
@@ -44,8 +45,8 @@ __all__ = ["CHECKPOINTS_DIR", "CONFIG_FILE", "FINAL_DIR", "RunInputs", "RunResul
 CONFIG_FILE = "config.toml"
 FINAL_DIR = "final"
 CHECKPOINTS_DIR = "checkpoints"
-RESUME_KEYS = ("model", "data", "global_tokens", "max_len", "seed", "zero")
-"""Settings a checkpoint's sampler position and optimizer state only make sense under."""
+
+logger = logging.getLogger(__name__)
 
 
 class VocabularyError(ConfigError):
@@ -64,6 +65,8 @@ class RunInputs:
     tokenizer: LoadedTokenizer | None
     """Saved into final/ (Hugging Face models whose data records a tokenizer, or --tokenizer)."""
     cost_model: CostModel
+    config_changes: tuple[str, ...] = ()
+    """On --resume with --allow-config-change: each accepted difference from config.toml, `key: saved -> now`."""
 
 
 @dataclass
@@ -101,7 +104,23 @@ def setup(config: TrainConfig) -> RunInputs:
             if found := latest_checkpoint(run_dir(config, strategy) / CHECKPOINTS_DIR):
                 raise ConfigError(f"{found} is a checkpoint of an earlier run: pass --resume to continue it, or "
                                   f"another --out for a new run")
-    return RunInputs(config, train_data, eval_data, model, tokenizer, cost)
+    changes = tuple(_resume_config_changes(config)) if config.resume else ()
+    return RunInputs(config, train_data, eval_data, model, tokenizer, cost, changes)
+
+
+def _resume_config_changes(config: TrainConfig) -> list[str]:
+    """Compare with the config.toml the run being resumed saved (none: a first run started with --resume)."""
+    saved_path = Path(config.out) / CONFIG_FILE
+    if not saved_path.is_file():
+        if any(latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR) for s in config.strategies):
+            logger.warning("%s is missing: the settings of this resume cannot be compared with the saved run's",
+                           saved_path)
+        return []
+    try:
+        saved = load_config(saved_path)
+    except ConfigError as e:
+        raise ConfigError(f"cannot compare this resume's settings with {saved_path}: {e}") from e
+    return check_resume_config(saved, config, saved_path)
 
 
 def _open_dataset(prefix: str | Path, what: str, hint: str) -> TokenDataset:
@@ -151,6 +170,9 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     """Train every strategy of the config in turn on `device` (default: the CPU), each from the model's
     initial weights; rank 0 writes config.toml first."""
     config = inputs.config
+    for change in inputs.config_changes:
+        logger.warning("resuming with a changed setting (--allow-config-change): %s", change)
+        echo(f"resuming with a changed setting (--allow-config-change): {change}", _is_rank0())
     if _is_rank0():
         Path(config.out).mkdir(parents=True, exist_ok=True)
         (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
@@ -171,12 +193,14 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunR
     schedule = LRSchedule(config.lr, config.warmup, config.schedule_steps, config.min_lr_ratio)
     runtime = Runtime(optimized, optimizer, cost_model=inputs.cost_model, strategy=strategy, capacity=config.capacity,
                       max_grad_norm=config.max_grad_norm,
-                      context_length=config.max_len if strategy == "static" else None,
+                      context_length=config.max_len if strategy in ("static", AUTO) else None,
                       mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None)
     sampler = GlobalBatchSampler(inputs.train_data, config.global_tokens, seed=config.seed, max_len=config.max_len)
     held_out = eval_batches(inputs.eval_data, config.global_tokens, config.max_len,
                             config.eval_tokens or config.global_tokens) if inputs.eval_data else []
-    done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR, config) if config.resume else 0
+    for stale in remove_stale_tmp(directory / CHECKPOINTS_DIR):
+        echo(f"[{strategy}] removed {stale}, left by an interrupted checkpoint save", rank0)
+    done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR) if config.resume else 0
     log = MetricsLog(directory, rank0, resumed_step=done)
     records, eval_loss, batches = [], None, iter(sampler)
     for step in progress(range(done + 1, config.steps + 1), strategy, rank0):
@@ -195,20 +219,21 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunR
     return RunResult(strategy, directory, records, eval_loss, final)
 
 
-def _resume(runtime: Runtime, sampler: GlobalBatchSampler, checkpoints: Path, config: TrainConfig) -> int:
-    """Restore the latest checkpoint under `checkpoints` if there is one; returns its step (0: none)."""
-    found = latest_checkpoint(checkpoints)
-    if found is None:
+def _resume(runtime: Runtime, sampler: GlobalBatchSampler, checkpoints: Path) -> int:
+    """Restore the newest checkpoint under `checkpoints` that verifies, if any; returns its step (0: none).
+    The settings were compared with config.toml in `setup`."""
+    resumed = resume_latest(checkpoints, runtime.model, runtime.optimizer)
+    if resumed is None:
         return 0
-    state = load_checkpoint(found, runtime.model, runtime.optimizer)
-    saved, now = state["config"], config.to_dict()
-    changed = {key: (saved[key], now[key]) for key in RESUME_KEYS if saved[key] != now[key]}
-    if changed:
-        raise CheckpointError(f"{found} was saved by a run with other settings, {{setting: (then, now)}}: {changed}; "
-                              f"resume with those, or start a new run in another --out")
-    sampler.load_state_dict(state["sampler"])
+    for skipped in resumed.skipped:
+        echo(f"[{runtime.strategy}] skipped checkpoint {skipped.path}: {skipped.reason}", _is_rank0())
+    state = resumed.train_state
+    try:
+        sampler.load_state_dict(state["sampler"])
+    except ValueError as e:  # possible after --allow-config-change of data
+        raise CheckpointError(f"{resumed.path}: its batch position does not fit this run's data: {e}") from e
     runtime.steps = state["step"]
-    echo(f"[{runtime.strategy}] resumed from {found} at step {state['step']}", _is_rank0())
+    echo(f"[{runtime.strategy}] resumed from {resumed.path} at step {state['step']}", _is_rank0())
     return state["step"]
 
 
