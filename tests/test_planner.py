@@ -212,3 +212,17 @@ def test_auto_is_never_slower_than_static(lengths, world):
     chosen.validate()
     assert simulate(chosen, L20_COST).step_time <= simulate(static, L20_COST).step_time * (1 + 1e-9)
     assert chosen.meta["auto"]["speedup_over_static"] >= 1 - 1e-9
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 4, 6])
+def test_predicted_p2p_bytes_are_the_rows_the_direct_exchange_moves(group_size):
+    """The simulator's P2P count equals what the ring's layout sends: every rank's K/V rows that each other
+    rank's causal blocks read (`ZigzagLayout.transfer`), summed over all pairs, against the relay ring's
+    (N - 1) full shards per rank."""
+    from bytescale_compile.runtime.layout import zigzag_layout
+    from bytescale_compile.sim.simulator import DIRECT_EXCHANGE_SHARE
+
+    layout = zigzag_layout([2 * group_size * 8, 2 * group_size * 5], group_size)
+    sent = sum(layout.transfer(q, kv).num_rows for q in range(group_size) for kv in range(group_size) if q != kv)
+    relay = group_size * (group_size - 1) * layout.rank(0).num_tokens
+    assert sent == DIRECT_EXCHANGE_SHARE * relay
