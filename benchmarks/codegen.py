@@ -1,12 +1,14 @@
 """`Config(codegen=...)` against eager and `torch.compile` alone: step time, first-call time, kernels.
 
-For each model (the HF Qwen2 of issue 17: hidden 256, 4 layers, vocab 32K; our `small` LLaMA), one
+For each model (the HF Qwen2 of issue 17: hidden 256, 4 layers (`qwen2-8`: 8), vocab 32K; our `small` LLaMA), one
 packed row of `--tokens` tokens in `--sequences` sequences, fwd+bwd, in one process:
   - first-call time of each compiled path (compile + one step); run the script twice with the same
     `--cache-dir` for cold (empty Inductor cache) and warm figures;
   - median fwd+bwd time over `--repeats` rounds, the paths alternating so load drift hits all alike;
   - the kernels Inductor generated for our graphs (forward / backward) and the nodes they fuse.
 The load average is printed with the figures: on a shared machine the ratios are what to read.
+`--paths "bsc codegen=inductor layers-once" --repeats 0`, one path per process, each with a fresh
+cache, measures the cold first call of `Config(compile_layers_once=True)` against the whole-model compile.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def qwen2() -> torch.nn.Module:
+def qwen2(layers: int = 4) -> torch.nn.Module:
     import transformers
 
-    cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+    cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                                    use_cache=False)
     return transformers.Qwen2ForCausalLM(cfg)
@@ -42,8 +44,12 @@ def llama_small() -> torch.nn.Module:
 
 
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], bool]] = {"qwen2": (qwen2, True),
+                                                                  "qwen2-8": (lambda: qwen2(layers=8), True),
                                                                   "llama-small": (llama_small, False)}
 """name -> (factory, whether it is a Hugging Face model taking `labels`)."""
+PATHS = ("eager", "torch.compile", "bsc codegen=none", "bsc codegen=inductor", "bsc codegen=none layers-once",
+         "bsc codegen=inductor layers-once")
+"""The last two: `Config(compile_layers_once=True)` (issue 17, regional compilation)."""
 
 
 def packed_row(tokens: int, sequences: int, vocab: int, hf: bool) -> dict[str, torch.Tensor]:
@@ -75,17 +81,23 @@ def kernels_line(model: torch.nn.Module) -> str:
     return "; ".join(parts)
 
 
-def run_model(name: str, tokens: int, sequences: int, repeats: int) -> None:
+def build_path(label: str, eager: torch.nn.Module) -> torch.nn.Module:
     import bytescale_compile as bsc
 
+    if label == "eager":
+        return eager
+    if label == "torch.compile":
+        return torch.compile(copy.deepcopy(eager), dynamic=True)
+    codegen = label.split("=")[1].split()[0]
+    return bsc.optimize(copy.deepcopy(eager), codegen=codegen, compile_layers_once=label.endswith("layers-once"))
+
+
+def run_model(name: str, tokens: int, sequences: int, repeats: int, labels: list[str]) -> None:
     factory, hf = MODELS[name]
     torch.manual_seed(0)
     eager = factory().train()
     batch = packed_row(tokens, sequences, eager.config.vocab_size, hf)
-    paths = {"eager": eager,
-             "torch.compile": torch.compile(copy.deepcopy(eager), dynamic=True),
-             "bsc codegen=none": bsc.optimize(copy.deepcopy(eager), codegen="none"),
-             "bsc codegen=inductor": bsc.optimize(copy.deepcopy(eager), codegen="inductor")}
+    paths = {label: build_path(label, eager) for label in ["eager", *labels]}
     print(f"\n## {name}: {sum(p.numel() for p in eager.parameters()) / 1e6:.1f}M parameters, 1 row of {tokens} tokens "
           f"in {sequences} sequences")
     first = {label: fwd_bwd(model, batch) for label, model in paths.items()}
@@ -93,13 +105,16 @@ def run_model(name: str, tokens: int, sequences: int, repeats: int) -> None:
     for _ in range(repeats):
         for label, model in paths.items():
             times[label].append(fwd_bwd(model, batch))
-    base = statistics.median(times["eager"])
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print("| path | fwd+bwd (median) | vs eager | first call |\n|---|---|---|---|")
     for label in paths:
-        t = statistics.median(times[label])
+        if not repeats:
+            print(f"| {label} | - | - | {first[label]:.1f} s |")
+            continue
+        t, base = statistics.median(times[label]), statistics.median(times["eager"])
         print(f"| {label} | {t * 1e3:.0f} ms | {t / base:.2f}× | {first[label]:.1f} s |")
-    print(f"Inductor for our graphs: {kernels_line(paths['bsc codegen=inductor'])}")
+    for label in (label for label in paths if "inductor" in label):
+        print(f"Inductor for our graphs ({label}): {kernels_line(paths[label])}")
 
 
 def main() -> None:
@@ -108,6 +123,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--paths", default=",".join(PATHS[1:4]),
+                        help=f"compiled paths to run besides eager, of {PATHS[1:]}; one per process for cold first calls")
     parser.add_argument("--cache-dir", default=None,
                         help="Inductor cache directory (TORCHINDUCTOR_CACHE_DIR); default: a fresh one (cold)")
     args = parser.parse_args()
@@ -116,7 +133,7 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     print(f"Inductor cache {cache}: {'warm' if warm else 'cold'}")
     for name in args.models.split(","):
-        run_model(name, args.tokens, args.sequences, args.repeats)
+        run_model(name, args.tokens, args.sequences, args.repeats, args.paths.split(","))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .capture import Backend
+from .capture.layers import mark_repeated_layers
 from .config import Config
 from .passes.report import CompileReport, GraphReport
 
@@ -49,6 +50,8 @@ class OptimizedModule(nn.Module):
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self.training = model.training
         self.__signature__ = inspect.signature(model.forward)
+        if config.compile_layers_once:
+            mark_repeated_layers(model)
         self._report = CompileReport()
         self._pending: list[GraphReport] = []
         self._compiled_graphs: list[GraphReport] = []

@@ -34,6 +34,9 @@ class Config:
     codegen: what runs the graphs our passes produce: "inductor" compiles them with Inductor (the
         elementwise work around our ops fused into generated kernels, our `bytescale::` ops opaque
         calls), "none" runs them as FX code over aten ops, "auto" picks per device (`resolve_codegen`).
+    compile_layers_once: trace and compile one decoder layer and reuse it for the identical others
+        (`torch.compiler.nested_compile_region` on the ModuleList of same-class layers with the most
+        parameters, `capture/layers.py`). The offload pass is off for such graphs (reported).
     """
 
     attention: bool = True
@@ -44,6 +47,7 @@ class Config:
     keep_graph_text: bool = True
     offload: str | float = "auto"
     codegen: str = "auto"
+    compile_layers_once: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

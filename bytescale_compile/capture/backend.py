@@ -28,6 +28,7 @@ from ..passes.attention import NAME as ATTENTION, rewrite_attention
 from ..passes.loss import NAME as FUSED_LOSS, PREVIOUS_GRAPH_BREAK, rewrite_loss
 from ..passes.manager import Pass, PassContext, PassManager
 from ..passes.offload import NAME as OFFLOAD, apply_offload
+from ..passes.regions import has_regions
 from ..passes.report import CompileReport, GraphReport, PassResult
 from ..runtime.context import current_context
 from .codegen import compile_with_inductor
@@ -40,6 +41,8 @@ class ShardingError(RuntimeError):
     """A graph compiled while a micro-batch is shared over ranks holds an attention the ring cannot run."""
 
 log = logging.getLogger(__name__)
+REGIONS_HIDE_SAVED = ("layers compiled once (Config.compile_layers_once): the tensors each layer saves for its "
+                      "backward are made inside one body shared by every layer, which the offload pass cannot tell apart")
 _graph_ids = itertools.count()
 
 
@@ -81,15 +84,16 @@ class Backend:
         _refuse_unshardable(report)
         device_type = _device_type(example_inputs)
         partitioner = self.config.resolve_partitioner(device_type)
+        regions = has_regions(gm)
         if self.config.resolve_codegen(device_type) == "inductor":
-            partition = self._partition_fn(report, partitioner, inductor=True)
+            partition = self._partition_fn(report, partitioner, regions, inductor=True)
             return compile_with_inductor(gm, example_inputs, self.config, report, partition)
         return aot_module_simplified(
             gm,
             example_inputs,
             fw_compiler=self._graph_compiler(report, "forward_graph"),
             bw_compiler=self._graph_compiler(report, "backward_graph"),
-            partition_fn=self._partition_fn(report, partitioner),
+            partition_fn=self._partition_fn(report, partitioner, regions),
             keep_inference_input_mutations=True,
         )
 
@@ -112,13 +116,17 @@ class Backend:
         where = cause.user_stack[-1] if cause.user_stack else None
         self.last_graph_break = f"{message}, at {where.filename}:{where.lineno} in {where.name}" if where else message
 
-    def _partition_fn(self, report: GraphReport, partitioner: str, inductor: bool = False) -> Callable:
+    def _partition_fn(self, report: GraphReport, partitioner: str, regions: bool, inductor: bool = False) -> Callable:
+        """Our hook around `partitioner`. With `regions` (layers compiled once) it is also called for each layer
+        body, whose saved tensors are those of every layer at once: bodies are split as they are, untouched."""
         base = min_cut_rematerialization_partition if partitioner == "min_cut" else default_partition
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
             if base is default_partition:  # Inductor names itself as `compiler`, for min-cut's recompute choices
                 kwargs.pop("compiler", None)
             fw, bw = base(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            if regions and not has_regions(fw):  # a layer body, partitioned while tracing the graph that calls it
+                return fw, bw
             inputs = [n.meta.get("val") for n in fw.graph.find_nodes(op="placeholder")]
             token_size = _token_size(inputs)
             if not isinstance(token_size, torch.SymInt):  # with static sizes any size equal to T looks like tokens
@@ -127,6 +135,9 @@ class Backend:
             table = saved_activations(fw, num_fwd_outputs, token_size)
             if self.config.offload == "off":
                 report.passes.append(PassResult(OFFLOAD, disabled='Config.offload="off"'))
+            elif regions:
+                log.info("graph %d: offload pass off: %s", report.graph_id, REGIONS_HIDE_SAVED)
+                report.passes.append(PassResult(OFFLOAD, disabled=REGIONS_HIDE_SAVED))
             else:
                 result, table = apply_offload(fw, bw, num_fwd_outputs, table, token_size,
                                               contiguous_only=inductor)

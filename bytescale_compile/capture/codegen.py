@@ -39,6 +39,8 @@ __all__ = ["compile_with_inductor"]
 _PACKAGE = Path(__file__).resolve().parents[1]
 _PARTITION_SOURCES = tuple(str(_PACKAGE / f) for f in ("capture/backend.py", "capture/saved.py", "passes/offload.py",
                                                         "ops/offload.py"))
+_WRAPPER_DEF = re.compile(r"^[ \t]*def (?:call|partitioned_\w+)\(", re.M)
+"""The wrapper's `call` and the functions of the layer bodies it calls (each compiled once, listed once)."""
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.", re.M)
 _CALL = re.compile(r"^\s+(\w+)\(", re.M)
 _EXTERN = re.compile(r"^\s+(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.\w+\.\w+\.\w+)\(", re.M)
@@ -89,9 +91,11 @@ def _inner_compile(report: GraphReport, keep_text: bool) -> Callable:
 
 
 def _generated_code(graph: str, compiled: Any, cache_hit: bool) -> GeneratedCode:
-    """Kernels and extern calls of `compiled`'s wrapper, in call order; fused nodes from Inductor's provenance map."""
+    """Kernels and extern calls of `compiled`'s wrapper (layer bodies first), in call order; fused nodes from
+    Inductor's provenance map."""
     source = getattr(compiled, "source_code", "") or ""
-    body = source[source.find("def call("):]
+    first = _WRAPPER_DEF.search(source)
+    body = source[first.start():] if first else ""
     defined = set(_KERNEL_DEF.findall(source))
     fused = _fused_nodes(getattr(compiled, "inductor_provenance_mapping_str", None))
     kernels = [GeneratedKernel(name, fused.get(name, [])) for name in _CALL.findall(body) if name in defined]

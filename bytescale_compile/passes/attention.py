@@ -30,6 +30,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
 from .graph import NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
 from .manager import PassContext
 from .masks import CausalMask, prove_causal_mask, strip_additive_mask
+from .regions import Region, find_regions
 from .report import PassResult, Rewrite, Skipped
 
 __all__ = ["rewrite_attention"]
@@ -46,8 +47,17 @@ _RESHAPES = ("view", "reshape", "contiguous", "expand")
 
 
 def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Rewrite the graph's attention, then that of each shared layer body (once; reported for every layer)."""
     result = PassResult(NAME)
-    for node in list(gm.graph.nodes):
+    _rewrite_graph(gm.graph, result, None)
+    for region in find_regions(gm):
+        _rewrite_graph(region.body.graph, result, region)
+    return result
+
+
+def _rewrite_graph(graph: fx.Graph, result: PassResult, region: Region | None) -> None:
+    scope = _Scope(region)
+    for node in list(graph.nodes):
         if is_call(node, *_SDPA):
             match = _match_sdpa
         elif _softmax_behind(node) is not None:
@@ -56,17 +66,51 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         source = source_module(node)
         try:
-            found = match(node)
+            found = match(node, scope)
         except NotEquivalent as why:
-            result.skipped.append(Skipped(node.name, _target_name(node), source, str(why)))
+            result.skipped += [Skipped(node.name, _target_name(node), s, str(why)) for s in scope.sources(source)]
             continue
         except Exception as error:  # a shape the matcher did not foresee: leave it alone, say so
             log.warning("attention pass: cannot analyse %s (%s): %r", node.name, source, error)
-            result.skipped.append(Skipped(node.name, _target_name(node), source, f"matcher could not analyse it: {error!r}"))
+            result.skipped += [Skipped(node.name, _target_name(node), s, f"matcher could not analyse it: {error!r}")
+                               for s in scope.sources(source)]
             continue
-        new = replace_with_op(gm.graph, node, torch.ops.bytescale.attention.default, found.op_args())
-        result.rewrites.append(Rewrite(node.name, "bytescale.attention", source, found.describe() or new.name))
-    return result
+        new = replace_with_op(graph, node, torch.ops.bytescale.attention.default, scope.inside(found.op_args()))
+        result.rewrites += [Rewrite(node.name, "bytescale.attention", s, found.describe() or new.name)
+                            for s in scope.sources(source)]
+    scope.drop_resolved()
+
+
+class _Scope:
+    """Where a match happens: the outer graph, or a layer body whose mask comes from outside."""
+
+    def __init__(self, region: Region | None) -> None:
+        self.region = region
+        self.resolved: set[fx.Node] = set()
+
+    def outer(self, node: object) -> object:
+        """A body placeholder as the outer node every layer passes for it (the mask); anything else unchanged."""
+        if self.region is None or not isinstance(node, fx.Node) or node.op != "placeholder":
+            return node
+        self.resolved.add(node)
+        return self.region.outer_argument(node)
+
+    def inside(self, args: tuple) -> tuple:
+        """The op's arguments with outer nodes (position_ids of a proved mask) threaded into the body."""
+        if self.region is None:
+            return args
+        graph = self.region.body.graph
+        return tuple(self.region.input_for(a) if isinstance(a, fx.Node) and a.graph is not graph else a for a in args)
+
+    def sources(self, source: str) -> list[str]:
+        """The module path of a site, once per layer that runs it."""
+        if self.region is None:
+            return [source]
+        return [self.region.site_source(call, source) for call in self.region.calls]
+
+    def drop_resolved(self) -> None:
+        if self.region is not None:
+            self.region.drop_unused(self.resolved)
 
 
 @dataclass(frozen=True)
@@ -97,12 +141,12 @@ class _Match:
         ]))
 
 
-def _match_sdpa(node: fx.Node) -> _Match:
+def _match_sdpa(node: fx.Node, scope: _Scope) -> _Match:
     q, k, v = arg(node, 0, "query"), arg(node, 1, "key"), arg(node, 2, "value")
     dropout = arg(node, 4, "dropout_p", 0.0)
     if not isinstance(dropout, (int, float)) or dropout != 0.0:
         raise NotEquivalent(f"dropout_p={dropout}: dropout is not supported")
-    mask = _sdpa_mask(arg(node, 3, "attn_mask"), q)
+    mask = _sdpa_mask(scope.outer(arg(node, 3, "attn_mask")), q)
     if mask is None:
         if arg(node, 5, "is_causal", False) is not True:
             raise NotEquivalent("is_causal=False and no attn_mask: bidirectional attention is not causal")
@@ -141,7 +185,7 @@ def _softmax_behind(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _match_explicit(node: fx.Node) -> _Match:
+def _match_explicit(node: fx.Node, scope: _Scope) -> _Match:
     probs, v = node.args[:2]
     softmax = _softmax_behind(node)
     _name_known_variants(softmax)
@@ -154,7 +198,7 @@ def _match_explicit(node: fx.Node) -> _Match:
     masked = _strip_casts(softmax.args[0])
     masked, outer_scale = _unscale(masked)
     _single_use(masked, "masked scores")
-    capped, mask = _unmask_causal(_strip_casts(masked))
+    capped, mask = _unmask_causal(_strip_casts(masked), scope)
     _single_use(capped, "scores")
     scores, softcap = _unsoftcap(capped)
     q, k, scale = _unscale_scores(scores)
@@ -234,7 +278,7 @@ def _single_use(node: fx.Node, what: str) -> None:
         raise NotEquivalent(f"the {what} `{node.name}` is used elsewhere too, so it must stay materialised")
 
 
-def _unmask_causal(masked: fx.Node) -> tuple[fx.Node, CausalMask]:
+def _unmask_causal(masked: fx.Node, scope: _Scope) -> tuple[fx.Node, CausalMask]:
     """The unmasked scores and what the mask computes, if `masked` applies a provably causal mask; else raise."""
     if is_call(masked, torch.masked_fill, methods=("masked_fill",)):
         scores, mask, fill = masked.args[0], arg(masked, 1, "mask"), arg(masked, 2, "value")
@@ -244,7 +288,7 @@ def _unmask_causal(masked: fx.Node) -> tuple[fx.Node, CausalMask]:
             raise NotEquivalent(f"mask `{getattr(mask, 'name', mask)}` is not built in the graph as triu(ones(T, T), 1)")
         return scores, CausalMask(None, None)
     if is_call(masked, operator.add, torch.add):
-        scores, mask = masked.args[:2]
+        scores, mask = masked.args[0], scope.outer(masked.args[1])
         _refuse_buffer_mask(scores)
         if _is_additive_causal(mask, value(scores)):
             return scores, CausalMask(None, None)
