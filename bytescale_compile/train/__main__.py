@@ -1,7 +1,8 @@
 """`torchrun --nproc_per_node=N -m bytescale_compile.train [--config FILE.toml] [options]`
 
 Trains a model (a Hugging Face directory or a preset) on a prepared token dataset with Hybrid Data
-Parallelism: every rank plans each global batch identically and trains its own micro-batches. Options
+Parallelism: every rank plans each global batch identically (or, with `--loader ray`, one scheduler actor
+plans it for all) and trains its own micro-batches. Options
 override the config file; the resolved config, metrics.jsonl, checkpoints/ and (Hugging Face models)
 final/ go to --out. `--strategy all` trains balance, naive, static and auto from the same weights on the
 same batches, compares them, and prints the simulator's projection of the same model and data at 512
@@ -23,21 +24,23 @@ from ..planner import PlanError
 from ..planner.model_shape import ModelConfigError
 from .checkpoint import CheckpointError
 from .compare import comparison, summarize
-from .config import ALL_STRATEGIES, DTYPES, SIZES, TrainConfig, load_config
+from .config import ALL_STRATEGIES, DTYPES, LOADERS, SIZES, TrainConfig, load_config
 from .engine import RUNTIME_STRATEGIES
 from .launch import init_distributed, local_device
 from .metrics import METRICS_FILE, echo
 from .projection import project_run
+from .remote import DataServerError
 from .trainer import RunInputs, RunResult, run, setup
 
 PROG = "python -m bytescale_compile.train"
 _ARG_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
-_CHOICES = {"strategy": (*RUNTIME_STRATEGIES, ALL_STRATEGIES), "dtype": DTYPES}
+_CHOICES = {"strategy": (*RUNTIME_STRATEGIES, ALL_STRATEGIES), "dtype": DTYPES, "loader": LOADERS}
 _SETUP_ERRORS = (OSError, ValueError)
 """Reported as one line, not a traceback: missing or unreadable files (FileNotFoundError names them), and
 ConfigError, VocabularyError, ModelSourceError, TokenizerError, DatasetError (all ValueErrors)."""
-_RUN_ERRORS = (PlanError, CheckpointError)
-"""Raised on every rank alike during a run: a batch the capacity cannot hold, a checkpoint that does not fit."""
+_RUN_ERRORS = (PlanError, CheckpointError, DataServerError)
+"""Raised on every rank alike during a run: a batch the capacity cannot hold, a checkpoint that does not fit, a
+data server of --loader ray that died for good."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,20 +17,23 @@ from typing import Any
 from ..sim.experiments import parse_size
 from .engine import RUNTIME_STRATEGIES
 
-__all__ = ["ALL_STRATEGIES", "ConfigError", "DTYPES", "NEVER_CHANGED", "NOT_COMPARED", "SIZES", "TrainConfig",
+__all__ = ["ALL_STRATEGIES", "ConfigError", "DTYPES", "LOADERS", "NEVER_CHANGED", "NOT_COMPARED", "SIZES", "TrainConfig",
            "check_resume_config", "config_changes", "load_config", "to_toml"]
 
 DTYPES = ("fp32", "bf16")
 """fp32: everything in fp32. bf16: autocast forward in bf16; fp32 master weights, gradients, optimizer and loss."""
+LOADERS = ("local", "ray")
+"""local: every rank samples and plans; ray: the remote dataloader of train/remote.py (paper §6)."""
 ALL_STRATEGIES = "all"
 """Every strategy in turn, from the same initial weights on the same batches, then a comparison."""
 SIZES = ("global_tokens", "capacity", "max_len", "eval_tokens")
 """Token counts that also accept K/M suffixes ("16K")."""
 NOT_SAVED = ("allow_config_change",)
 """Switches of one invocation, left out of config.toml."""
-NOT_COMPARED = ("out", "steps", "resume", "allow_config_change", "checkpoint_every", "eval_every", "eval_tokens")
+NOT_COMPARED = ("out", "steps", "resume", "allow_config_change", "checkpoint_every", "eval_every", "eval_tokens",
+                "loader", "ray_address", "ray_cpus", "data_servers", "prefetch_steps")
 """Settings a resume may change freely: where and how far to run, and when to checkpoint and evaluate (the
-steps run so far do not depend on them; decay_steps is compared resolved, so a longer --steps with the
+steps run so far do not depend on them, nor on the loader, which draws the same batches; decay_steps is compared resolved, so a longer --steps with the
 default decay_steps is a change of the LR schedule)."""
 NEVER_CHANGED = ("model",)
 """Refused on resume even with allow_config_change: the checkpoints hold this model's weights."""
@@ -83,9 +86,17 @@ class TrainConfig:
     seed: int = _setting(0, "initialisation and batch order")
     cost_model: str | None = _setting(None, "profiled cost model JSON (`bytescale-compile profile`; default: "
                                             "analytic from the model config)")
+    loader: str = _setting("local", "local: every rank samples and plans each batch itself; ray: data servers, one "
+                                    "scheduler that plans, and ranks that fetch only their micro-batches' tokens, "
+                                    "prefetched (pip install 'bytescale_compile[ray]')")
+    ray_address: str | None = _setting(None, "--loader ray: the Ray cluster to join (default: start a local head)")
+    ray_cpus: int | None = _setting(None, "--loader ray: CPUs of the local head it starts (default: all)")
+    data_servers: int = _setting(2, "--loader ray: data server actors, each owning a contiguous part of --data")
+    prefetch_steps: int = _setting(2, "--loader ray: planned steps the scheduler keeps ready ahead of the ranks, "
+                                      "which fetch one step ahead (0: no prefetching at all)")
 
     def __post_init__(self) -> None:
-        for key in ("model", "data", "out", "tokenizer", "cost_model"):
+        for key in ("model", "data", "out", "tokenizer", "cost_model", "ray_address"):
             if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
                 raise ConfigError(f"{key} must be a string, got {getattr(self, key)!r}")
         for key in ("model", "data", "out"):
@@ -93,12 +104,14 @@ class TrainConfig:
                 raise ConfigError(f"{key} is required: pass --{key.replace('_', '-')} or set {key} in the config file")
         _check_choice("strategy", self.strategy, (*RUNTIME_STRATEGIES, ALL_STRATEGIES))
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("loader", self.loader, LOADERS)
         for key in ("steps", "global_tokens", "capacity"):
             _check_int(key, getattr(self, key), 1)
         _check_int("max_len", self.max_len, 2)
-        for key in ("warmup", "eval_every", "checkpoint_every", "seed"):
+        for key in ("warmup", "eval_every", "checkpoint_every", "seed", "prefetch_steps"):
             _check_int(key, getattr(self, key), 0)
-        for key in ("decay_steps", "eval_tokens"):
+        _check_int("data_servers", self.data_servers, 1)
+        for key in ("decay_steps", "eval_tokens", "ray_cpus"):
             if getattr(self, key) is not None:
                 _check_int(key, getattr(self, key), 1)
         if self.warmup >= self.schedule_steps:

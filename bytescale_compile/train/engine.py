@@ -202,6 +202,17 @@ class Runtime:
         result.validate()
         return result
 
+    def _given_plan(self, given: Plan, lengths: np.ndarray) -> Plan:
+        """`given`, validated and checked to be a plan of `lengths` for this world size."""
+        given.validate()
+        if given.world_size != self.world_size:
+            raise BatchError(f"the given plan is for {given.world_size} ranks, this run has {self.world_size}")
+        if list(given.sequences) != np.asarray(lengths).tolist():
+            raise BatchError(f"the given plan is of sequence lengths {list(given.sequences)[:8]}..., not the batch's "
+                             f"{np.asarray(lengths).tolist()[:8]}... ({len(given.sequences)} vs {len(lengths)} "
+                             f"sequences): plan and batch are of different steps")
+        return given
+
     def shard_blockers(self) -> list[str]:
         """Why this model's sequences cannot be split over ranks or packed (empty: they can); compiles it first
         if needed. Every rank compiles the same model, so every rank reaches the same answer without communicating.
@@ -237,11 +248,13 @@ class Runtime:
             kwargs["labels"] = kwargs["shift_labels"]
         return kwargs
 
-    def step(self, batch: BatchLike | Sequence[torch.Tensor]) -> StepStats:
+    def step(self, batch: BatchLike | Sequence[torch.Tensor], plan: Plan | None = None) -> StepStats:
+        """Plan `batch` (or run the ready-made `plan`, e.g. the remote scheduler's, checked against the batch)
+        and train one step on it."""
         if not hasattr(batch, "lengths"):
             batch = _ListBatch(batch, self.vocab_size)
         start = time.perf_counter()
-        step_plan = self.plan(np.asarray(batch.lengths))
+        step_plan = self.plan(np.asarray(batch.lengths)) if plan is None else self._given_plan(plan, batch.lengths)
         plan_time = time.perf_counter() - start
         num_items = num_targets(batch.lengths)
         self.model.train()

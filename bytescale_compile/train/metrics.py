@@ -50,13 +50,19 @@ class StepRecord:
     predicted_busy_spread: float
     predicted_p2p_bytes: float
     eval_loss: float | None = None
+    data_wait_s: float = 0.0
+    """Seconds the rank blocked waiting for this step's data (local loader: drawing the batch)."""
+    plan_time_s: float = 0.0
+    """Seconds spent planning the step: on the rank (local loader), or by the remote scheduler (ray), where
+    prefetching keeps it off the critical path."""
     auto_choice: str | None = None
     auto_speedup: float | None = None
 
     @classmethod
-    def from_stats(cls, stats: StepStats, lr: float, cost_model: CostModel) -> StepRecord:
+    def from_stats(cls, stats: StepStats, lr: float, cost_model: CostModel, data_wait_s: float = 0.0,
+                   plan_time_s: float | None = None) -> StepRecord:
         """`cost_model` must be the Runtime's: the busy spread and P2P bytes are simulated with it, next to the
-        step time the Runtime predicted with it."""
+        step time the Runtime predicted with it. `plan_time_s`: the scheduler's (default: the Runtime's own)."""
         timeline = simulate(stats.plan, cost_model)
         busy = busy_times(timeline)
         busy = busy[busy > 0]
@@ -66,7 +72,8 @@ class StepRecord:
                    p2p_bytes=stats.p2p_bytes, offloaded_bytes=stats.offloaded_bytes,
                    predicted_time=stats.predicted_time,
                    predicted_busy_spread=float(busy.max() / busy.min()) if busy.size else 1.0,
-                   predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model), auto_choice=stats.auto_choice,
+                   predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model), data_wait_s=data_wait_s,
+                   plan_time_s=stats.plan_time if plan_time_s is None else plan_time_s, auto_choice=stats.auto_choice,
                    auto_speedup=stats.auto_speedup)
 
     def to_dict(self) -> dict[str, Any]:

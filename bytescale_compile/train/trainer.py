@@ -3,7 +3,8 @@
 `setup` checks everything a run needs before any step or communication — the datasets, the model, the
 vocabulary, the tokenizer for final/, the cost model, the output directory — so a bad setting fails on
 every rank at once with a message that names it. `run` then trains each strategy in turn from the same
-initial weights on the same batches: AdamW with the warmup-cosine schedule, the HDP `Runtime` for every
+initial weights on the same batches (drawn and planned on every rank, or with `--loader ray` by the remote
+dataloader of `remote.py`, whose scheduler plans once for all ranks): AdamW with the warmup-cosine schedule, the HDP `Runtime` for every
 step, evaluation, checkpoints, metrics and, for Hugging Face models, `final/`. The strategies share one
 optimized model (its weights reset in place between them), so the model compiles once per run: a plan
 changes only the micro-batch context, never the graphs. It works in one process without
@@ -12,7 +13,10 @@ changes only the micro-batch context, never the graphs. It works in one process 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +42,7 @@ from .engine import Runtime, default_cost_model
 from .metrics import MetricsLog, StepRecord, echo, progress
 from .models import LoadedModel, load_model
 from .optim import LRSchedule, build_optimizer
+from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
 
 __all__ = ["CHECKPOINTS_DIR", "CONFIG_FILE", "FINAL_DIR", "RunInputs", "RunResult", "VocabularyError", "evaluate",
            "run", "run_dir", "setup"]
@@ -99,6 +104,8 @@ def setup(config: TrainConfig) -> RunInputs:
     _check_vocabulary(train_data, model)
     tokenizer = _final_tokenizer(config, train_data, model)
     cost = CostModel.load(config.cost_model) if config.cost_model else default_cost_model(model.module)
+    if config.loader == "ray":
+        check_ray(config.ray_address)
     if not config.resume:
         for strategy in config.strategies:
             if found := latest_checkpoint(run_dir(config, strategy) / CHECKPOINTS_DIR):
@@ -180,10 +187,36 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     optimized = optimize(model)
     results = []
-    for strategy in config.strategies:
-        model.load_state_dict(initial)
-        results.append(_train(inputs, strategy, optimized))
+    with _ray_session(config):
+        for strategy in config.strategies:
+            model.load_state_dict(initial)
+            results.append(_train(inputs, strategy, optimized))
     return results
+
+
+@contextlib.contextmanager
+def _ray_session(config: TrainConfig) -> Iterator[None]:
+    """--loader ray: join --ray-address, or the local head rank 0 starts (its address broadcast to the other
+    ranks); disconnect at the end, after every rank is done, if this run connected."""
+    if config.loader != "ray":
+        yield
+        return
+    import ray
+
+    if config.ray_address is None and dist.is_initialized():
+        connected = connect_ray(None, config.ray_cpus) if _is_rank0() else False
+        head = [ray.get_runtime_context().gcs_address if _is_rank0() else None]
+        dist.broadcast_object_list(head, src=0)
+        connected = connected or connect_ray(head[0], None)
+    else:
+        connected = connect_ray(config.ray_address, config.ray_cpus)
+    try:
+        yield
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        if connected:
+            ray.shutdown()
 
 
 def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunResult:
@@ -196,27 +229,68 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunR
                       context_length=config.max_len if strategy in ("static", AUTO) else None,
                       mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None)
     sampler = GlobalBatchSampler(inputs.train_data, config.global_tokens, seed=config.seed, max_len=config.max_len)
+    """The local loader's, and in either case what a checkpoint's batch position is checked against."""
     held_out = eval_batches(inputs.eval_data, config.global_tokens, config.max_len,
                             config.eval_tokens or config.global_tokens) if inputs.eval_data else []
     for stale in remove_stale_tmp(directory / CHECKPOINTS_DIR):
         echo(f"[{strategy}] removed {stale}, left by an interrupted checkpoint save", rank0)
     done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR) if config.resume else 0
     log = MetricsLog(directory, rank0, resumed_step=done)
-    records, eval_loss, batches = [], None, iter(sampler)
-    for step in progress(range(done + 1, config.steps + 1), strategy, rank0):
-        lr = schedule.apply(optimizer, step)
-        record = StepRecord.from_stats(runtime.step(next(batches)), lr, inputs.cost_model)
-        if held_out and (step % config.eval_every == 0 or step == config.steps):
-            record.eval_loss = eval_loss = evaluate(runtime, held_out)
-        log.write(record)
-        records.append(record)
-        echo(record.summary(), rank0)
-        if config.checkpoint_every and step % config.checkpoint_every == 0:
-            save_checkpoint(directory / CHECKPOINTS_DIR, step, runtime.model, optimizer,
-                            {"step": step, "sampler": sampler.state_dict(), "config": config.to_dict()})
+    records, eval_loss = [], None
+    with _steps(inputs, runtime, sampler, directory, done + 1) as batches:
+        for step in progress(range(done + 1, config.steps + 1), strategy, rank0):
+            lr = schedule.apply(optimizer, step)
+            loaded = next(batches)
+            record = StepRecord.from_stats(runtime.step(loaded.batch, plan=loaded.plan), lr, inputs.cost_model,
+                                           loaded.data_wait_s, loaded.plan_time_s if loaded.plan is not None else None)
+            if held_out and (step % config.eval_every == 0 or step == config.steps):
+                record.eval_loss = eval_loss = evaluate(runtime, held_out)
+            log.write(record)
+            records.append(record)
+            echo(record.summary(), rank0)
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                save_checkpoint(directory / CHECKPOINTS_DIR, step, runtime.model, optimizer,
+                                {"step": step, "sampler": loaded.sampler_state, "config": config.to_dict()})
     log.close()
     final = _save_final(model, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
     return RunResult(strategy, directory, records, eval_loss, final)
+
+
+@contextlib.contextmanager
+def _steps(inputs: RunInputs, runtime: Runtime, sampler: GlobalBatchSampler, directory: Path,
+           first_step: int) -> Iterator[Iterator[LoadedStep]]:
+    """The steps from `first_step` on: drawn and planned on this rank (local), or by the scheduler actor with
+    only this rank's tokens fetched (ray), which rank 0 stops once every rank is done."""
+    config = inputs.config
+    if config.loader == "local":
+        yield _local_steps(sampler)
+        return
+    import ray
+
+    settings = PlanSettings(runtime.world_size, runtime.capacity, inputs.cost_model, runtime.strategy,
+                            runtime.context_length, "; ".join(runtime.shard_blockers()) or None)
+    scheduler = scheduler_for(directory, inputs.train_data, config.data_servers, config.global_tokens, config.seed,
+                              config.max_len, sampler.state_dict(), first_step, settings, config.prefetch_steps)
+    batches = RemoteBatches(scheduler, runtime.rank, first_step, pin_memory=runtime.device.type == "cuda",
+                            prefetch=config.prefetch_steps > 0)
+    try:
+        yield batches
+        batches.close()
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        batches.close()
+        if _is_rank0():
+            ray.kill(scheduler)
+
+
+def _local_steps(sampler: GlobalBatchSampler) -> Iterator[LoadedStep]:
+    """The sampler's batches; the wait is the time to draw one, and the rank plans it itself."""
+    batches = iter(sampler)
+    while True:
+        began = time.perf_counter()
+        batch = next(batches)
+        yield LoadedStep(batch, None, time.perf_counter() - began, 0.0, sampler.state_dict())
 
 
 def _resume(runtime: Runtime, sampler: GlobalBatchSampler, checkpoints: Path) -> int:
