@@ -90,6 +90,7 @@ def test_scheduler_plans_like_local_and_sends_each_rank_only_its_sequences(works
         ray.kill(scheduler)
 
 
+@pytest.mark.slow
 def test_a_server_without_restarts_left_is_named(workspace, ray_session, tmp_path):
     dataset = TokenDataset.open(workspace.data)
     scheduler = _scheduler(dataset, tmp_path, world_size=1, servers=1)
@@ -105,6 +106,7 @@ def test_a_server_without_restarts_left_is_named(workspace, ray_session, tmp_pat
         ray.kill(scheduler)
 
 
+@pytest.mark.slow
 def test_a_plan_error_of_the_scheduler_reaches_the_rank_as_itself(workspace, ray_session, tmp_path):
     scheduler = _scheduler(TokenDataset.open(workspace.data), tmp_path, world_size=1, capacity=8)
     steps = RemoteBatches(scheduler, 0, 1)
