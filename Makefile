@@ -48,7 +48,7 @@ inspect: $(STAMP)
 	$(VENV)/bin/bytescale-compile inspect examples.models.llama:small --seq-len 2048
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-all: $(STAMP)
 	BYTESCALE_SLOW=1 $(PY) -m pytest -q
