@@ -126,7 +126,12 @@ def _mark_token_dim_dynamic(t: Any) -> None:
         torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
-def optimize(model: Any = None, config: Config | None = None, **overrides: Any) -> Any:
+_DECORATOR = object()
+"""`optimize()`'s default model: called without one, it returns a decorator. An explicit None is an error
+(a model that failed to load must not turn silently into a decorator)."""
+
+
+def optimize(model: Any = _DECORATOR, config: Config | None = None, **overrides: Any) -> Any:
     """Optimize a module, or decorate a Module class so its instances come out optimized.
 
         model = optimize(model)                  # or optimize(model, Config(...), attention=False)
@@ -134,11 +139,11 @@ def optimize(model: Any = None, config: Config | None = None, **overrides: Any) 
         class MyModel(nn.Module): ...
     """
     if isinstance(model, Config):
-        model, config = None, model
+        model, config = _DECORATOR, model
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a bytescale_compile.Config, got {type(config).__name__}")
     config = (config or Config()).with_overrides(**overrides)
-    if model is None:
+    if model is _DECORATOR:
         return functools.partial(optimize, config=config)
     if isinstance(model, OptimizedModule):
         return model if model.compile_config == config else OptimizedModule(model.original_module, config)

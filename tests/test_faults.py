@@ -580,3 +580,22 @@ def test_runtime_warns_when_the_cost_model_predicts_far_slower_steps():
                                                     (1.0, 2.1, True), (1e-3, 1e3, True), (1.0, 0.0, False)])
 def test_prediction_off_beyond_twice_either_way(measured, predicted, off):
     assert prediction_off(measured, predicted) is off
+
+
+# === construction: arguments checked before any work ===============================================
+
+
+def test_optimize_of_none_is_an_error_not_a_decorator():
+    with pytest.raises(TypeError, match="got NoneType None"):
+        bsc.optimize(None)
+    assert callable(bsc.optimize()) and callable(bsc.optimize(fused_loss=False))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"capacity": 0}, "capacity must be an int >= 1"),
+                                          ({"context_length": -1}, "context_length must be an int >= 1"),
+                                          ({"max_grad_norm": 0}, "max_grad_norm must be None or a number > 0"),
+                                          ({"strategy": "fast"}, "strategy must be one of")])
+def test_runtime_checks_its_arguments_when_built(kwargs, match):
+    model = tiny()
+    with pytest.raises(ValueError, match=match):
+        bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)

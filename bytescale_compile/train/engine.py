@@ -170,6 +170,11 @@ class Runtime:
             raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
         if mixed_precision not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {mixed_precision!r}")
+        _check_int("capacity", capacity)
+        if context_length is not None:
+            _check_int("context_length", context_length)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
         self.model = model if isinstance(model, OptimizedModule) else optimize(model, config)
         self.optimizer = optimizer
         self.cost_model = cost_model or default_cost_model(self.model)
@@ -391,6 +396,11 @@ def _all_reduce(params: list[nn.Parameter]) -> int:
         p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
         offset += p.numel()
     return flat.numel() * flat.element_size()
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (tokens), got {value!r}")
 
 
 def prediction_off(measured: float, predicted: float, tolerance: float = PREDICTION_TOLERANCE) -> bool:
