@@ -68,6 +68,7 @@ def test_decorator_forms():
     assert list(inspect.signature(Plain).parameters) == ["cfg"]
 
 
+@pytest.mark.slow
 def test_many_optimized_instances_of_one_class():
     """Every optimize() compiles anew; more than Dynamo's default limit of 8 must still work."""
     for _ in range(9):

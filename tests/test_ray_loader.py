@@ -119,6 +119,7 @@ def test_a_plan_error_of_the_scheduler_reaches_the_rank_as_itself(workspace, ray
         ray.kill(scheduler)
 
 
+@pytest.mark.slow
 def test_ray_equals_local_in_one_process(workspace, ray_session, local_losses, tmp_path):
     out = tmp_path / "ray"
     assert main(_args(workspace, out, "--loader", "ray")) == 0
@@ -127,6 +128,7 @@ def test_ray_equals_local_in_one_process(workspace, ray_session, local_losses, t
         assert record["data_wait_s"] >= 0 and record["plan_time_s"] > 0
 
 
+@pytest.mark.slow
 def test_killed_server_is_restarted_and_losses_do_not_change(workspace, ray_session, local_losses, tmp_path,
                                                              monkeypatch):
     fetched = RemoteBatches.__next__
