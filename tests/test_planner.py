@@ -11,8 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, PlanError, plan
+from bytescale_compile.planner.auto import SharedWork
+from bytescale_compile.planner.balance import plan_balance
+from bytescale_compile.planner.common import best_fit_pack
+from bytescale_compile.planner.plan import local_tokens
+from bytescale_compile.runtime.layout import zigzag_layout
+from bytescale_compile.planner.static import plan_static
+from bytescale_compile.sim import simulator
 from bytescale_compile.sim.lengths import sample_global_batch
-from bytescale_compile.sim.simulator import lower_bound, simulate
+from bytescale_compile.sim.simulator import lower_bound, simulate, step_time
 
 COST = CostModel.preset("llama-7b")
 CAPACITY = 1024
@@ -226,3 +233,67 @@ def test_predicted_p2p_bytes_are_the_rows_the_direct_exchange_moves(group_size):
     sent = sum(layout.transfer(q, kv).num_rows for q in range(group_size) for kv in range(group_size) if q != kv)
     relay = group_size * (group_size - 1) * layout.rank(0).num_tokens
     assert sent == DIRECT_EXCHANGE_SHARE * relay
+
+
+@pytest.mark.parametrize("pp", [1, 4])
+@pytest.mark.parametrize("cost", [COST, L20_COST], ids=["private-links", "l20"])
+@pytest.mark.parametrize("dataset,seed", [("byted", 0), ("byted", 1), ("github", 2)])
+def test_auto_returns_exactly_what_its_candidates_plan_and_simulate_apart(dataset, seed, cost, pp):
+    """auto computes balance's sort, buckets and work once for both offload settings, and simulates each
+    plan once: every step time it reports and the plan it returns equal those planned from scratch."""
+    lens = sample_global_batch(dataset, 2 * 2 ** 20, seed=seed, max_len=256 * 1024)
+    capacity = 8192 * pp
+    apart = {"balance": plan_balance(lens, 32, capacity, cost, pp),
+             "balance-nooffload": plan_balance(lens, 32, capacity, cost, pp, offload=False),
+             "static": plan_static(lens, 32, capacity, cost, pp)}
+    assert apart["balance"].to_json() != apart["balance-nooffload"].to_json()
+    chosen = plan(lens, 32, capacity, cost, strategy="auto", pp_size=pp)
+    report = chosen.meta.pop("auto")
+    assert report["step_time"] == {name: step_time(p, cost) for name, p in apart.items()}
+    assert chosen.to_json() == apart[report["chosen"]].to_json()
+
+
+def test_auto_plans_and_simulates_balance_once_when_offloading_changes_no_sequence(monkeypatch):
+    """No sequence longer than C: D(s) and r are the same with and without offloading, so are the plans
+    (but for meta["offload"]), and auto builds and simulates one for both candidates."""
+    lens = np.array([900, 1000, 300, 1024, 50, 700, 640, 2, 1000])
+    with_offload, without = (plan_balance(lens, 4, CAPACITY, COST, offload=o) for o in (True, False))
+    assert with_offload.meta.pop("offload") and not without.meta.pop("offload")
+    assert with_offload.to_json() == without.to_json()
+    shared = SharedWork(lens, 4, CAPACITY, COST, 1)
+    assert shared.balance(True) is shared.balance(False)
+    simulated = []
+    monkeypatch.setattr(simulator, "step_time", lambda p, cost: simulated.append(p) or step_time(p, cost))
+    chosen = plan(lens, 4, CAPACITY, COST, strategy="auto")
+    assert [p.strategy for p in simulated] == ["balance", "static"]
+    steps = chosen.meta["auto"]["step_time"]
+    assert chosen.meta["auto"]["chosen"] == "balance" and steps["balance"] == steps["balance-nooffload"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 100_000), min_size=1, max_size=50), group_size=st.integers(1, 64))
+def test_local_tokens_is_the_zigzag_layouts_fullest_rank(lengths, group_size):
+    assert local_tokens(np.array(lengths), group_size) == max(zigzag_layout(lengths, group_size).rank_tokens())
+
+
+def _best_fit_by_definition(lens: list[int], capacity: int) -> list[list[int]]:
+    """Longest first (stable); each into the bin with the least room that still holds it, the first on ties."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        fits = [b for b in range(len(bins)) if room[b] >= lens[i]]
+        if fits:
+            b = min(fits, key=lambda b: room[b])
+            bins[b].append(i)
+            room[b] -= lens[i]
+        else:
+            bins.append([i])
+            room.append(capacity - lens[i])
+    return bins
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), max_size=80), capacity=st.integers(1, 6000))
+def test_best_fit_pack_puts_each_sequence_in_the_fullest_bin_it_fits(lengths, capacity):
+    lens = np.array(lengths, dtype=np.int64)
+    assert best_fit_pack(lens, np.arange(lens.size), capacity) == _best_fit_by_definition(lengths, capacity)

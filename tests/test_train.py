@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from bytescale_compile.data import TokenDataset, eval_batches, eval_prefix, prepare, train_tokenizer, write_dataset
+from bytescale_compile.planner import CostModel
 from bytescale_compile.runtime.spawn import free_port
 from bytescale_compile.train.__main__ import main
 from bytescale_compile.train.checkpoint import COMPLETE_MARKER
 from bytescale_compile.train.config import load_config
+from bytescale_compile.train.trainer import CALIBRATED_COST_MODEL
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -128,9 +130,12 @@ def test_two_ranks_equal_one_process_and_final_loads(workspace, tmp_path):
 
 @pytest.mark.slow
 def test_bf16_first_step_matches_fp32(workspace, tmp_path):
-    """bf16 autocast over fp32 master weights, on 2 ranks with a ring (K/V travel in bf16): finite losses, the
-    first within 1e-2 of fp32's in one process."""
-    _run(_torchrun(2, _args(workspace, tmp_path / "bf16", "--steps", "2", "--capacity", "512", "--dtype", "bf16")))
+    """bf16 autocast over fp32 master weights, on 2 ranks with a ring (K/V travel in bf16), after calibrating the
+    cost model in the job (which trains nothing): finite losses, the first within 1e-2 of fp32's in one process."""
+    _run(_torchrun(2, _args(workspace, tmp_path / "bf16", "--steps", "2", "--capacity", "512", "--dtype", "bf16",
+                            "--calibrate")))
+    calibrated = CostModel.load(tmp_path / "bf16" / CALIBRATED_COST_MODEL)
+    assert "calibrated" in calibrated.source and "calibrated" in calibrated.hardware.name
     assert main(_args(workspace, tmp_path / "fp32", "--steps", "2")) == 0
     fp32, bf16 = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
     assert all(np.isfinite(bf16)) and abs(bf16[0] - fp32[0]) <= 1e-2, (bf16, fp32)

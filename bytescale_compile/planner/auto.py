@@ -7,6 +7,11 @@ doubled `auto`'s planning time (benchmarks/RESULTS.md, issue 15). Static is amon
 `auto` is never slower than static; the plan's `meta["auto"]` says which candidate won, every
 candidate's simulated step time, and the winner's speedup over static (None where static cannot plan
 the batch) and over the runner-up.
+
+The candidates share one `SharedWork`: balance's sort, FLOP buckets and per-sequence work are computed
+once for both offload settings, a plan is simulated once, and where offloading changes no sequence's
+D(s) or r, balance without it is the very plan balance with it built. Plans and step times are those
+of each candidate planned alone (tests/test_planner.py pins this).
 """
 
 from __future__ import annotations
@@ -17,35 +22,75 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .balance import plan_balance
+from .balance import BalanceInputs, balance_inputs, balance_ranks, schedule_balance
 from .plan import Plan, PlanError
 from .static import plan_static
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["AUTO", "Candidate", "CANDIDATES", "plan_auto"]
+__all__ = ["AUTO", "Candidate", "CANDIDATES", "SharedWork", "plan_auto"]
 
 AUTO = "auto"
 
 
+class SharedWork:
+    """What one `plan_auto` call's candidates have in common, computed once: balance's offload-independent
+    inputs (`BalanceInputs`); each balance plan with the D(s) and r it was scheduled from, as a candidate
+    whose D(s) and r equal an earlier one's would be scheduled the same; and each plan's simulated step."""
+
+    def __init__(self, lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int) -> None:
+        self._batch = (lens, world_size, capacity, cost_model, pp_size)
+        self._inputs: BalanceInputs | None = None
+        self._balance: list[tuple[np.ndarray, np.ndarray, Plan]] = []
+        self._steps: list[tuple[Plan, float]] = []
+
+    def balance(self, offload: bool) -> Plan:
+        """Balance's plan with or without offloading. Where no sequence's D(s) or r changes with
+        `offload` (none needs offloading, say), both settings get one plan, whose meta names the first."""
+        if self._inputs is None:
+            self._inputs = balance_inputs(*self._batch)
+        ranks, ratio = balance_ranks(self._inputs, offload)
+        for built_ranks, built_ratio, built in self._balance:
+            if np.array_equal(ranks, built_ranks) and np.array_equal(ratio, built_ratio):
+                return built
+        built = schedule_balance(self._inputs, ranks, ratio, offload)
+        self._balance.append((ranks, ratio, built))
+        return built
+
+    def step_time(self, candidate: Plan) -> float:
+        """The simulated step of `candidate`, simulated once however many candidates it stands for."""
+        from ..sim.simulator import step_time  # the simulator imports the planner
+
+        for seen, step in self._steps:
+            if seen is candidate:
+                return step
+        step = step_time(candidate, self._batch[3])
+        self._steps.append((candidate, step))
+        return step
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """One plan `auto` considers: a name for the report and how to build it."""
+    """One plan `auto` considers: a name for the report and how to build it, as
+    `build(lens, world_size, capacity, cost_model, pp_size, context_length, shared=None)`; `shared`
+    (one `SharedWork` per batch) lets it reuse what other candidates computed, None plans from scratch."""
 
     name: str
-    build: Callable[[np.ndarray, int, int, CostModel, int, int | None], Plan]
+    build: Callable[..., Plan]
 
 
 def _balance(offload: bool) -> Callable[..., Plan]:
     def build(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int,
-              context_length: int | None) -> Plan:
-        return plan_balance(lens, world_size, capacity, cost_model, pp_size, offload=offload)
+              context_length: int | None, shared: SharedWork | None = None) -> Plan:
+        if shared is None:
+            shared = SharedWork(lens, world_size, capacity, cost_model, pp_size)
+        return shared.balance(offload)
     return build
 
 
 def _static(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int,
-            context_length: int | None) -> Plan:
+            context_length: int | None, shared: SharedWork | None = None) -> Plan:
     return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length)
 
 
@@ -61,18 +106,18 @@ def plan_auto(lens: np.ndarray, world_size: int, capacity: int, cost_model: Cost
     """The candidate plan with the shortest simulated step. A candidate that cannot plan the batch
     (balance without offloading and a sequence only offloading fits) is left out; if none can, the
     first one's PlanError is raised."""
-    from ..sim.simulator import step_time  # the simulator imports the planner
-
+    shared = SharedWork(lens, world_size, capacity, cost_model, pp_size)
     steps: dict[str, float] = {}
     plans: dict[str, Plan] = {}
     errors: list[PlanError] = []
     for candidate in CANDIDATES:
         try:
-            plans[candidate.name] = candidate.build(lens, world_size, capacity, cost_model, pp_size, context_length)
+            plans[candidate.name] = candidate.build(lens, world_size, capacity, cost_model, pp_size, context_length,
+                                                    shared)
         except PlanError as e:
             errors.append(e)
             continue
-        steps[candidate.name] = step_time(plans[candidate.name], cost_model)
+        steps[candidate.name] = shared.step_time(plans[candidate.name])
     if not plans:
         raise errors[0]
     ranked = sorted(steps, key=steps.__getitem__)

@@ -39,7 +39,8 @@ from .plan import Plan
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["DEFAULT_DELTA", "plan_balance", "flop_buckets"]
+__all__ = ["DEFAULT_DELTA", "BalanceInputs", "balance_inputs", "balance_ranks", "plan_balance", "schedule_balance",
+           "flop_buckets"]
 
 _DELTA_CANDIDATES = 4
 DEFAULT_DELTA = 0.01
@@ -97,15 +98,16 @@ class _Ranks:
         return grown
 
     def close(self, rank: int) -> None:
-        if self.open[rank].sequences:
-            self.entries[rank].append(self.open[rank])
+        packed = self.open[rank]
+        if packed.sequences:
+            self.entries[rank].append(packed)
             self.open[rank] = _Packed(rank)
 
     def add_shared(self, seq: int, group_size: int, widest: int, ratio: float, target: float) -> None:
         """Run `seq` on its `group_size` least-loaded ranks. When it would end past `target` (the balanced
         step time), widen the group (up to `widest`) onto ranks idle by the time it starts anyway, as long
         as that makes it finish sooner: few, long sequences then split like a static mesh would."""
-        group = [self._pop_clock() for _ in range(group_size)]
+        group = self._pop_group(group_size)
         start = max(t for t, _ in group)
         best = self.builder.time_of([seq], len(group), ratio)
         while start + best > target and len(group) < widest and self.heap and self.heap[0][0] <= start:
@@ -117,19 +119,30 @@ class _Ranks:
             group.append(self._pop_clock())
             best, ratio = seconds, wider_ratio
         mb = self.builder.add(sorted(r for _, r in group), [seq], ratio)
+        end, entries, heap = start + mb.est_time, self.entries, self.heap
         for t, r in group:
             self.close(r)
             if start - t > 0:
                 gap = _Packed(r, room=start - t)
-                self.entries[r].append(gap)
+                entries[r].append(gap)
                 bisect.insort(self.gaps, (gap.room, self._next_gap_id(), gap))
-            self.entries[r].append(mb.id)
-            heapq.heappush(self.heap, (start + mb.est_time + self.drain[r] + self._grow_drain(r, mb.est_time), r))
+            entries[r].append(mb.id)
+            load = end + self.drain[r] + self._grow_drain(r, mb.est_time) if self.stretch else end
+            heapq.heappush(heap, (load, r))
 
     def _pop_clock(self) -> tuple[float, int]:
         """The least-loaded rank and when it is free (its load less its fill and drain)."""
         load, r = heapq.heappop(self.heap)
         return load - self.drain[r], r
+
+    def _pop_group(self, size: int) -> list[tuple[float, int]]:
+        """`_pop_clock` `size` times, in one loop: long sequences without offloading take hundreds of ranks."""
+        heap, drain, pop = self.heap, self.drain, heapq.heappop
+        group = []
+        for _ in range(size):
+            load, r = pop(heap)
+            group.append((load - drain[r], r))
+        return group
 
     def _next_gap_id(self) -> int:
         self._gap_ids += 1
@@ -208,30 +221,74 @@ def _longest_micro_batch(balanced: float, pp_size: int) -> float:
     return balanced if pp_size == 1 else balanced / (MICRO_BATCHES_PER_STAGE * pp_size)
 
 
+@dataclass(frozen=True)
+class BalanceInputs:
+    """What balance derives from the batch before deciding any offload: the order it visits sequences
+    in (FLOP buckets, longest first), their work, the balanced per-rank time, the ring's useful widths.
+    `auto`'s candidates with and without offloading differ only in D(s) and r, so they share these."""
+
+    lens: np.ndarray
+    world_size: int
+    capacity: int
+    cost_model: CostModel
+    pp_size: int
+    layers: int
+    seq_time: np.ndarray
+    total_work: float
+    sequence: np.ndarray
+    buckets: int
+    fastest: np.ndarray
+
+    @property
+    def balanced(self) -> float:
+        """The balanced per-rank time: total work / ranks."""
+        return self.total_work / self.world_size
+
+
+def balance_inputs(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
+                   num_buckets: int = 16) -> BalanceInputs:
+    """The offload-independent part of `plan_balance`, computed once for every offload setting."""
+    seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
+    flops = cost_model.flops(lens) if lens.size else np.zeros(0)
+    order = np.argsort(-lens, kind="stable")
+    buckets = flop_buckets(flops, order, num_buckets)
+    fastest = fastest_group(cost_model, lens, seq_time, world_size) if lens.size else np.zeros(0, np.int64)
+    return BalanceInputs(lens, world_size, capacity, cost_model, pp_size, max(1, cost_model.layers // pp_size),
+                         seq_time, float(seq_time.sum()), np.concatenate(buckets) if buckets else order, len(buckets),
+                         fastest)
+
+
+def balance_ranks(inputs: BalanceInputs, offload: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's ranks and offload ratio: D(s) and r of Eq. 2, then heavy sequences spread
+    (`_spread_heavy`). Raises PlanError when a sequence does not fit the cluster."""
+    i = inputs
+    ranks, ratio = ranks_needed(i.lens, i.world_size, i.capacity, i.cost_model, i.layers, offload=offload)
+    return _spread_heavy(i.lens, ranks, ratio, i.seq_time, i.world_size, i.capacity, i.fastest,
+                         _longest_micro_batch(i.balanced, i.pp_size))
+
+
+def schedule_balance(inputs: BalanceInputs, ranks: np.ndarray, ratio: np.ndarray, offload: bool,
+                     delta: float | None = None) -> Plan:
+    """Place every sequence, in bucket order, on its `ranks` with offload `ratio` (`balance_ranks`)."""
+    i = inputs
+    builder = PlanBuilder("balance", i.lens, i.world_size, i.capacity, i.cost_model, i.pp_size, i.layers, i.seq_time)
+    if delta is None:
+        delta = DEFAULT_DELTA * i.total_work / i.world_size
+    state = _Ranks(builder, i.world_size, i.capacity, i.pp_size)
+    seq_time, lens_list, ranks_list, ratio_list = i.seq_time.tolist(), i.lens.tolist(), ranks.tolist(), ratio.tolist()
+    widest = np.maximum(i.fastest, ranks).tolist()
+    for s in i.sequence.tolist():
+        if ranks_list[s] > 0:
+            state.add_shared(s, ranks_list[s], widest[s], ratio_list[s], i.balanced)
+        else:
+            state.add_packed(s, lens_list[s], seq_time[s], delta)
+    return builder.build(state.schedule(), delta=delta, buckets=i.buckets, balance="dp" if i.pp_size == 1 else "pp",
+                         offload=offload)
+
+
 def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
                  delta: float | None = None, num_buckets: int = 16, offload: bool = True) -> Plan:
     """`delta` defaults to 1% of the balanced per-rank time (`DEFAULT_DELTA`); `offload=False` is the
     ablation that gives every long sequence its D(s, 0) ranks."""
-    layers = max(1, cost_model.layers // pp_size)
-    ranks, ratio = ranks_needed(lens, world_size, capacity, cost_model, layers, offload=offload)
-    builder = PlanBuilder("balance", lens, world_size, capacity, cost_model, pp_size, layers)
-    flops = cost_model.flops(lens) if lens.size else np.zeros(0)
-    order = np.argsort(-lens, kind="stable")
-    buckets = flop_buckets(flops, order, num_buckets)
-    sequence = np.concatenate(buckets) if buckets else order
-    if delta is None:
-        delta = DEFAULT_DELTA * float(builder.seq_time.sum()) / world_size
-    fastest = fastest_group(cost_model, lens, builder.seq_time, world_size) if lens.size else np.zeros(0, np.int64)
-    balanced = float(builder.seq_time.sum()) / world_size
-    ranks, ratio = _spread_heavy(lens, ranks, ratio, builder.seq_time, world_size, capacity, fastest,
-                                 _longest_micro_batch(balanced, pp_size))
-    state = _Ranks(builder, world_size, capacity, pp_size)
-    seq_time, lens_list, ranks_list, ratio_list = builder.seq_time.tolist(), lens.tolist(), ranks.tolist(), ratio.tolist()
-    widest = np.maximum(fastest, ranks).tolist()
-    for i in sequence.tolist():
-        if ranks_list[i] > 0:
-            state.add_shared(i, ranks_list[i], widest[i], ratio_list[i], balanced)
-        else:
-            state.add_packed(i, lens_list[i], seq_time[i], delta)
-    return builder.build(state.schedule(), delta=delta, buckets=len(buckets), balance="dp" if pp_size == 1 else "pp",
-                         offload=offload)
+    inputs = balance_inputs(lens, world_size, capacity, cost_model, pp_size, num_buckets)
+    return schedule_balance(inputs, *balance_ranks(inputs, offload), offload, delta)

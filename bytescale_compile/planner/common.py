@@ -13,7 +13,8 @@ from .plan import MicroBatch, Plan, local_tokens
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["check_lengths", "best_fit_pack", "fastest_group", "fastest_time", "micro_batch_time", "PlanBuilder"]
+__all__ = ["check_lengths", "best_fit_pack", "fastest_group", "fastest_time", "micro_batch_time",
+           "PlanBuilder"]
 
 
 def check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -35,28 +36,34 @@ def check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def best_fit_pack(lens: np.ndarray, ids: np.ndarray, capacity: int) -> list[list[int]]:
-    """Best-fit decreasing: each sequence goes to the fullest bin it still fits (Alg. 1, lines 7-9)."""
+    """Best-fit decreasing: each sequence goes to the fullest bin it still fits (Alg. 1, lines 7-9), the
+    first such bin on ties. Bins are kept sorted by one int, room x scale + bin index (the order of the
+    pair, as scale exceeds every index): ints bisect faster than tuples."""
     order = ids[np.argsort(-lens[ids], kind="stable")]
+    scale = order.size + 1
     bins: list[list[int]] = []
-    room: list[tuple[int, int]] = []  # (remaining capacity, bin index), sorted
-    for i in order.tolist():
-        n = int(lens[i])
-        at = bisect.bisect_left(room, (n, -1))
+    room: list[int] = []
+    for i, n in zip(order.tolist(), lens[order].tolist()):
+        at = bisect.bisect_left(room, n * scale)
         if at < len(room):
-            left, b = room.pop(at)
-            bins[b].append(i)
-            bisect.insort(room, (left - n, b))
+            key = room.pop(at)
+            bins[key % scale].append(i)
+            bisect.insort(room, key - n * scale)
         else:
             bins.append([i])
-            bisect.insort(room, (capacity - n, len(bins) - 1))
+            bisect.insort(room, (capacity - n) * scale + len(bins) - 1)
     return bins
 
 
 def micro_batch_time(cost_model: CostModel, lens: np.ndarray, group_size: int, ratio: float) -> float:
-    """Seconds for one micro-batch on each of its ranks: attention/MLP compute split evenly by zigzag,
-    overlapped with the ring P2P and with the offload copies (DMA), whichever is longest."""
+    """Seconds for one micro-batch on each of its ranks: attention/MLP compute split evenly by zigzag (plus
+    the ring's own compute), overlapped with the ring P2P and with the offload copies (DMA), whichever is longest."""
     compute = float(cost_model.seq_time(lens).sum()) / group_size
-    ring = float(cost_model.ring_time(local_tokens(lens, group_size), group_size)) if group_size > 1 else 0.0
+    ring = 0.0
+    if group_size > 1:
+        held = local_tokens(lens, group_size)
+        compute += float(cost_model.ring_compute_time(held, group_size))
+        ring = float(cost_model.ring_time(held, group_size))
     offload = float(cost_model.offload_time(lens, ratio).sum()) / group_size if ratio > 0 else 0.0
     return max(compute, ring, offload)
 
@@ -93,10 +100,13 @@ class PlanBuilder:
     """Collects micro-batches in a global order; each rank runs its own in that order (deadlock-free)."""
 
     def __init__(self, strategy: str, lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
-                 pp_size: int = 1, layers_per_rank: int = 0) -> None:
+                 pp_size: int = 1, layers_per_rank: int = 0, seq_time: np.ndarray | None = None) -> None:
+        """`seq_time` is `cost_model.seq_time(lens)` when the caller has it already (auto's candidates)."""
         self.strategy, self.lens, self.world_size, self.capacity = strategy, lens, world_size, capacity
         self.cost_model, self.pp_size, self.layers_per_rank = cost_model, pp_size, layers_per_rank
-        self.seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
+        if seq_time is None:
+            seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
+        self.seq_time = seq_time
         self.micro_batches: list[MicroBatch] = []
         self._bandwidth: dict[int, float] = {}
         self._lens_list: list[int] = lens.tolist()
@@ -120,9 +130,9 @@ class PlanBuilder:
             return max(compute, offload)
         if d not in self._bandwidth:
             self._bandwidth[d] = float(cm.hardware.ring_bandwidth(d))
-        steps = cm.layers * 3 * (d - 1)
-        ring = steps * (_one_local_tokens(n, d) * cm.kv_bytes_per_token / self._bandwidth[d] + cm.latency)
-        return max(compute, ring, offload)
+        steps, held = cm.layers * 3 * (d - 1), _one_local_tokens(n, d)
+        ring = steps * (held * cm.kv_bytes_per_token / self._bandwidth[d] + cm.latency)
+        return max(compute + cm.layers * (d - 1) * held * cm.ring_overhead, ring, offload)
 
     def add(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float = 0.0) -> MicroBatch:
         if len(ranks) == 1:
@@ -131,8 +141,8 @@ class PlanBuilder:
             tokens = _one_local_tokens(self._lens_list[sequences[0]], len(ranks))
         else:
             tokens = local_tokens(self.lens[list(sequences)], len(ranks))
-        mb = MicroBatch(id=len(self.micro_batches), ranks=tuple(int(r) for r in ranks),
-                        sequences=tuple(int(s) for s in sequences), offload_ratio=float(ratio),
+        mb = MicroBatch(id=len(self.micro_batches), ranks=tuple(map(int, ranks)),
+                        sequences=tuple(map(int, sequences)), offload_ratio=float(ratio),
                         tokens_per_rank=tokens, est_time=self.time_of(sequences, len(ranks), ratio))
         self.micro_batches.append(mb)
         return mb

@@ -110,10 +110,16 @@ class Hardware:
     latency: float = 10e-6
     """Seconds per message or kernel launch (the gamma of T(s))."""
     topology: Topology | None = None
+    compute_slots: float | None = None
+    """Ranks that compute at full speed at once when every rank of the job shares one machine (CPU ranks
+    oversubscribing its cores: cores / threads per rank); more busy ranks than that slow each one down in
+    proportion (`sim/simulator.py`). None: every rank has its own device."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "compute_slots" and value is None:
+                continue
             if f.name not in ("name", "topology") and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"Hardware {self.name!r}: {f.name} must be a positive number, got {value}")
         if self.mfu > 1:
@@ -266,9 +272,13 @@ class CostModel:
     source: str
     device: str | None = None
     """Where the coefficients were measured ("cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"); None for analytic ones."""
+    ring_overhead: float = 0.0
+    """Seconds of compute a ring step adds per token held, per layer (merging partial attention outputs,
+    zigzag gathers): `ring_compute_time`. 0 where that work is negligible beside the layer (the analytic
+    models); on a CPU, where nothing hides it, the job's calibration measures it (`train/calibrate.py`)."""
 
     def __post_init__(self) -> None:
-        for name in ("alpha1", "beta1", "gamma", "alpha2", "beta2", "param_bytes"):
+        for name in ("alpha1", "beta1", "gamma", "alpha2", "beta2", "param_bytes", "ring_overhead"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"CostModel ({self.source}): {name} must be a finite number >= 0, got {value!r}")
@@ -326,7 +336,8 @@ class CostModel:
             coefficients = {k: data["coefficients"][k] for k in _COEFFICIENT_KEYS}
             return cls(**coefficients, layers=data["layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
                        param_bytes=data["param_bytes"], hardware=Hardware.from_dict(data["hardware"]),
-                       source=data["source"], device=data.get("device"))
+                       source=data["source"], device=data.get("device"),
+                       ring_overhead=data["coefficients"].get("ring_overhead", 0.0))
         except KeyError as e:
             raise ValueError(f"cost model file {path} lacks the key {e.args[0]!r}: write it again with "
                              f"`bytescale-compile profile` or CostModel.save") from None
@@ -338,7 +349,7 @@ class CostModel:
         data = {
             "format": _FORMAT,
             "source": self.source,
-            "coefficients": {k: getattr(self, k) for k in _COEFFICIENT_KEYS},
+            "coefficients": {k: getattr(self, k) for k in (*_COEFFICIENT_KEYS, "ring_overhead")},
             "layers": self.layers,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "param_bytes": self.param_bytes,
@@ -483,6 +494,12 @@ class CostModel:
         steps = self.layers * 3 * (np.asarray(group_size, np.float64) - 1)
         bandwidth = self.hardware.ring_bandwidth(group_size)
         return self.ring_bytes(tokens_per_rank, group_size) / bandwidth + steps * self.latency
+
+    def ring_compute_time(self, tokens_per_rank, group_size) -> np.ndarray:
+        """Compute seconds per rank the ring adds to a micro-batch, all layers: (group_size - 1) steps of
+        `ring_overhead` per token held. 0 for a group of one."""
+        steps = self.layers * (np.asarray(group_size, np.float64) - 1)
+        return steps * np.asarray(tokens_per_rank, np.float64) * self.ring_overhead
 
     def offload_time(self, s, r) -> np.ndarray:
         """Seconds to move a fraction r of s tokens' activations over PCIe, all layers."""

@@ -83,15 +83,16 @@ class Plan:
 
 
 def local_tokens(seq_lens: np.ndarray | list[int], group_size: int) -> int:
-    """Most tokens any rank of the group holds under the zigzag layout (2N chunks, earlier ones larger)."""
+    """Most tokens any rank of the group holds under the zigzag layout (2N chunks, earlier ones larger), in
+    O(sequences + ranks): rank r holds 2(n // 2N) tokens of each sequence, plus one for each whose remainder
+    n % 2N exceeds r and one for each whose remainder exceeds 2N-1-r."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     if group_size == 1:
         return int(lens.sum())
     chunks = 2 * group_size
-    base, extra = lens // chunks, lens % chunks
-    ranks = np.arange(group_size)
-    per_rank = (2 * base[:, None] + (ranks[None, :] < extra[:, None]) + ((chunks - 1 - ranks)[None, :] < extra[:, None]))
-    return int(per_rank.sum(axis=0).max())
+    base, extra = np.divmod(lens, chunks)
+    above = lens.size - np.cumsum(np.bincount(extra, minlength=chunks))  # above[k]: remainders > k
+    return int(2 * base.sum() + (above[:group_size] + above[group_size:][::-1]).max())
 
 
 def capacity_for_ratio(capacity: int, ratio: float, layers_per_rank: int) -> int:

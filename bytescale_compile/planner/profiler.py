@@ -23,7 +23,7 @@ from torch import nn
 
 from .cost_model import CostModel, Hardware
 
-__all__ = ["LayerInputs", "ProfileResult", "fit_cost_model", "profile_layer", "profile_model"]
+__all__ = ["LayerInputs", "ProfileResult", "fit_cost_model", "fit_time", "profile_layer", "profile_model"]
 
 LayerInputs = tuple[tuple[Any, ...], dict[str, Any]]
 """(args, kwargs) of one layer call; tensors among the args that require grad get gradients too."""
@@ -158,10 +158,17 @@ def _device_label(device: torch.device) -> str:
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
+def fit_time(lengths: Sequence[int], times: Sequence[float]) -> tuple[float, float, float]:
+    """(alpha1, beta1, gamma) of T(s) = alpha1 s^2 + beta1 s + gamma fitted to `times` at `lengths`, each >= 0."""
+    s = np.asarray(lengths, np.float64)
+    alpha1, beta1, gamma = _nonnegative_lstsq(np.stack([s * s, s, np.ones_like(s)], 1), np.asarray(times, np.float64))
+    return float(alpha1), float(beta1), float(gamma)
+
+
 def _fit(lengths: Sequence[int], times: Sequence[float], act_bytes: Sequence[int], device: str) -> ProfileResult:
     """T(s) and Act(s) by non-negative least squares over the measurements."""
     s = np.asarray(lengths, np.float64)
-    alpha1, beta1, gamma = _nonnegative_lstsq(np.stack([s * s, s, np.ones_like(s)], 1), np.asarray(times))
+    alpha1, beta1, gamma = fit_time(lengths, times)
     alpha2, beta2 = _nonnegative_lstsq(np.stack([s, np.ones_like(s)], 1), np.asarray(act_bytes, np.float64))
     return ProfileResult(tuple(int(x) for x in lengths), tuple(times), tuple(act_bytes), float(alpha1), float(beta1),
                          float(gamma), float(alpha2), float(beta2), device)

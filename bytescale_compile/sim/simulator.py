@@ -78,6 +78,36 @@ def pipeline_sends(plan: Plan, cost_model: CostModel, rank: int) -> list[list[fl
 
 
 def _settle(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], dict[int, float]]:
+    """Every micro-batch's duration and start, link bandwidths shared among overlapping rings, and the
+    machine's compute among the ranks busy at once where they share one (`Hardware.compute_slots`)."""
+    duration, start = _settle_links(plan, cost_model)
+    slots = cost_model.hardware.compute_slots
+    return (duration, start) if slots is None or not plan.micro_batches else _share_compute(plan, duration, start, slots)
+
+
+def _share_compute(plan: Plan, alone: dict[int, float], start: dict[int, float],
+                   slots: float) -> tuple[dict[int, float], dict[int, float]]:
+    """Each micro-batch's duration alone times max(1, busy / slots), where busy is the mean number of ranks
+    in micro-batches over its span (its own included): processor sharing, averaged over the span. The
+    timeline is re-run with the new durations until it settles (`CONTENTION_ROUNDS` at most)."""
+    ids = [m.id for m in plan.micro_batches]
+    width = np.array([len(m.ranks) for m in plan.micro_batches], np.float64)
+    base = np.array([alone[i] for i in ids])
+    duration = dict(alone)
+    for _ in range(CONTENTION_ROUNDS):
+        begin = np.array([start[i] for i in ids])
+        end = begin + np.array([duration[i] for i in ids]) / plan.pp_size
+        overlap = np.minimum(end[:, None], end[None, :]) - np.maximum(begin[:, None], begin[None, :])
+        busy = (np.clip(overlap, 0.0, None) * width[None, :]).sum(axis=1) / np.maximum(end - begin, 1e-12)
+        shared = dict(zip(ids, (base * np.maximum(1.0, busy / slots)).tolist()))
+        if all(abs(shared[i] - duration[i]) <= 1e-9 * duration[i] for i in ids):
+            break
+        duration = shared
+        start = _starts(plan, duration)
+    return duration, start
+
+
+def _settle_links(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], dict[int, float]]:
     """Every micro-batch's duration and start, link bandwidths shared among overlapping rings."""
     topology = cost_model.hardware.topology
     if topology is None:
@@ -111,7 +141,7 @@ def _durations(plan: Plan, cost_model: CostModel, bandwidth: dict[int, float]) -
 
 def _shared_time(m: MicroBatch, cost_model: CostModel, seq_time: np.ndarray, lens: np.ndarray, bandwidth: float) -> float:
     d, ids = len(m.ranks), list(m.sequences)
-    compute = float(seq_time[ids].sum()) / d
+    compute = float(seq_time[ids].sum()) / d + float(cost_model.ring_compute_time(m.tokens_per_rank, d))
     ring = float(cost_model.ring_bytes(m.tokens_per_rank, d)) / bandwidth + cost_model.layers * 3 * (d - 1) * cost_model.latency
     offload = float(cost_model.offload_time(lens[ids], m.offload_ratio).sum()) / d if m.offload_ratio > 0 else 0.0
     return max(compute, ring, offload)

@@ -86,6 +86,9 @@ class TrainConfig:
     seed: int = _setting(0, "initialisation and batch order")
     cost_model: str | None = _setting(None, "profiled cost model JSON (`bytescale-compile profile`; default: "
                                             "analytic from the model config)")
+    calibrate: bool = _setting(False, "before training, time the model on every rank at once under the job's own "
+                                      "load and refit the cost model's T(s), ring bandwidth and latency to it "
+                                      "(saved as calibrated_cost_model.json in --out)")
     loader: str = _setting("local", "local: every rank samples and plans each batch itself; ray: data servers, one "
                                     "scheduler that plans, and ranks that fetch only their micro-batches' tokens, "
                                     "prefetched (pip install 'bytescale_compile[ray]')")

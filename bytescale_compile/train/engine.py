@@ -84,6 +84,19 @@ class BatchLike(Protocol):
     def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank's micro-batches of a step did (`Runtime.forward_backward`)."""
+
+    loss: float
+    busy: float
+    """Seconds in its micro-batches."""
+    micro_batches: int
+    p2p_bytes: int
+    offloaded_bytes: int
+    peak_saved_bytes: int
+
+
 @dataclass
 class StepStats:
     step: int
@@ -261,27 +274,11 @@ class Runtime:
         start = time.perf_counter()
         step_plan = self.plan(np.asarray(batch.lengths)) if plan is None else self._given_plan(plan, batch.lengths)
         plan_time = time.perf_counter() - start
-        num_items = num_targets(batch.lengths)
-        self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        loss, busy, p2p = torch.zeros((), device=self.device), 0.0, 0
-        mine = step_plan.micro_batches_of(self.rank)
-        act_ctx = get_act_ctx(len(mine), [self._offload_ratio(mb) for mb in mine])
-        for i, mb in enumerate(mine):
-            began = time.perf_counter()
-            inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
-            act_ctx.update_micro_batch_id(i)
-            with micro_batch(ctx=inputs.context), act_ctx:
-                with self._autocast():
-                    mb_loss = self._loss(self.model(**self._model_kwargs(inputs))).float()
-                mb_loss.backward()
-            loss += mb_loss.detach()
-            busy += time.perf_counter() - began
-            p2p += inputs.context.ring_stats.bytes_sent
+        work = self.forward_backward(step_plan, batch)
         allreduce_bytes = self._sync_gradients()
-        offloaded = sum(s.offloaded_bytes for s in act_ctx.stats)
-        peak_saved = max((s.peak_resident_bytes for s in act_ctx.stats), default=0)
-        totals = self._gather([loss.item(), busy, float(len(mine)), float(p2p), float(offloaded), float(peak_saved)])
+        totals = self._gather([work.loss, work.busy, float(work.micro_batches), float(work.p2p_bytes),
+                               float(work.offloaded_bytes), float(work.peak_saved_bytes)])
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
         skipped = not (math.isfinite(grad_norm) and math.isfinite(float(totals[:, 0].sum())))
         if not skipped:
@@ -300,6 +297,29 @@ class Runtime:
                           auto_speedup=auto.get("speedup_over_static"))
         self._compare_with_prediction(stats)
         return stats
+
+    def forward_backward(self, step_plan: Plan, batch: BatchLike) -> RankWork:
+        """Forward and backward of this rank's micro-batches of `step_plan`, gradients accumulated into `.grad`
+        and not yet summed over ranks: a step without its gradient sync and optimizer update."""
+        num_items = num_targets(batch.lengths)
+        self.model.train()
+        loss, busy, p2p = torch.zeros((), device=self.device), 0.0, 0
+        mine = step_plan.micro_batches_of(self.rank)
+        act_ctx = get_act_ctx(len(mine), [self._offload_ratio(mb) for mb in mine])
+        for i, mb in enumerate(mine):
+            began = time.perf_counter()
+            inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
+            act_ctx.update_micro_batch_id(i)
+            with micro_batch(ctx=inputs.context), act_ctx:
+                with self._autocast():
+                    mb_loss = self._loss(self.model(**self._model_kwargs(inputs))).float()
+                mb_loss.backward()
+            loss += mb_loss.detach()
+            busy += time.perf_counter() - began
+            p2p += inputs.context.ring_stats.bytes_sent
+        return RankWork(loss=loss.item(), busy=busy, micro_batches=len(mine), p2p_bytes=p2p,
+                        offloaded_bytes=sum(s.offloaded_bytes for s in act_ctx.stats),
+                        peak_saved_bytes=max((s.peak_resident_bytes for s in act_ctx.stats), default=0))
 
     def _compare_with_prediction(self, stats: StepStats) -> None:
         """Warn once, on rank 0, when this Runtime's steps `_COMPARED_CALLS` together took more than

@@ -81,7 +81,8 @@ class StepRecord:
 
     def summary(self) -> str:
         line = (f"[{self.strategy}] step {self.step}: loss {self.loss:.4f}, lr {self.lr:.2e}, {self.tokens} tokens, "
-                f"{self.tokens_per_second:,.0f} tokens/s, busy max/min {self.busy_spread:.2f}, "
+                f"{self.tokens_per_second:,.0f} tokens/s, {self.time:.2f} s (predicted {self.predicted_time:.2f}), "
+                f"busy max/min {self.busy_spread:.2f}, "
                 f"micro-batches per rank {self.micro_batches}")
         if self.skipped:
             line += ", SKIPPED (non-finite loss or gradient)"

@@ -14,6 +14,7 @@ changes only the micro-batch context, never the graphs. It works in one process 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from ..data import (
 )
 from ..planner import AUTO, CostModel
 from .batch import num_targets
+from .calibrate import calibrate
 from .checkpoint import CheckpointError, latest_checkpoint, remove_stale_tmp, resume_latest, save_checkpoint
 from .config import ALL_STRATEGIES, ConfigError, TrainConfig, check_resume_config, load_config, to_toml
 from .engine import Runtime, default_cost_model
@@ -44,10 +46,11 @@ from .models import LoadedModel, load_model
 from .optim import LRSchedule, build_optimizer
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
 
-__all__ = ["CHECKPOINTS_DIR", "CONFIG_FILE", "FINAL_DIR", "RunInputs", "RunResult", "VocabularyError", "evaluate",
+__all__ = ["CALIBRATED_COST_MODEL", "CHECKPOINTS_DIR", "CONFIG_FILE", "FINAL_DIR", "RunInputs", "RunResult", "VocabularyError", "evaluate",
            "run", "run_dir", "setup"]
 
 CONFIG_FILE = "config.toml"
+CALIBRATED_COST_MODEL = "calibrated_cost_model.json"
 FINAL_DIR = "final"
 CHECKPOINTS_DIR = "checkpoints"
 
@@ -186,12 +189,27 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     model = inputs.model.module.to(device or torch.device("cpu"))
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     optimized = optimize(model)
+    if config.calibrate:
+        inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, optimized))
     results = []
     with _ray_session(config):
         for strategy in config.strategies:
             model.load_state_dict(initial)
             results.append(_train(inputs, strategy, optimized))
     return results
+
+
+def _calibrated(inputs: RunInputs, optimized: OptimizedModule) -> CostModel:
+    """The cost model refitted on every rank at once (`train/calibrate.py`), printed and saved by rank 0.
+    Its runtime steps no optimizer: a plain SGD stands in for the one each strategy builds."""
+    config = inputs.config
+    runtime = Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model,
+                      capacity=config.capacity, mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None)
+    result = calibrate(runtime, seed=config.seed)
+    if _is_rank0():
+        result.cost_model.save(Path(config.out) / CALIBRATED_COST_MODEL)
+    echo(f"{result.summary()}\n  saved as {Path(config.out) / CALIBRATED_COST_MODEL}", _is_rank0())
+    return result.cost_model
 
 
 @contextlib.contextmanager
