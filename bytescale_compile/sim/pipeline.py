@@ -1,17 +1,21 @@
 """One pipeline (an HDP rank with pp_size > 1) run stage by stage under 1F1B.
 
-Stage s runs min(pp - s - 1, m) warm-up forwards, then alternates one forward and one backward, then
-drains its backwards. A forward on stage s waits for the same micro-batch's forward on stage s - 1, a
-backward for its backward on stage s + 1; each crossing pays its send (the micro-batch's boundary
-activations forward, their gradient backward: `send[j][s]` seconds for micro-batch j between stages s
-and s + 1, or one number for all). Each micro-batch's forward is a third of its time on the stage, its backward
-two thirds (backward costs twice the forward, as in the cost model).
+Each stage runs its ops in `planner.pipeline_order.stage_order`: min(pp - s - 1, m) warm-up forwards,
+then one forward and one backward in turn, then the remaining backwards; an unchained shared
+micro-batch's forward also waits for the backward of the previous shared one. A forward on stage s
+waits for the same micro-batch's forward on stage s - 1, a backward for its backward on stage s + 1;
+each crossing pays its send (the micro-batch's boundary activations forward, their gradient backward:
+`send[j][s]` seconds for micro-batch j between stages s and s + 1, or one number for all). Each
+micro-batch's forward is a third of its time on the stage, its backward two thirds (backward costs
+twice the forward, as in the cost model).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ..planner.pipeline_order import stage_order
 
 Sends = float | Sequence[Sequence[float]]
 """Seconds of one stage-to-stage send: one for all, or per micro-batch and stage boundary."""
@@ -27,14 +31,6 @@ class PipelineRun:
     """Idle fraction of the stages' time: 1 - work / (pp x makespan)."""
 
 
-def _stage_order(stage: int, pp: int, m: int) -> list[tuple[str, int]]:
-    warmup = min(pp - stage - 1, m)
-    order = [("F", j) for j in range(warmup)]
-    for j in range(m - warmup):
-        order += [("F", warmup + j), ("B", j)]
-    return order + [("B", j) for j in range(m - warmup, m)]
-
-
 def _send_table(send: Sends, m: int, pp: int) -> Sequence[Sequence[float]]:
     if isinstance(send, (int, float)):
         return [[float(send)] * max(pp - 1, 0)] * m
@@ -43,17 +39,22 @@ def _send_table(send: Sends, m: int, pp: int) -> Sequence[Sequence[float]]:
     return send
 
 
-def one_f_one_b(times: Sequence[float], pp: int, send: Sends = 0.0) -> PipelineRun:
-    """Run micro-batches of `times` (seconds over all stages, in order) through `pp` stages."""
+def one_f_one_b(times: Sequence[float], pp: int, send: Sends = 0.0, shared: Sequence[bool] | None = None,
+                chained: Sequence[bool] | None = None) -> PipelineRun:
+    """Run micro-batches of `times` (seconds over all stages, in order) through `pp` stages, each stage in
+    `stage_order` (`shared`, `chained`: its flags per micro-batch; default none shared)."""
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     m = len(times)
     if m == 0:
         return PipelineRun(0.0, 0.0)
+    for name, flags in (("shared", shared), ("chained", chained)):
+        if flags is not None and len(flags) != m:
+            raise ValueError(f"{name} must hold one flag per micro-batch ({m}), got {len(flags)}")
     sends = _send_table(send, m, pp)
     fwd = [t / (3 * pp) for t in times]
     bwd = [2 * t / (3 * pp) for t in times]
-    orders = [_stage_order(s, pp, m) for s in range(pp)]
+    orders = [stage_order(s, pp, shared or [False] * m, chained) for s in range(pp)]
     done: dict[tuple[str, int, int], float] = {}
     head, clock = [0] * pp, [0.0] * pp
     progress = True

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..planner.common import fastest_time
+from ..planner.pipeline_order import chained_micro_batches
 from ..planner.plan import MicroBatch, Plan, PlanError
 from .pipeline import PipelineRun, first_order_bubble, one_f_one_b
 from .timeline import Span, Timeline
@@ -244,24 +245,30 @@ def _rank_ends(plan: Plan, duration: dict[int, float], start: dict[int, float]) 
     return clock
 
 
-def _pipeline_run(plan: Plan, cost_model: CostModel, duration: dict[int, float], rank: int, sends: bool) -> PipelineRun:
-    times = [duration[i] for i in plan.schedule[rank]]
-    return one_f_one_b(times, plan.pp_size, pipeline_sends(plan, cost_model, rank) if sends else 0.0)
-
-
-def _drain(plan: Plan, cost_model: CostModel, duration: dict[int, float], rank: int, sends: bool) -> float:
-    """What a rank's pipeline adds to its micro-batches' time / pp: its 1F1B run stage by stage."""
-    times = [duration[i] for i in plan.schedule[rank]]
-    return _pipeline_run(plan, cost_model, duration, rank, sends).makespan - sum(times) / plan.pp_size
+def _pipeline_runs(plan: Plan, cost_model: CostModel, duration: dict[int, float], ranks: list[int],
+                   sends: bool) -> list[PipelineRun]:
+    """The 1F1B run of each of `ranks`' pipelines, stage by stage."""
+    shared_ids = {m.id for m in plan.micro_batches if m.shared}
+    chained = chained_micro_batches(plan)
+    runs = []
+    for rank in ranks:
+        ids = plan.schedule[rank]
+        runs.append(one_f_one_b([duration[i] for i in ids], plan.pp_size,
+                                pipeline_sends(plan, cost_model, rank) if sends else 0.0,
+                                [i in shared_ids for i in ids], [i in chained for i in ids]))
+    return runs
 
 
 def _step_end(plan: Plan, cost_model: CostModel, duration: dict[int, float], clock: list[float],
               sends: bool = True) -> float:
-    """With pp > 1 each rank's pipeline adds its 1F1B fill and drain (`_drain`); then the gradient
+    """With pp > 1 each rank's pipeline adds its 1F1B fill and drain (`_pipeline_runs`); then the gradient
     all-reduce over all ranks."""
     pp = plan.pp_size
     if pp > 1:
-        clock = [c + _drain(plan, cost_model, duration, r, sends) for r, c in enumerate(clock)]
+        runs = _pipeline_runs(plan, cost_model, duration, list(range(plan.world_size)), sends)
+        # each pipeline's 1F1B run adds its fill and drain to its micro-batches' time / pp
+        clock = [c + run.makespan - sum(duration[i] for i in ids) / pp
+                 for c, run, ids in zip(clock, runs, plan.schedule)]
     sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
     return max(clock, default=0.0) + sync
 
@@ -287,7 +294,7 @@ def bubble_rates(plan: Plan, cost_model: CostModel, sends: bool = True) -> tuple
         return 0.0, 0.0
     duration, _ = _settle(plan, cost_model)
     ranks = [r for r, ids in enumerate(plan.schedule) if ids]
-    staged = [_pipeline_run(plan, cost_model, duration, r, sends).bubble_rate for r in ranks]
+    staged = [run.bubble_rate for run in _pipeline_runs(plan, cost_model, duration, ranks, sends)]
     first = [first_order_bubble([duration[i] for i in plan.schedule[r]], plan.pp_size).bubble_rate for r in ranks]
     return float(np.mean(staged)), float(np.mean(first))
 
