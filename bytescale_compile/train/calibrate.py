@@ -27,7 +27,8 @@ import torch.distributed as dist
 from ..planner import CostModel, MicroBatch, Plan
 from ..planner.plan import local_tokens
 from ..planner.profiler import fit_time
-from .engine import Runtime, _ListBatch
+from .collectives import sync_gradients
+from .engine import ListBatch, Runtime
 
 __all__ = ["CALIBRATION_FRACTIONS", "Calibration", "calibrate", "calibration_lengths"]
 
@@ -103,7 +104,7 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
         calls.append(_forward_backward(runtime, _all_share(shared_length, world, runtime.capacity), seed))
     times = _timed_rounds(calls, repeats)
     runtime.optimizer.zero_grad(set_to_none=False)
-    (allreduce,) = _timed_rounds([runtime._sync_gradients], repeats)
+    (allreduce,) = _timed_rounds([lambda: sync_gradients(runtime.params, world)], repeats)
     runtime.optimizer.zero_grad(set_to_none=False)
     bandwidth, latency = _ring_exchange(world, runtime.rank, repeats)
     table = _mean_over_ranks([*times, allreduce, bandwidth, latency], world)
@@ -121,7 +122,7 @@ def _forward_backward(runtime: Runtime, plan: Plan, seed: int) -> Callable[[], o
     """A call running `plan` on random tokens (the same on every rank)."""
     generator = torch.Generator().manual_seed(seed)
     vocab = runtime.vocab_size or 2
-    batch = _ListBatch([torch.randint(vocab, (n,), generator=generator) for n in plan.sequences], vocab)
+    batch = ListBatch([torch.randint(vocab, (n,), generator=generator) for n in plan.sequences], vocab)
     return lambda: runtime.forward_backward(plan, batch)
 
 

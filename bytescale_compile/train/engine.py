@@ -44,9 +44,10 @@ from ..runtime.context import micro_batch
 from ..runtime.offload import get_act_ctx
 from ..sim.simulator import step_time
 from .batch import MicroBatchInputs, build_micro_batch, num_targets
+from .collectives import gather, sync_gradients
 
-__all__ = ["Runtime", "StepStats", "BatchLike", "ModelProtocolError", "BatchError", "SkippedStepsError",
-           "CostModelWarning", "prediction_off", "PREDICTION_TOLERANCE", "RUNTIME_STRATEGIES"]
+__all__ = ["Runtime", "StepStats", "RankWork", "BatchLike", "ListBatch", "ModelProtocolError", "BatchError",
+           "SkippedStepsError", "CostModelWarning", "prediction_off", "PREDICTION_TOLERANCE", "RUNTIME_STRATEGIES"]
 
 RUNTIME_STRATEGIES = (*STRATEGIES, AUTO)
 """What a Runtime plans with: the planner's strategies, which name a plan, and "auto", which picks one of
@@ -69,7 +70,6 @@ class CostModelWarning(UserWarning):
     """Measured step times are far from the cost model's predictions: the plans it balances may be poor."""
 
 
-_BUCKET_BYTES = 25 * 2 ** 20
 PREDICTION_TOLERANCE = 2.0
 """Measured and predicted step time may differ by this factor either way before the runtime warns."""
 _COMPARED_CALLS = (2, 3)
@@ -146,7 +146,7 @@ class StepStats:
         return max(busy) / min(busy) if busy else 1.0
 
 
-class _ListBatch:
+class ListBatch:
     """A list of 1-D integer token tensors as a batch, checked against the vocabulary."""
 
     def __init__(self, sequences: Sequence[torch.Tensor], vocab_size: int | None) -> None:
@@ -270,7 +270,7 @@ class Runtime:
         """Plan `batch` (or run the ready-made `plan`, e.g. the remote scheduler's, checked against the batch)
         and train one step on it."""
         if not hasattr(batch, "lengths"):
-            batch = _ListBatch(batch, self.vocab_size)
+            batch = ListBatch(batch, self.vocab_size)
         start = time.perf_counter()
         step_plan = self.plan(np.asarray(batch.lengths)) if plan is None else self._given_plan(plan, batch.lengths)
         plan_time = time.perf_counter() - start
@@ -340,7 +340,7 @@ class Runtime:
         """The token-level loss of `batch` (the same on every rank): planned and run like a step, in eval mode
         without gradients, so nothing is offloaded and no parameter or optimizer state changes."""
         if not hasattr(batch, "lengths"):
-            batch = _ListBatch(batch, self.vocab_size)
+            batch = ListBatch(batch, self.vocab_size)
         step_plan = self.plan(np.asarray(batch.lengths))
         num_items = num_targets(batch.lengths)
         loss = torch.zeros((), dtype=torch.float64)
@@ -382,40 +382,11 @@ class Runtime:
         return 0.0 if mode == "off" else float(mode)
 
     def _sync_gradients(self) -> int:
-        """Sum gradients over all ranks in ~25 MiB buckets; ranks without micro-batches add zeros."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.world_size == 1:
-            return 0
-        sent, bucket, size = 0, [], 0
-        for p in self.params:
-            bucket.append(p)
-            size += p.numel() * p.element_size()
-            if size >= _BUCKET_BYTES:
-                sent += _all_reduce(bucket)
-                bucket, size = [], 0
-        if bucket:
-            sent += _all_reduce(bucket)
-        return sent
+        """Sum gradients over all ranks; ranks without micro-batches add zeros."""
+        return sync_gradients(self.params, self.world_size)
 
     def _gather(self, values: list[float]) -> np.ndarray:
-        """Every rank's `values` as a [world_size, len(values)] array (one small all-reduce)."""
-        table = torch.zeros(self.world_size, len(values), dtype=torch.float64, device=self.device)
-        table[self.rank] = torch.tensor(values, dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(table)
-        return table.cpu().numpy()
-
-
-def _all_reduce(params: list[nn.Parameter]) -> int:
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
-    return flat.numel() * flat.element_size()
+        return gather(values, self.rank, self.world_size, self.device)
 
 
 def _check_int(name: str, value: object) -> None:

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["StageSpec", "StageOutput", "UnsupportedModelError", "stage_specs", "split_stages", "stage_inputs"]
+__all__ = ["StageSpec", "StageOutput", "UnsupportedModelError", "is_hf_model", "stage_specs", "split_stages",
+           "stage_inputs"]
 
 _FIRST_STAGE_KWARGS = ("input_ids", "position_ids")
 _FINAL_NORMS = ("norm", "final_layernorm")
@@ -110,9 +111,9 @@ def split_stages(model: nn.Module, pp_size: int) -> list[nn.Module]:
     specs = stage_specs(len(layers), pp_size)
     if pp_size == 1:
         return [model]
-    if _is_hf(model):
+    if is_hf_model(model):
         _check_embeds_pass_through(model)
-    build = _hf_stage if _is_hf(model) else _LlamaStage
+    build = _hf_stage if is_hf_model(model) else _LlamaStage
     stages = [build(model, spec) for spec in specs]
     _check_ownership(model, stages)
     return stages
@@ -126,7 +127,7 @@ def _check_whole_model(model: nn.Module) -> None:
         raise TypeError(f"split_stages() takes the whole model, got stage {model.spec.index} of {model.spec.pp_size}")
 
 
-def _is_hf(model: nn.Module) -> bool:
+def is_hf_model(model: nn.Module) -> bool:
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -136,7 +137,7 @@ def _is_hf(model: nn.Module) -> bool:
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     """`model.model.layers` of a Hugging Face decoder, `model.layers` of ours; a named error otherwise."""
-    if _is_hf(model):
+    if is_hf_model(model):
         base = getattr(model, "model", None)
         layers = getattr(base, "layers", None)
         if not isinstance(layers, nn.ModuleList):
