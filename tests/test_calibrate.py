@@ -108,6 +108,11 @@ def _calibrate_worker(rank: int, world: int) -> None:
     first = mine.clone()
     torch.distributed.broadcast(first, 0)
     assert torch.equal(mine, first), "every rank must plan with the same cost model"
+    unshardable = tiny()
+    runtime = bsc.Runtime(bsc.optimize(unshardable, attention=False),
+                          torch.optim.SGD(unshardable.parameters(), lr=0.1), capacity=64)
+    result = calibrate(runtime, lengths=LENGTHS, repeats=1)
+    assert result.shared_seconds is None and result.cost_model.ring_overhead == 0.0, "such a model never rings"
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from ..planner.cost_model import CostModel
     from ..planner.topology import Link, Topology
 
-__all__ = ["CONTENTION_ROUNDS", "DIRECT_EXCHANGE_SHARE", "boundary_bytes_per_token", "pipeline_sends", "simulate", "step_time", "bubble_rates", "busy_times", "lower_bound", "p2p_bytes", "throughput"]
+__all__ = ["CONTENTION_ROUNDS", "DIRECT_EXCHANGE_SHARE", "boundary_bytes_per_token", "pipeline_sends", "simulate",
+           "step_time", "bubble_rates", "pipeline_bubbles", "busy_times", "lower_bound", "p2p_bytes", "throughput"]
 
 CONTENTION_ROUNDS = 4
 """Re-runs of the timeline with link bandwidths shared among the rings that overlap in it."""
@@ -287,14 +288,28 @@ def _timeline(plan: Plan, cost_model: CostModel, duration: dict[int, float], sta
     return Timeline(plan.strategy, plan.world_size, spans)
 
 
+def pipeline_bubbles(plan: Plan, cost_model: CostModel, sends: bool = True) -> list[float]:
+    """Each HDP rank's pipeline bubble rate, stage by stage (1F1B, waiting on the sends unless `sends=False`);
+    0 for a rank without micro-batches or without pipelines."""
+    if plan.pp_size == 1 or not plan.micro_batches:
+        return [0.0] * plan.world_size
+    duration, _ = _settle(plan, cost_model)
+    ranks = [r for r, ids in enumerate(plan.schedule) if ids]
+    bubbles = [0.0] * plan.world_size
+    for r, run in zip(ranks, _pipeline_runs(plan, cost_model, duration, ranks, sends)):
+        bubbles[r] = run.bubble_rate
+    return bubbles
+
+
 def bubble_rates(plan: Plan, cost_model: CostModel, sends: bool = True) -> tuple[float, float]:
-    """Mean over ranks of the pipeline bubble rate: stage by stage (1F1B, waiting on the sends unless
-    `sends=False`) and the first-order model's (no sends)."""
+    """Mean over ranks with micro-batches of the pipeline bubble rate: stage by stage (`pipeline_bubbles`)
+    and the first-order model's (no sends)."""
     if plan.pp_size == 1 or not plan.micro_batches:
         return 0.0, 0.0
     duration, _ = _settle(plan, cost_model)
     ranks = [r for r, ids in enumerate(plan.schedule) if ids]
-    staged = [run.bubble_rate for run in _pipeline_runs(plan, cost_model, duration, ranks, sends)]
+    bubbles = pipeline_bubbles(plan, cost_model, sends)
+    staged = [bubbles[r] for r in ranks]
     first = [first_order_bubble([duration[i] for i in plan.schedule[r]], plan.pp_size).bubble_rate for r in ranks]
     return float(np.mean(staged)), float(np.mean(first))
 

@@ -56,9 +56,10 @@ class Calibration:
     """Of the runtime's gradient sync."""
     world_size: int
     shared_length: int
-    """Tokens of the sequence every rank shared, one ring over all of them (0 on one rank)."""
+    """Tokens of the sequence every rank shared, one ring over all of them (0 on one rank, or for a model whose
+    attention cannot be sharded)."""
     shared_seconds: float | None
-    """Its fwd+bwd (None on one rank)."""
+    """Its fwd+bwd (None where nothing was shared)."""
     cost_model: CostModel
 
     def summary(self) -> str:
@@ -98,9 +99,11 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     if len(set(lengths)) < 3 or min(lengths) < 2:
         raise ValueError(f"calibration needs at least 3 distinct lengths >= 2 to fit T(s), got {list(lengths)}")
     world = runtime.world_size
-    shared_length = world * max(lengths) // 2
+    # a model whose attention cannot be sharded never runs a ring: nothing to measure, ring_overhead stays
+    ring = world > 1 and not runtime.shard_blockers()
+    shared_length = world * max(lengths) // 2 if ring else 0
     calls = [_forward_backward(runtime, _one_each(length, world, runtime.capacity), seed) for length in lengths]
-    if world > 1:
+    if ring:
         calls.append(_forward_backward(runtime, _all_share(shared_length, world, runtime.capacity), seed))
     times = _timed_rounds(calls, repeats)
     runtime.optimizer.zero_grad(set_to_none=False)
@@ -109,7 +112,7 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     bandwidth, latency = _ring_exchange(world, runtime.rank, repeats)
     table = _mean_over_ranks([*times, allreduce, bandwidth, latency], world)
     allreduce, bandwidth, latency = table[-3:]
-    times, shared = table[:len(lengths)], (table[len(lengths)] if world > 1 else None)
+    times, shared = table[:len(lengths)], (table[len(lengths)] if ring else None)
     slots = _compute_slots(runtime)
     alone = min(1.0, slots / world) if slots is not None else 1.0
     model = _refit(runtime.cost_model, lengths, [t * alone for t in times], bandwidth, latency, world, slots)
