@@ -293,12 +293,7 @@ def pipeline_bubbles(plan: Plan, cost_model: CostModel, sends: bool = True) -> l
     0 for a rank without micro-batches or without pipelines."""
     if plan.pp_size == 1 or not plan.micro_batches:
         return [0.0] * plan.world_size
-    duration, _ = _settle(plan, cost_model)
-    ranks = [r for r, ids in enumerate(plan.schedule) if ids]
-    bubbles = [0.0] * plan.world_size
-    for r, run in zip(ranks, _pipeline_runs(plan, cost_model, duration, ranks, sends)):
-        bubbles[r] = run.bubble_rate
-    return bubbles
+    return _bubbles(plan, cost_model, _settle(plan, cost_model)[0], sends)
 
 
 def bubble_rates(plan: Plan, cost_model: CostModel, sends: bool = True) -> tuple[float, float]:
@@ -308,10 +303,17 @@ def bubble_rates(plan: Plan, cost_model: CostModel, sends: bool = True) -> tuple
         return 0.0, 0.0
     duration, _ = _settle(plan, cost_model)
     ranks = [r for r, ids in enumerate(plan.schedule) if ids]
-    bubbles = pipeline_bubbles(plan, cost_model, sends)
-    staged = [bubbles[r] for r in ranks]
+    bubbles = _bubbles(plan, cost_model, duration, sends)
     first = [first_order_bubble([duration[i] for i in plan.schedule[r]], plan.pp_size).bubble_rate for r in ranks]
-    return float(np.mean(staged)), float(np.mean(first))
+    return float(np.mean([bubbles[r] for r in ranks])), float(np.mean(first))
+
+
+def _bubbles(plan: Plan, cost_model: CostModel, duration: dict[int, float], sends: bool) -> list[float]:
+    ranks = [r for r, ids in enumerate(plan.schedule) if ids]
+    bubbles = [0.0] * plan.world_size
+    for r, run in zip(ranks, _pipeline_runs(plan, cost_model, duration, ranks, sends)):
+        bubbles[r] = run.bubble_rate
+    return bubbles
 
 
 def busy_times(timeline: Timeline) -> np.ndarray:

@@ -40,9 +40,13 @@ class MicroBatchInputs:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def model_kwargs(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                "shift_labels": self.shift_labels, "num_items_in_batch": self.num_items_in_batch}
+    def model_kwargs(self, device: torch.device | None = None, labels: bool = False) -> dict[str, torch.Tensor]:
+        """The model protocol's kwargs on `device`; `labels` adds `labels` = `shift_labels` (what a Hugging Face
+        forward reads its targets from)."""
+        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                  "shift_labels": self.shift_labels, "num_items_in_batch": self.num_items_in_batch}
+        kwargs = {name: t.to(device) for name, t in kwargs.items()} if device is not None else kwargs
+        return {**kwargs, "labels": kwargs["shift_labels"]} if labels else kwargs
 
 
 def num_targets(lengths: np.ndarray) -> int:

@@ -43,7 +43,7 @@ from ..planner.model_shape import model_shape
 from ..runtime.context import micro_batch
 from ..runtime.offload import get_act_ctx
 from ..sim.simulator import step_time
-from .batch import MicroBatchInputs, build_micro_batch, num_targets
+from .batch import build_micro_batch, num_targets
 from .collectives import gather, sync_gradients
 
 __all__ = ["Runtime", "StepStats", "RankWork", "BatchLike", "ListBatch", "ModelProtocolError", "BatchError",
@@ -260,12 +260,6 @@ class Runtime:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.mixed_precision)
 
-    def _model_kwargs(self, inputs: MicroBatchInputs) -> dict[str, torch.Tensor]:
-        kwargs = {name: t.to(self.device) for name, t in inputs.model_kwargs().items()}
-        if self._hf_labels:
-            kwargs["labels"] = kwargs["shift_labels"]
-        return kwargs
-
     def step(self, batch: BatchLike | Sequence[torch.Tensor], plan: Plan | None = None) -> StepStats:
         """Plan `batch` (or run the ready-made `plan`, e.g. the remote scheduler's, checked against the batch)
         and train one step on it."""
@@ -312,7 +306,7 @@ class Runtime:
             act_ctx.update_micro_batch_id(i)
             with micro_batch(ctx=inputs.context), act_ctx:
                 with self._autocast():
-                    mb_loss = self._loss(self.model(**self._model_kwargs(inputs))).float()
+                    mb_loss = self._loss(self.model(**inputs.model_kwargs(self.device, self._hf_labels))).float()
                 mb_loss.backward()
             loss += mb_loss.detach()
             busy += time.perf_counter() - began
@@ -350,7 +344,7 @@ class Runtime:
                 for mb in step_plan.micro_batches_of(self.rank):
                     inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
                     with micro_batch(ctx=inputs.context), self._autocast():
-                        loss += self._loss(self.model(**self._model_kwargs(inputs))).double().cpu()
+                        loss += self._loss(self.model(**inputs.model_kwargs(self.device, self._hf_labels))).double().cpu()
         finally:
             self.model.train()
         return float(self._gather([loss.item()])[:, 0].sum())

@@ -217,7 +217,7 @@ class PipelineExecutor:
             received.requires_grad_()
         context = self._context(inputs)
         with micro_batch(ctx=context):
-            out = self.stage(**stage_inputs(self.spec, self._model_kwargs(inputs), received))
+            out = self.stage(**stage_inputs(self.spec, inputs.model_kwargs(self.device, self._hf_labels), received))
         if self.spec.is_last:
             out = self._loss(out).float()
             work.loss += float(out.detach())
@@ -246,12 +246,6 @@ class PipelineExecutor:
         if not mb.shared:
             return inputs.context
         return dataclasses.replace(inputs.context, group=tuple(self.spec.index * self.hdp + r for r in mb.ranks))
-
-    def _model_kwargs(self, inputs: MicroBatchInputs) -> dict[str, torch.Tensor]:
-        kwargs = {name: t.to(self.device) for name, t in inputs.model_kwargs().items()}
-        if self._hf_labels:
-            kwargs["labels"] = kwargs["shift_labels"]
-        return kwargs
 
     def _loss(self, output: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)
