@@ -13,9 +13,14 @@
    (`triton.testing.do_bench`) and peak GiB above the inputs.
 3. The kernels: `benchmarks/kernels.py` (cross-entropy and packed attention against torch/Liger/SDPA).
 4. Offload: `benchmarks/offload.py --device cuda --tokens 16K,32K` (memory, overhead, overlap at r = 0.5, 1).
+5. Pipeline stages (issue 16): the 16-layer Llama of table 1 split into pp = 1, 2, 4 stages
+   (`split_stages`), each stage alone through `bsc.optimize()` on the GPU as its rank would hold it (the
+   other stages' weights stay on the host), forward + backward of 16K tokens (a stage after the first
+   fed random hidden states, its backward a random gradient): median ms, peak GiB, the attention sites
+   the pass rewrote and whether the loss was fused. Each stage runs in its own subprocess.
 
 Figures are printed, never asserted. Without CUDA it says so and exits 0; `--smoke` instead runs
-tables 1 and 2 with tiny shapes on the CPU, in this process, as a check that the script works.
+tables 1, 2 and 5 with tiny shapes on the CPU, in this process, as a check that the script works.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ VARIANT_NAMES = {
 N_SEQUENCES = 6
 LOSS_HIDDEN, LOSS_VOCAB, LOSS_TOKENS = 4096, 131_072, (8192, 32_768)
 SMOKE_E2E = (64, 2)
+STAGE_RUN = (16_384, 16, (1, 2, 4))
+"""Table 5: tokens, layers, pipeline sizes."""
 SMOKE_LOSS = (32, 500, (48,))
 
 
@@ -166,6 +173,68 @@ def e2e_tables(smoke: bool, repeats: int, tokens_only: int | None) -> None:
             print(f"| {VARIANT_NAMES[variant]} | {_cells(row, first=True)} |")
 
 
+# --- pipeline stages ------------------------------------------------------------------------------
+
+
+def stage_variant(pp: int, index: int, tokens: int, layers: int, smoke: bool, repeats: int) -> dict[str, Any]:
+    """Stage `index` of `pp` on the device alone, optimized, one forward + backward per step."""
+    import torch
+
+    import bytescale_compile as bsc
+    from bytescale_compile.train.stages import split_stages, stage_inputs
+
+    device = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    torch.manual_seed(0)
+    model = llama(layers, smoke).to(dtype)
+    stage = split_stages(model, pp)[index].to(device)
+    batch = packed_batch(tokens, model.config.vocab_size, device)
+    kwargs = {**batch, "shift_labels": batch["labels"], "num_items_in_batch": torch.tensor(tokens - N_SEQUENCES)}
+    last = pp == 1 or stage.spec.is_last
+    if pp > 1:
+        hidden = (None if stage.spec.is_first else
+                  torch.randn(1, tokens, model.config.hidden_size, device=device, dtype=dtype, requires_grad=True))
+        kwargs = stage_inputs(stage.spec, kwargs, hidden)
+    wrapped = bsc.optimize(stage)
+    grad = None if last else torch.randn(1, tokens, model.config.hidden_size, device=device, dtype=dtype)
+
+    def step() -> None:
+        stage.zero_grad(set_to_none=True)
+        out = wrapped(**kwargs)
+        if last:
+            out.loss.backward()
+        else:
+            out.backward(grad)
+
+    try:
+        figures = asdict(timed_steps(step, repeats, device))
+    except torch.OutOfMemoryError:
+        figures = asdict(Figures(error="out of memory"))
+    return {**figures, "attention": len(wrapped.report.rewrites("attention")),
+            "fused_loss": bool(wrapped.report.rewrites("fused_loss"))}
+
+
+def stage_table(smoke: bool, repeats: int) -> None:
+    tokens, layers, sizes = (SMOKE_E2E[0], 4, (1, 2)) if smoke else STAGE_RUN
+    print(f"\n## Pipeline stages: Llama, {layers} layers, {tokens} tokens in {N_SEQUENCES} sequences, fwd+bwd, "
+          f"each stage alone\n")
+    print("| pp | stage | ms | peak GiB | first call | attention sites rewritten | loss fused |\n|---|---|---|---|---|---|---|")
+    for pp in sizes:
+        for index in range(pp):
+            if smoke:
+                row = stage_variant(pp, index, tokens, layers, True, repeats)
+            else:
+                cmd = [sys.executable, __file__, "--stage-worker", f"{pp}:{index}:{tokens}:{layers}",
+                       "--repeats", str(repeats)]
+                done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                row = json.loads(lines[-1]) if lines else {"error": f"failed: {tail[0][:120]}"}
+            extra = {k: row.pop(k) for k in ("attention", "fused_loss") if k in row}
+            print(f"| {pp} | {index} | {_cells(Figures(**row), first=True)} | {extra.get('attention', '–')} | "
+                  f"{extra.get('fused_loss', '–')} |", flush=True)
+
+
 # --- fused loss -----------------------------------------------------------------------------------
 
 
@@ -263,14 +332,19 @@ def _cells(row: Figures, first: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (tables 1 and 2 only)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (tables 1, 2 and 5 only)")
     parser.add_argument("--repeats", type=int, default=5, help="measured steps per end-to-end variant")
-    parser.add_argument("--only", choices=("e2e", "loss", "kernels", "offload"), action="append",
+    parser.add_argument("--only", choices=("e2e", "loss", "kernels", "offload", "stages"), action="append",
                         help="run only these tables (repeatable)")
     parser.add_argument("--e2e-tokens", type=int, choices=[run[0] for run in E2E_RUNS],
                         help="only this end-to-end table (each takes minutes)")
     parser.add_argument("--worker", help="internal: VARIANT:TOKENS:LAYERS, measured here, printed as JSON")
+    parser.add_argument("--stage-worker", help="internal: PP:STAGE:TOKENS:LAYERS, measured here, printed as JSON")
     args = parser.parse_args(argv)
+    if args.stage_worker:
+        pp, index, tokens, layers = (int(x) for x in args.stage_worker.split(":"))
+        print(json.dumps(stage_variant(pp, index, tokens, layers, False, args.repeats)))
+        return 0
     if args.worker:
         variant, tokens, layers = args.worker.split(":")
         print(json.dumps(asdict(e2e_variant(variant, int(tokens), int(layers), False, args.repeats))))
@@ -281,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA GPU here: these tables need one (`--smoke` checks the script on the CPU)")
         return 0
-    tables = set(args.only or ("e2e", "loss", "kernels", "offload"))
+    tables = set(args.only or ("e2e", "loss", "kernels", "offload", "stages"))
     if args.smoke:
-        tables &= {"e2e", "loss"}
+        tables &= {"e2e", "loss", "stages"}
     else:
         print(f"# issue 18 on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if "e2e" in tables:
@@ -294,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         run_script("Kernels", ["benchmarks/kernels.py"])
     if "offload" in tables:
         run_script("Offload", ["benchmarks/offload.py", "--device", "cuda", "--tokens", "16K,32K"])
+    if "stages" in tables:
+        stage_table(args.smoke, args.repeats)
     return 0
 
 

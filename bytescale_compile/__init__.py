@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .config import Config
     from .passes.report import CompileReport
     from .train.engine import Runtime, StepStats
+    from .train.pipeline import pipeline_stage
 
 _EXPORTS = {
     "optimize": ".api",
@@ -23,10 +24,12 @@ _EXPORTS = {
     "CompileReport": ".passes.report",
     "Runtime": ".train.engine",
     "StepStats": ".train.engine",
+    "pipeline_stage": ".train.pipeline",
 }
 """Public name -> the module that defines it."""
 
-__all__ = ["optimize", "explain", "Config", "OptimizedModule", "CompileReport", "RecompileLimitError", "Runtime", "StepStats"]
+__all__ = ["optimize", "explain", "Config", "OptimizedModule", "CompileReport", "RecompileLimitError", "Runtime", "StepStats",
+           "pipeline_stage"]
 __version__ = "0.1.0"
 
 

@@ -172,8 +172,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     model = load_factory(args.target)
     model.train(not args.eval)
     config = Config(attention=not args.no_attention, fused_loss=not args.no_fused_loss)
-    report = explain(optimize(model, config), **protocol_inputs(model, args.seq_len, args.vocab_size))
+    inputs = protocol_inputs(model, args.seq_len, args.vocab_size)
+    if args.pp > 1:
+        return _inspect_stages(model, config, inputs, args)
+    report = explain(optimize(model, config), **inputs)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_markdown(graphs=args.graphs))
+    return 0
+
+
+def _inspect_stages(model: nn.Module, config: Any, inputs: dict[str, Any], args: argparse.Namespace) -> int:
+    """Each pipeline stage compiled alone through optimize(), as `--pp` training runs it, fed the previous
+    stage's hidden states; one report per stage."""
+    from .api import optimize
+    from .train.stages import UnsupportedModelError, split_stages, stage_inputs
+
+    try:
+        stages = split_stages(model, args.pp)
+    except (UnsupportedModelError, ValueError) as e:
+        raise CLIError(f"--pp {args.pp}: {e}") from e
+    kwargs = {name: value for name, value in inputs.items() if name != "use_cache"}
+    hidden, reports = None, []
+    for stage in stages:
+        optimized = optimize(stage, config)
+        out = optimized(**stage_inputs(stage.spec, kwargs, hidden))
+        hidden = out.detach() if not stage.spec.is_last else None
+        reports.append((stage.spec, optimized.report))
+    if args.json:
+        print(json.dumps([{"stage": spec.index, "pp_size": spec.pp_size, "layers": [spec.layers.start, spec.layers.stop],
+                           "report": report.to_dict()} for spec, report in reports], indent=2))
+        return 0
+    for spec, report in reports:
+        print(f"# Stage {spec.index} of {spec.pp_size}: decoder layers {spec.layers.start}-{spec.layers.stop - 1}"
+              f"{', embedding' if spec.is_first else ''}{', final norm, lm_head and loss' if spec.is_last else ''}\n")
+        print(report.to_markdown(graphs=args.graphs))
     return 0
 
 
@@ -365,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fused-loss", action="store_true", help="switch the fused-loss pass off")
     p.add_argument("--graphs", action="store_true", help="append the graphs before/after as text")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--pp", type=_int_at_least(1), default=1,
+                   help="split into this many pipeline stages at decoder layers and report each stage's compilation")
     p.set_defaults(func=cmd_inspect)
 
     datasets = ("byted", "github", "python")

@@ -88,6 +88,20 @@ def test_cli_inspect_json(capsys):
     assert passes[1]["disabled"] == "Config.fused_loss=False"
 
 
+@pytest.mark.parametrize("target", ["examples.models.llama:tiny", "tests.helpers:hf_llama"])
+def test_cli_inspect_reports_every_pipeline_stage(target, capsys):
+    """--pp 2: one compiled stage per decoder layer; each rewrites its own attention, the last fuses the loss."""
+    assert main(["inspect", target, "--seq-len", "32", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    first, last = out.split("# Stage 1 of 2")
+    assert first.startswith("# Stage 0 of 2: decoder layers 0-0, embedding")
+    assert last.startswith(": decoder layers 1-1, final norm, lm_head and loss")
+    assert "Pass `attention`: 1 rewritten" in first and "Pass `attention`: 1 rewritten" in last
+    assert "Pass `fused_loss`: 1 rewritten" in last and "Pass `fused_loss`: 1 rewritten" not in first
+    assert main(["inspect", target, "--pp", "3"]) == 2
+    assert "--pp 3: pp_size 3 is larger than the model's 2 decoder layers" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("spec,message", [
     ("examples.models.llama", "MODULE:FACTORY"),
     ("no_such_module:f", "cannot import module"),

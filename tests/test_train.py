@@ -211,6 +211,39 @@ def test_resume_after_step_2_equals_an_uninterrupted_run(workspace, tmp_path):
     assert other_seed.returncode != 0 and "seed: 0 -> 1" in other_seed.stderr, other_seed.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_pipelines_on_4_ranks_equal_one_process_resume_and_save_final(workspace, tmp_path):
+    """--pp 2 on 4 ranks (2 HDP ranks of 2 stages, ZeRO-1 per stage, the cost model calibrated on the whole
+    model first): the losses and held-out loss of one process; final/ holds both stages' trained weights (its
+    eager loss is the run's); a run cut at a step-2 checkpoint and resumed gives the uninterrupted run's
+    losses."""
+    common = ("--pp", "2", "--capacity", "512", "--zero", "--eval-every", "3", "--decay-steps", "3")
+    _run(_torchrun(4, _args(workspace, tmp_path / "pp", *common, "--calibrate")))
+    assert CostModel.load(tmp_path / "pp" / CALIBRATED_COST_MODEL).boundary_bytes_per_token == 64 * 4
+    assert main(_args(workspace, tmp_path / "one", "--eval-every", "3")) == 0
+    ran, reference = _metrics(tmp_path / "pp"), _metrics(tmp_path / "one")
+    np.testing.assert_allclose([r["loss"] for r in ran], [r["loss"] for r in reference], rtol=1e-5)
+    assert ran[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=1e-5)
+    assert all(len(r["bubbles"]) == 2 and len(r["predicted_bubbles"]) == 2 and r["stage_bytes"] > 0 for r in ran)
+    assert sum(r["p2p_bytes"] for r in ran) > 0, "no sequence was shared by the pipelines"
+    final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final", local_files_only=True)
+    held_out = TokenDataset.open(eval_prefix(workspace.data))
+    assert _eager_loss(final.eval(), held_out) == pytest.approx(ran[-1]["eval_loss"], rel=1e-5)
+
+    _run(_torchrun(4, _args(workspace, tmp_path / "cut", "--steps", "2", "--checkpoint-every", "2", *common)))
+    output = _run(_torchrun(4, _args(workspace, tmp_path / "cut", "--resume", *common)))
+    assert "resumed from" in output and "step_00000002" in output
+    np.testing.assert_allclose(_losses(tmp_path / "cut"), _losses(tmp_path / "pp"), rtol=1e-6, atol=0)
+
+
+def test_pipeline_stages_that_do_not_fit_the_job_or_the_model_are_refused(workspace, tmp_path, capsys, monkeypatch):
+    err = _error(_args(workspace, tmp_path / "out", "--pp", "2"), capsys)
+    assert "pp = 2 needs a multiple of 2 processes (pp x HDP ranks), but the job has 1" in err
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    err = _error(_args(workspace, tmp_path / "out", "--pp", "3"), capsys)
+    assert "cannot be split into pipeline stages" in err and "larger than the model's 2 decoder layers" in err
+
+
 def _worker_pids(torchrun_pid: int) -> list[int]:
     """The training processes torchrun started (its children running bytescale_compile.train)."""
     pids = []

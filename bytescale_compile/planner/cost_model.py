@@ -276,6 +276,10 @@ class CostModel:
     """Seconds of compute a ring step adds per token held, per layer (merging partial attention outputs,
     zigzag gathers): `ring_compute_time`. 0 where that work is negligible beside the layer (the analytic
     models); on a CPU, where nothing hides it, the job's calibration measures it (`train/calibrate.py`)."""
+    boundary_bytes_per_token: float | None = None
+    """Bytes of one token's hidden state at a pipeline-stage boundary (hidden x activation bytes), what a
+    stage sends on per token; None: read back from alpha1, exact for analytic models only
+    (`sim.simulator.boundary_bytes_per_token`)."""
 
     def __post_init__(self) -> None:
         for name in ("alpha1", "beta1", "gamma", "alpha2", "beta2", "param_bytes", "ring_overhead"):
@@ -290,6 +294,10 @@ class CostModel:
             raise ValueError(f"CostModel ({self.source}): kv_bytes_per_token must be an int >= 0, got {self.kv_bytes_per_token!r}")
         if not isinstance(self.hardware, Hardware):
             raise TypeError(f"CostModel ({self.source}): hardware must be a Hardware, got {type(self.hardware).__name__}")
+        boundary = self.boundary_bytes_per_token
+        if boundary is not None and not (isinstance(boundary, (int, float)) and math.isfinite(boundary) and boundary > 0):
+            raise ValueError(f"CostModel ({self.source}): boundary_bytes_per_token must be None or a finite number "
+                             f"> 0, got {boundary!r}")
 
     # --- construction ----------------------------------------------------------------------------
     @classmethod
@@ -318,6 +326,7 @@ class CostModel:
             param_bytes=float(BF16 * shape.params),
             hardware=hw,
             source=f"analytic:{shape.name}",
+            boundary_bytes_per_token=float(BF16 * shape.hidden),
         )
 
     @classmethod
@@ -337,7 +346,8 @@ class CostModel:
             return cls(**coefficients, layers=data["layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
                        param_bytes=data["param_bytes"], hardware=Hardware.from_dict(data["hardware"]),
                        source=data["source"], device=data.get("device"),
-                       ring_overhead=data["coefficients"].get("ring_overhead", 0.0))
+                       ring_overhead=data["coefficients"].get("ring_overhead", 0.0),
+                       boundary_bytes_per_token=data.get("boundary_bytes_per_token"))
         except KeyError as e:
             raise ValueError(f"cost model file {path} lacks the key {e.args[0]!r}: write it again with "
                              f"`bytescale-compile profile` or CostModel.save") from None
@@ -355,6 +365,7 @@ class CostModel:
             "param_bytes": self.param_bytes,
             "hardware": asdict(self.hardware),
             "device": self.device,
+            "boundary_bytes_per_token": self.boundary_bytes_per_token,
         }
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 

@@ -175,14 +175,15 @@ def _fit(lengths: Sequence[int], times: Sequence[float], act_bytes: Sequence[int
 
 
 def fit_cost_model(
-    result: ProfileResult, layers: int, kv_bytes_per_token: int, param_bytes: float, hardware: Hardware | None = None
+    result: ProfileResult, layers: int, kv_bytes_per_token: int, param_bytes: float, hardware: Hardware | None = None,
+    boundary_bytes_per_token: float | None = None,
 ) -> CostModel:
     """The profiled coefficients as a CostModel (source "profiled", `device` where they were measured);
     bandwidths and latency come from `hardware`, which the layer profile cannot see. Without one, the
     default links are named after the measured device, not the default's "h100"."""
     return CostModel(result.alpha1, result.beta1, result.gamma, result.alpha2, result.beta2, layers,
                      kv_bytes_per_token, param_bytes, hardware or Hardware(name=result.device), source="profiled",
-                     device=result.device)
+                     device=result.device, boundary_bytes_per_token=boundary_bytes_per_token)
 
 
 def _build(spec: str) -> nn.Module:
@@ -260,7 +261,8 @@ def profile_model(
                       f"cpu, {ranks_per_device} processes x {threads} thread(s)")
     elem = param.element_size()
     param_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    fit_cost_model(result, len(_decoder_layers(model)), 2 * kv_heads * head_dim * elem, param_bytes, hardware).save(out_path)
+    fit_cost_model(result, len(_decoder_layers(model)), 2 * kv_heads * head_dim * elem, param_bytes, hardware,
+                   float(cfg.hidden_size * elem)).save(out_path)
     return result
 
 

@@ -52,9 +52,12 @@ def step_time(plan: Plan, cost_model: CostModel, sends: bool = True) -> float:
 
 
 def boundary_bytes_per_token(cost_model: CostModel) -> float:
-    """Bytes one token's activations take at a stage boundary: hidden x bf16. The cost model keeps no
-    hidden size, so it is read back from attention's coefficient, alpha1 = 3 x 2 hidden / rate: exact for
-    analytic models, the effective width the profile measured otherwise."""
+    """Bytes one token's activations take at a stage boundary: the cost model's own figure (hidden x
+    activation bytes, recorded by the analytic model, the profiler and calibration), else hidden x bf16
+    with hidden read back from attention's coefficient, alpha1 = 3 x 2 hidden / rate (files written before
+    the figure was recorded)."""
+    if cost_model.boundary_bytes_per_token is not None:
+        return cost_model.boundary_bytes_per_token
     hw = cost_model.hardware
     return float(BF16 * round(cost_model.alpha1 * hw.matmul_flops * hw.mfu / 6))
 
@@ -89,11 +92,12 @@ def _settle(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], dict[i
 
 def _share_compute(plan: Plan, alone: dict[int, float], start: dict[int, float],
                    slots: float) -> tuple[dict[int, float], dict[int, float]]:
-    """Each micro-batch's duration alone times max(1, busy / slots), where busy is the mean number of ranks
-    in micro-batches over its span (its own included): processor sharing, averaged over the span. The
-    timeline is re-run with the new durations until it settles (`CONTENTION_ROUNDS` at most)."""
+    """Each micro-batch's duration alone times max(1, busy / slots), where busy is the mean number of
+    processes in micro-batches over its span (its own included; a pipeline's pp stages are pp processes,
+    counted busy together): processor sharing, averaged over the span. The timeline is re-run with the new
+    durations until it settles (`CONTENTION_ROUNDS` at most)."""
     ids = [m.id for m in plan.micro_batches]
-    width = np.array([len(m.ranks) for m in plan.micro_batches], np.float64)
+    width = np.array([len(m.ranks) * plan.pp_size for m in plan.micro_batches], np.float64)
     base = np.array([alone[i] for i in ids])
     duration = dict(alone)
     for _ in range(CONTENTION_ROUNDS):

@@ -6,12 +6,17 @@ the group and layout in the context. Either way `shift_labels` hold each token's
 read one token past every chunk, so a label that lives on another rank's chunk is still right — and
 -100 at every sequence's last token. `num_items_in_batch` counts the targets of the whole global
 batch, so every rank's summed loss is already token-level (paper §4.1, Eq. 2 = Eq. 1).
+
+Also here, shared by the HDP `Runtime` and the pipeline executor: what a global batch must offer
+(`BatchLike`, `ListBatch`), what one rank's micro-batches of a step did (`RankWork`), and the errors of the
+model protocol and of a bad batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,11 +25,64 @@ from ..planner.plan import MicroBatch
 from ..runtime.context import MicroBatchContext
 from ..runtime.layout import zigzag_layout
 
-__all__ = ["MicroBatchInputs", "TokenReader", "build_micro_batch", "num_targets"]
+__all__ = ["BatchError", "BatchLike", "ListBatch", "MicroBatchInputs", "ModelProtocolError", "RankWork", "TokenReader",
+           "build_micro_batch", "num_targets"]
 
 IGNORE_INDEX = -100
 TokenReader = Callable[[int, int, int], torch.Tensor]
 """read(seq, start, end) -> int64 tokens [start, end) of the global batch's sequence `seq`."""
+
+
+class ModelProtocolError(TypeError):
+    """The model does not take or return what the runtime's model protocol needs (see DESIGN.md)."""
+
+
+class BatchError(ValueError):
+    """A global batch the runtime cannot train on: not 1-D integer token ids inside the vocabulary."""
+
+
+class BatchLike(Protocol):
+    """What `Runtime.step` reads: every length, and tokens only of this rank's micro-batches."""
+
+    lengths: np.ndarray
+
+    def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank's micro-batches of a step did (`Runtime.forward_backward`), before any reduction."""
+
+    loss: float
+    busy: float
+    """Seconds in its micro-batches."""
+    micro_batches: int
+    p2p_bytes: int
+    offloaded_bytes: int
+    peak_saved_bytes: int
+    stage_bytes: int = 0
+    """Hidden states and their gradients sent to the neighbouring pipeline stages (0 without pipelines)."""
+
+
+class ListBatch:
+    """A list of 1-D integer token tensors as a batch, checked against the vocabulary."""
+
+    def __init__(self, sequences: Sequence[torch.Tensor], vocab_size: int | None) -> None:
+        self.sequences = [torch.as_tensor(s) for s in sequences]
+        for i, seq in enumerate(self.sequences):
+            if seq.dim() != 1 or seq.numel() == 0:
+                raise BatchError(f"sequence {i} has shape {tuple(seq.shape)}: each sequence must be a non-empty 1-D "
+                                 f"tensor of token ids")
+            if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
+                raise BatchError(f"sequence {i} holds {seq.dtype} values: token ids must be integers")
+            low, high = int(seq.min()), int(seq.max())
+            if low < 0 or (vocab_size is not None and high >= vocab_size):
+                raise BatchError(f"sequence {i} holds token id {low if low < 0 else high}, outside the model's "
+                                 f"vocabulary of {vocab_size} (ids 0 to {(vocab_size or 1) - 1})")
+        self.lengths = np.array([s.numel() for s in self.sequences], dtype=np.int64)
+
+    def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self.sequences[seq][start:end].long()
 
 
 @dataclass(frozen=True)

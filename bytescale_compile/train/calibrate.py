@@ -95,6 +95,9 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     (`Runtime.cost_model = result.cost_model`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if runtime.pipeline is not None:
+        raise ValueError("calibrate a Runtime over the whole model, not a pipeline stage: the cost model is per "
+                         "layer, and pipelines of any pp_size plan with it")
     lengths = tuple(int(s) for s in (lengths or calibration_lengths(runtime.capacity)))
     if len(set(lengths)) < 3 or min(lengths) < 2:
         raise ValueError(f"calibration needs at least 3 distinct lengths >= 2 to fit T(s), got {list(lengths)}")
@@ -116,9 +119,20 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     slots = _compute_slots(runtime)
     alone = min(1.0, slots / world) if slots is not None else 1.0
     model = _refit(runtime.cost_model, lengths, [t * alone for t in times], bandwidth, latency, world, slots)
+    model = dataclasses.replace(model, boundary_bytes_per_token=_boundary_bytes(runtime, model))
     if shared is not None:
         model = _with_ring_overhead(model, shared_length, shared * alone, world)
     return Calibration(lengths, tuple(times), bandwidth, latency, allreduce, world, shared_length, shared, model)
+
+
+def _boundary_bytes(runtime: Runtime, model: CostModel) -> float | None:
+    """This model's hidden state per token as a pipeline stage sends it (the autocast dtype, else the
+    parameters'); the cost model's own figure for a model without `config.hidden_size`."""
+    hidden = getattr(getattr(runtime.model.original_module, "config", None), "hidden_size", None)
+    if not isinstance(hidden, int):
+        return model.boundary_bytes_per_token
+    dtype = runtime.mixed_precision or runtime.params[0].dtype
+    return float(hidden * dtype.itemsize)
 
 
 def _forward_backward(runtime: Runtime, plan: Plan, seed: int) -> Callable[[], object]:

@@ -23,7 +23,13 @@ The model is replicated on every rank (data-parallel style): state dicts come fr
 back through `set_state_dict`. A ZeRO-1 `ZeroRedundancyOptimizer` holds only this rank's shard of the
 optimizer state: each rank writes its shard under its own key (`zero_rank<r>_of_<W>`), so nothing is
 gathered to one rank, and a resume needs the same number of ranks. Everything also works without `torch.distributed` initialised (one
-process). The root directory must be on a file system every rank sees (one machine, or a shared mount).
+process).
+
+A pipeline stage (`train/stages.py`) saves its own tensors under the whole model's names (`full_model_name`:
+a stage numbers its layers from 0), so the stages' model tensors never collide and the HDP ranks of one stage
+write theirs once; its optimizer state goes under the stage's key (`stage<s>_of_<pp>`, or
+`zero_stage<s>_of_<pp>_rank<r>_of_<hdp>` with ZeRO-1 over the stage's ranks). A resume needs the same pp_size
+and number of ranks. The root directory must be on a file system every rank sees (one machine, or a shared mount).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from .stages import StageSpec, full_model_name
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -163,8 +171,20 @@ def _model_for_dcp(model: nn.Module) -> nn.Module:
     return model.original_module if hasattr(model, "original_module") else model
 
 
-def _zero_key(optimizer: ZeroRedundancyOptimizer) -> str:
-    return f"zero_rank{optimizer.rank}_of_{optimizer.world_size}"
+def _stage(model: nn.Module) -> StageSpec | None:
+    spec = getattr(model, "spec", None)
+    return spec if isinstance(spec, StageSpec) and spec.pp_size > 1 else None
+
+
+def _shard_key(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """Where this rank's optimizer state goes when it is not the whole model's replicated state: its ZeRO
+    shard and/or its pipeline stage's."""
+    spec = _stage(model)
+    stage = f"stage{spec.index}_of_{spec.pp_size}" if spec is not None else None
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        shard = f"rank{optimizer.rank}_of_{optimizer.world_size}"
+        return f"zero_{stage}_{shard}" if stage else f"zero_{shard}"
+    return stage
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -187,42 +207,50 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What DCP saves and loads in place: {"model": ..., "optim": ...}."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    key = _shard_key(model, optimizer)
+    if key is None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         return {"model": model_sd, "optim": optim_sd}
-    local = optimizer.optim
+    spec = _stage(model)
+    full = (lambda name: full_model_name(spec, name)) if spec is not None else (lambda name: name)
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     _init_optimizer_state(local)
-    names = {p: name for name, p in model.named_parameters()}
+    names = {p: full(name) for name, p in model.named_parameters()}
     shard: dict[str, Any] = {
         f"{names[p]}.{key}": value
         for group in local.param_groups for p in group["params"] for key, value in local.state[p].items()
     }
     shard["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    return {"model": get_model_state_dict(model), "optim": {_zero_key(optimizer): shard}}
+    model_sd = ({full(name): t for name, t in model.state_dict().items()} if spec is not None
+                else get_model_state_dict(model))
+    return {"model": model_sd, "optim": {key: shard}}
 
 
 def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    key = _shard_key(model, optimizer)
+    if key is None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return
-    set_model_state_dict(model, state["model"])  # the shard's tensors were loaded in place
-    for group, saved in zip(optimizer.param_groups, state["optim"][_zero_key(optimizer)]["param_groups"]):
+    if _stage(model) is None:  # a stage's model tensors, like every shard's, are the live ones, loaded in place
+        set_model_state_dict(model, state["model"])
+    for group, saved in zip(optimizer.param_groups, state["optim"][key]["param_groups"]):
         group.update(saved)
 
 
-def _check_optimizer_kind(path: Path, optimizer: torch.optim.Optimizer) -> None:
-    """A ZeRO checkpoint needs a ZeRO optimizer over as many ranks, and a replicated one a replicated one."""
+def _check_optimizer_kind(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A checkpoint of ZeRO shards or pipeline stages needs the same ZeRO and stages over as many ranks, and a
+    replicated one a replicated one."""
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = sorted({k.split(".")[1] for k in keys if k.startswith("optim.zero_rank")})
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        wanted = _zero_key(optimizer)
-        if not any(k.startswith(f"optim.{wanted}.") for k in keys):
-            found = f"ZeRO shards {saved[0]}..{saved[-1]}" if saved else "a replicated (non-ZeRO) optimizer state"
-            raise CheckpointError(f"checkpoint directory {path} holds {found}, but this run needs {wanted}: "
-                                  "resume with the optimizer and number of ranks it was saved with")
-    elif saved:
-        raise CheckpointError(f"checkpoint directory {path} holds ZeRO optimizer shards ({saved[0]}..): "
-                              "resume it with a ZeroRedundancyOptimizer (--zero) on the same number of ranks")
+    saved = sorted({k.split(".")[1] for k in keys if k.startswith(("optim.zero_", "optim.stage"))})
+    wanted = _shard_key(model, optimizer)
+    if wanted is None and saved:
+        kind = "ZeRO optimizer shards" if saved[0].startswith("zero_") else "the optimizer states of pipeline stages"
+        raise CheckpointError(f"checkpoint directory {path} holds {kind} ({saved[0]}..): resume it with the ZeRO "
+                              "setting (--zero), pipeline stages (--pp) and number of ranks it was saved with")
+    if wanted is not None and not any(k.startswith(f"optim.{wanted}.") for k in keys):
+        found = f"optimizer shards {saved[0]}..{saved[-1]}" if saved else "a replicated optimizer state"
+        raise CheckpointError(f"checkpoint directory {path} holds {found}, but this run needs {wanted}: resume with "
+                              "the ZeRO setting (--zero), pipeline stages (--pp) and number of ranks it was saved with")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -462,14 +490,16 @@ def _check_world_size(path: Path) -> None:
                               "run in another --out")
 
 
-def _check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
-    """The checkpoint's model tensors must be this model's, by name and shape (DCP's metadata has both)."""
+def _check_model_shapes(path: Path, model_state: dict[str, Any], whole: bool = True) -> None:
+    """The checkpoint's model tensors must be this model's, by name and shape (DCP's metadata has both); a
+    pipeline stage (`whole=False`) checks its own tensors only."""
     saved = {key[len("model."):]: list(meta.size)
              for key, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
              if key.startswith("model.") and hasattr(meta, "size")}
     now = {name: list(t.shape) for name, t in model_state.items() if isinstance(t, torch.Tensor)}
+    names = saved.keys() | now.keys() if whole else now.keys()
     differences = [f"{name}: saved {saved.get(name, 'absent')}, this model {now.get(name, 'absent')}"
-                   for name in sorted(saved.keys() | now.keys()) if saved.get(name) != now.get(name)]
+                   for name in sorted(names) if saved.get(name) != now.get(name)]
     if differences:
         shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
         raise CheckpointError(f"checkpoint directory {path} holds another model ({len(differences)} tensor(s) "
@@ -484,10 +514,10 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
         raise CheckpointError(f"checkpoint directory {path}: unreadable {TRAIN_STATE_FILE}: {e}") from e
 
     _check_world_size(path)
-    _check_optimizer_kind(path, optimizer)
     target = _model_for_dcp(model)
+    _check_optimizer_kind(path, target, optimizer)
     state = _state_dicts(target, optimizer)  # templates: tensors on their destination devices
-    _check_model_shapes(path, state["model"])
+    _check_model_shapes(path, state["model"], whole=_stage(target) is None)
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))

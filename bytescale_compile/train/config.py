@@ -82,7 +82,9 @@ class TrainConfig:
     allow_config_change: bool = _setting(False, "on --resume, accept settings that differ from the output "
                                                 "directory's config.toml (each is printed); the model and the "
                                                 "number of ranks can never change")
-    zero: bool = _setting(False, "ZeRO-1: shard the optimizer state over the ranks")
+    zero: bool = _setting(False, "ZeRO-1: shard the optimizer state over the ranks (with --pp: over each stage's)")
+    pp: int = _setting(1, "pipeline stages per HDP rank: the job's processes are pp x HDP ranks (stage-major), the "
+                          "model split at decoder layers, each stage run in 1F1B")
     seed: int = _setting(0, "initialisation and batch order")
     cost_model: str | None = _setting(None, "profiled cost model JSON (`bytescale-compile profile`; default: "
                                             "analytic from the model config)")
@@ -108,7 +110,7 @@ class TrainConfig:
         _check_choice("strategy", self.strategy, (*RUNTIME_STRATEGIES, ALL_STRATEGIES))
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("loader", self.loader, LOADERS)
-        for key in ("steps", "global_tokens", "capacity"):
+        for key in ("steps", "global_tokens", "capacity", "pp"):
             _check_int(key, getattr(self, key), 1)
         _check_int("max_len", self.max_len, 2)
         for key in ("warmup", "eval_every", "checkpoint_every", "seed", "prefetch_steps"):

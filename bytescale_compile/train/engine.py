@@ -11,6 +11,10 @@ the loss or the gradient norm is not finite (both are the same on every rank aft
 Strategies differ only in the plan: "balance", "naive", "static" and "auto" (the fastest of the planner's
 candidates under the simulator, `planner/auto.py`) all run through this code.
 
+With pipelines (a stage from `pipeline_stage`, `pp_size > 1`) the forwards and backwards run in 1F1B on the
+stage's ranks (`train/pipeline.py`); gradients are summed over the stage's HDP ranks only, and the norm that
+clipping and the skip test read spans every stage.
+
 Mixed precision is autocast around the forward only: parameters, gradients and optimizer state stay
 fp32 (the master weights), the loss comes back in fp32, and the backward runs outside autocast as
 PyTorch recommends.
@@ -29,7 +33,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,8 +47,18 @@ from ..planner.model_shape import model_shape
 from ..runtime.context import micro_batch
 from ..runtime.offload import get_act_ctx
 from ..sim.simulator import step_time
-from .batch import build_micro_batch, num_targets
+from .batch import (
+    BatchError,
+    BatchLike,
+    ListBatch,
+    ModelProtocolError,
+    RankWork,
+    build_micro_batch,
+    num_targets,
+)
 from .collectives import gather, sync_gradients
+from .pipeline import PipelineExecutor, stage_spec
+from .stages import is_hf_model, stage_inputs
 
 __all__ = ["Runtime", "StepStats", "RankWork", "BatchLike", "ListBatch", "ModelProtocolError", "BatchError",
            "SkippedStepsError", "CostModelWarning", "prediction_off", "PREDICTION_TOLERANCE", "RUNTIME_STRATEGIES"]
@@ -52,14 +66,6 @@ __all__ = ["Runtime", "StepStats", "RankWork", "BatchLike", "ListBatch", "ModelP
 RUNTIME_STRATEGIES = (*STRATEGIES, AUTO)
 """What a Runtime plans with: the planner's strategies, which name a plan, and "auto", which picks one of
 them per step (its plans carry the winner's name, so `planner.STRATEGIES` stays what a Plan may be)."""
-
-
-class ModelProtocolError(TypeError):
-    """The model does not take or return what the runtime's model protocol needs (see DESIGN.md)."""
-
-
-class BatchError(ValueError):
-    """A global batch the runtime cannot train on: not 1-D integer token ids inside the vocabulary."""
 
 
 class SkippedStepsError(RuntimeError):
@@ -74,27 +80,6 @@ PREDICTION_TOLERANCE = 2.0
 """Measured and predicted step time may differ by this factor either way before the runtime warns."""
 _COMPARED_CALLS = (2, 3)
 """Which of a Runtime's steps are held against the prediction: the first compiles the model."""
-
-
-class BatchLike(Protocol):
-    """What `Runtime.step` reads: every length, and tokens only of this rank's micro-batches."""
-
-    lengths: np.ndarray
-
-    def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class RankWork:
-    """What one rank's micro-batches of a step did (`Runtime.forward_backward`)."""
-
-    loss: float
-    busy: float
-    """Seconds in its micro-batches."""
-    micro_batches: int
-    p2p_bytes: int
-    offloaded_bytes: int
-    peak_saved_bytes: int
 
 
 @dataclass
@@ -129,6 +114,11 @@ class StepStats:
     auto_speedup: float | None = None
     """Strategy "auto": the simulated speedup of its choice over static (None also where static cannot plan
     the batch, and for a model that cannot be sharded, which has one plan whatever the strategy)."""
+    stage_bytes: int = 0
+    """Hidden states and gradients all ranks sent between pipeline stages (0 without pipelines)."""
+    bubbles: list[float] | None = None
+    """Pipelines: per HDP rank, the share of its stages' time not spent computing, 1 - (busy seconds of its
+    stages) / (pp x the slowest rank's forward-backward seconds); None without pipelines."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -146,33 +136,17 @@ class StepStats:
         return max(busy) / min(busy) if busy else 1.0
 
 
-class ListBatch:
-    """A list of 1-D integer token tensors as a batch, checked against the vocabulary."""
-
-    def __init__(self, sequences: Sequence[torch.Tensor], vocab_size: int | None) -> None:
-        self.sequences = [torch.as_tensor(s) for s in sequences]
-        for i, seq in enumerate(self.sequences):
-            if seq.dim() != 1 or seq.numel() == 0:
-                raise BatchError(f"sequence {i} has shape {tuple(seq.shape)}: each sequence must be a non-empty 1-D "
-                                 f"tensor of token ids")
-            if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
-                raise BatchError(f"sequence {i} holds {seq.dtype} values: token ids must be integers")
-            low, high = int(seq.min()), int(seq.max())
-            if low < 0 or (vocab_size is not None and high >= vocab_size):
-                raise BatchError(f"sequence {i} holds token id {low if low < 0 else high}, outside the model's "
-                                 f"vocabulary of {vocab_size} (ids 0 to {(vocab_size or 1) - 1})")
-        self.lengths = np.array([s.numel() for s in self.sequences], dtype=np.int64)
-
-    def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor:
-        return self.sequences[seq][start:end].long()
-
-
 class Runtime:
     """`Runtime(model, optimizer, config, cost_model, strategy)`; `step(batch) -> StepStats`,
     `evaluate(batch) -> float`.
 
     `mixed_precision` (None or torch.bfloat16/float16) is the autocast dtype of every forward; the model
     stays where it is, and every micro-batch input goes to the device of its parameters.
+
+    Given a pipeline stage (`bsc.pipeline_stage(model, pp_size)`) instead of a whole model, the job's
+    `pp_size * hdp` processes train pipelines: `rank` and `world_size` are then the HDP rank and the number
+    of HDP ranks (what plans are made for), the plans have the stage's `pp_size`, each step runs in 1F1B
+    (`train/pipeline.py`), and the optimizer holds the stage's parameters only.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
@@ -193,16 +167,26 @@ class Runtime:
         self.cost_model = cost_model or default_cost_model(self.model)
         self.strategy, self.capacity, self.max_grad_norm = strategy, capacity, max_grad_norm
         self.context_length = context_length
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.global_world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.device = next(self.model.parameters()).device
         self.mixed_precision = mixed_precision
+        spec = stage_spec(self.model)
+        self.pp_size = spec.pp_size if spec is not None else 1
+        self.pipeline = (PipelineExecutor(self.model, autocast=self._autocast, offload_ratio=self._offload_ratio)
+                         if spec is not None else None)
+        """The 1F1B executor of this rank's stage; None for a whole model."""
+        self.world_size = self.global_world_size // self.pp_size
+        """HDP ranks: the ranks a plan is made for."""
+        self.rank = self.global_rank % self.world_size
         if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps must be an int >= 1, got {max_skipped_steps!r}")
         self.max_skipped_steps = max_skipped_steps
         self.vocab_size = _vocab_size(self.model.original_module)
-        self._hf_labels = "labels" in inspect.signature(self.model.original_module.forward).parameters
+        original = self.model.original_module
+        self._hf_labels = is_hf_model(original) or "labels" in inspect.signature(original.forward).parameters
+        self._blockers: list[str] | None = None
         self.steps = 0
         self._skipped_in_a_row: list[int] = []
         self._timed: list[StepStats] = []
@@ -216,15 +200,17 @@ class Runtime:
         """
         blockers = self.shard_blockers()
         result = plan(lengths, self.world_size, self.capacity, self.cost_model, strategy=self.strategy,
-                      context_length=self.context_length, shard_blocker="; ".join(blockers) or None)
+                      pp_size=self.pp_size, context_length=self.context_length,
+                      shard_blocker="; ".join(blockers) or None)
         result.validate()
         return result
 
     def _given_plan(self, given: Plan, lengths: np.ndarray) -> Plan:
         """`given`, validated and checked to be a plan of `lengths` for this world size."""
         given.validate()
-        if given.world_size != self.world_size:
-            raise BatchError(f"the given plan is for {given.world_size} ranks, this run has {self.world_size}")
+        if (given.world_size, given.pp_size) != (self.world_size, self.pp_size):
+            raise BatchError(f"the given plan is for {given.world_size} HDP ranks x pp_size {given.pp_size}, this run "
+                             f"has {self.world_size} x {self.pp_size}")
         if list(given.sequences) != np.asarray(lengths).tolist():
             raise BatchError(f"the given plan is of sequence lengths {list(given.sequences)[:8]}..., not the batch's "
                              f"{np.asarray(lengths).tolist()[:8]}... ({len(given.sequences)} vs {len(lengths)} "
@@ -234,10 +220,18 @@ class Runtime:
     def shard_blockers(self) -> list[str]:
         """Why this model's sequences cannot be split over ranks or packed (empty: they can); compiles it first
         if needed. Every rank compiles the same model, so every rank reaches the same answer without communicating.
+        Pipeline stages hold different layers: the first call gathers every stage's reasons (a collective), so
+        every rank plans alike.
         """
         if not self.model.compilations:
             self._compile_probe()
-        return self.model.shard_blockers()
+        if self.pipeline is None:
+            return self.model.shard_blockers()
+        if self._blockers is None:
+            everyone: list[list[str]] = [[] for _ in range(self.global_world_size)]
+            dist.all_gather_object(everyone, self.model.shard_blockers())
+            self._blockers = list(dict.fromkeys(reason for reasons in everyone for reason in reasons))
+        return self._blockers
 
     def _compile_probe(self) -> None:
         """Compile the model on a tiny packed row (two sequences of 4 tokens) so planning can read its report.
@@ -251,6 +245,9 @@ class Runtime:
                   "num_items_in_batch": torch.tensor(6, device=self.device)}
         if self._hf_labels:
             kwargs["labels"] = labels
+        if self.pipeline is not None:
+            hidden = torch.zeros(1, 8, self.pipeline.hidden_size, device=self.device, dtype=self.params[0].dtype)
+            kwargs = stage_inputs(self.pipeline.spec, kwargs, None if self.pipeline.spec.is_first else hidden)
         self.model.train()
         with self._autocast():
             self.model(**kwargs)
@@ -269,11 +266,15 @@ class Runtime:
         step_plan = self.plan(np.asarray(batch.lengths)) if plan is None else self._given_plan(plan, batch.lengths)
         plan_time = time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=False)
+        began = time.perf_counter()
         work = self.forward_backward(step_plan, batch)
-        allreduce_bytes = self._sync_gradients()
+        forward_backward_time = time.perf_counter() - began
+        allreduce_bytes = sync_gradients(self.params, self.world_size,
+                                         self.pipeline.stage_group if self.pipeline is not None else None)
         totals = self._gather([work.loss, work.busy, float(work.micro_batches), float(work.p2p_bytes),
-                               float(work.offloaded_bytes), float(work.peak_saved_bytes)])
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
+                               float(work.offloaded_bytes), float(work.peak_saved_bytes), float(work.stage_bytes),
+                               forward_backward_time])
+        grad_norm = self._clip_gradients()
         skipped = not (math.isfinite(grad_norm) and math.isfinite(float(totals[:, 0].sum())))
         if not skipped:
             self.optimizer.step()
@@ -288,13 +289,16 @@ class Runtime:
                           offloaded_bytes=int(totals[:, 4].sum()), peak_saved_bytes=totals[:, 5].astype(int).tolist(),
                           plan=step_plan, grad_norm=grad_norm, skipped=skipped,
                           predicted_time=step_time(step_plan, self.cost_model), auto_choice=auto.get("chosen"),
-                          auto_speedup=auto.get("speedup_over_static"))
+                          auto_speedup=auto.get("speedup_over_static"), stage_bytes=int(totals[:, 6].sum()),
+                          bubbles=self._bubbles(totals[:, 1], float(totals[:, 7].max())))
         self._compare_with_prediction(stats)
         return stats
 
     def forward_backward(self, step_plan: Plan, batch: BatchLike) -> RankWork:
         """Forward and backward of this rank's micro-batches of `step_plan`, gradients accumulated into `.grad`
         and not yet summed over ranks: a step without its gradient sync and optimizer update."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(step_plan, batch)
         num_items = num_targets(batch.lengths)
         self.model.train()
         loss, busy, p2p = torch.zeros((), device=self.device), 0.0, 0
@@ -321,7 +325,7 @@ class Runtime:
         if len(self._timed) >= _COMPARED_CALLS[-1]:
             return
         self._timed.append(stats)
-        if len(self._timed) < _COMPARED_CALLS[-1] or self.rank != 0:
+        if len(self._timed) < _COMPARED_CALLS[-1] or self.global_rank != 0:
             return
         compared = self._timed[_COMPARED_CALLS[0] - 1:]
         measured, predicted = sum(s.time for s in compared), sum(s.predicted_time for s in compared)
@@ -336,6 +340,8 @@ class Runtime:
         if not hasattr(batch, "lengths"):
             batch = ListBatch(batch, self.vocab_size)
         step_plan = self.plan(np.asarray(batch.lengths))
+        if self.pipeline is not None:
+            return float(self._gather([self.pipeline.evaluate(step_plan, batch)])[:, 0].sum())
         num_items = num_targets(batch.lengths)
         loss = torch.zeros((), dtype=torch.float64)
         self.model.eval()
@@ -375,12 +381,25 @@ class Runtime:
             return mb.offload_ratio
         return 0.0 if mode == "off" else float(mode)
 
-    def _sync_gradients(self) -> int:
-        """Sum gradients over all ranks; ranks without micro-batches add zeros."""
-        return sync_gradients(self.params, self.world_size)
+    def _clip_gradients(self) -> float:
+        """Clip the summed gradients to `max_grad_norm` over the whole model (every stage); their norm before."""
+        if self.pipeline is None:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
+        norm = self.pipeline.grad_norm(self.params)
+        if self.max_grad_norm is not None and math.isfinite(norm) and self.max_grad_norm / (norm + 1e-6) < 1.0:
+            for p in self.params:
+                p.grad.mul_(self.max_grad_norm / (norm + 1e-6))
+        return norm
+
+    def _bubbles(self, busy: np.ndarray, forward_backward_time: float) -> list[float] | None:
+        """Each pipeline's measured bubble rate from its stages' busy seconds (stage-major ranks)."""
+        if self.pipeline is None or forward_backward_time <= 0:
+            return None
+        per_stage = busy.reshape(self.pp_size, self.world_size)
+        return (1.0 - per_stage.sum(axis=0) / (self.pp_size * forward_backward_time)).tolist()
 
     def _gather(self, values: list[float]) -> np.ndarray:
-        return gather(values, self.rank, self.world_size, self.device)
+        return gather(values, self.global_rank, self.global_world_size, self.device)
 
 
 def _check_int(name: str, value: object) -> None:
@@ -410,7 +429,12 @@ def default_cost_model(model: nn.Module) -> CostModel:
 
 
 def _vocab_size(model: nn.Module) -> int | None:
-    """Rows of the input embedding (HF `get_input_embeddings()`, else the first `nn.Embedding`); None without one."""
+    """Rows of the input embedding (HF `get_input_embeddings()`, else the first `nn.Embedding`), or the config's
+    `vocab_size` (a pipeline stage after the first, which holds no embedding, checks the batch alike); None
+    without either."""
     getter = getattr(model, "get_input_embeddings", None)
     embedding = getter() if callable(getter) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None
+    if isinstance(embedding, nn.Embedding):
+        return embedding.num_embeddings
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None

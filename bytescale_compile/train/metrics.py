@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planner import CostModel
-from ..sim.simulator import busy_times, p2p_bytes, simulate
+from ..sim.simulator import busy_times, p2p_bytes, pipeline_bubbles, simulate
 from .engine import StepStats
 
 __all__ = ["METRICS_FILE", "MetricsLog", "StepRecord", "echo", "progress"]
@@ -25,8 +25,9 @@ __all__ = ["METRICS_FILE", "MetricsLog", "StepRecord", "echo", "progress"]
 METRICS_FILE = "metrics.jsonl"
 _SCALARS = ("loss", "tokens_per_second", "lr", "grad_norm", "eval_loss", "auto_speedup")
 """What goes to TensorBoard."""
-_OPTIONAL = ("eval_loss", "auto_choice", "auto_speedup")
-"""Left out of a metrics.jsonl line when None: steps without evaluation, strategies other than auto."""
+_OPTIONAL = ("eval_loss", "auto_choice", "auto_speedup", "bubbles", "predicted_bubbles")
+"""Left out of a metrics.jsonl line when None: steps without evaluation, strategies other than auto, runs
+without pipelines."""
 
 
 @dataclass
@@ -57,6 +58,11 @@ class StepRecord:
     prefetching keeps it off the critical path."""
     auto_choice: str | None = None
     auto_speedup: float | None = None
+    stage_bytes: int = 0
+    bubbles: list[float] | None = None
+    """Pipelines (--pp > 1): each HDP rank's measured bubble rate (`StepStats.bubbles`)."""
+    predicted_bubbles: list[float] | None = None
+    """The simulator's stage-by-stage bubble rate of each pipeline for the same plan."""
 
     @classmethod
     def from_stats(cls, stats: StepStats, lr: float, cost_model: CostModel, data_wait_s: float = 0.0,
@@ -74,7 +80,8 @@ class StepRecord:
                    predicted_busy_spread=float(busy.max() / busy.min()) if busy.size else 1.0,
                    predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model), data_wait_s=data_wait_s,
                    plan_time_s=stats.plan_time if plan_time_s is None else plan_time_s, auto_choice=stats.auto_choice,
-                   auto_speedup=stats.auto_speedup)
+                   auto_speedup=stats.auto_speedup, stage_bytes=stats.stage_bytes, bubbles=stats.bubbles,
+                   predicted_bubbles=pipeline_bubbles(stats.plan, cost_model) if stats.bubbles is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if value is not None or key not in _OPTIONAL}
@@ -84,6 +91,9 @@ class StepRecord:
                 f"{self.tokens_per_second:,.0f} tokens/s, {self.time:.2f} s (predicted {self.predicted_time:.2f}), "
                 f"busy max/min {self.busy_spread:.2f}, "
                 f"micro-batches per rank {self.micro_batches}")
+        if self.bubbles is not None and self.predicted_bubbles is not None:
+            pairs = ", ".join(f"{m:.2f}/{p:.2f}" for m, p in zip(self.bubbles, self.predicted_bubbles))
+            line += f", bubble per pipeline {pairs} (measured/predicted)"
         if self.skipped:
             line += ", SKIPPED (non-finite loss or gradient)"
         if self.auto_choice is not None:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -26,11 +27,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                    zero: bool = False) -> torch.optim.Optimizer:
-    """AdamW over `param_groups`; with `zero`, ZeRO-1 (each rank keeps and updates its shard of the state)."""
+                    zero: bool = False, process_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    """AdamW over `param_groups`; with `zero`, ZeRO-1 (each rank of `process_group`, default all, keeps and
+    updates its shard of the state; a pipeline stage passes its `stage_group`)."""
     groups = [g for g in param_groups(model, weight_decay) if g["params"]]
     if zero:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr, betas=betas)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=process_group,
+                                       lr=lr, betas=betas)
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 

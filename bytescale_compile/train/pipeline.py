@@ -1,5 +1,7 @@
-"""The 1F1B pipeline executor: one optimizer step of an HDP plan with `pp_size > 1` (ByteScale's PP inside
-each HDP rank, whose pipelines may run different numbers of micro-batches: the paper's "Solve PP Imbalance").
+"""The 1F1B pipeline executor: a step's forwards and backwards of an HDP plan with `pp_size > 1` on one stage
+rank (ByteScale's PP inside each HDP rank, whose pipelines may run different numbers of micro-batches: the
+paper's "Solve PP Imbalance"). The `Runtime` drives it: it plans, then sums the stage's gradients, clips over
+all stages and steps the optimizer.
 
 The job has `hdp * pp` processes, stage-major: global rank `g` runs stage `g // hdp` of pipeline (HDP rank)
 `g % hdp`, so its previous stage is `g - hdp` and its next `g + hdp`. Every stage rank of pipeline `i` runs
@@ -8,17 +10,15 @@ deadlock-free, also the simulator's — with blocking receives and non-blocking 
 
 - F(k): build the micro-batch's inputs; a stage after the first receives the previous stage's hidden states
   `[1, tokens this rank holds, hidden]` (a small header first, so a wrong micro-batch or shape is an error,
-  not a hang or garbage), runs its stage under the micro-batch's context and sends the output on; the last
-  stage keeps the loss.
+  not a hang or garbage), runs its stage under the micro-batch's context, the act_ctx and autocast, and sends
+  the output on; the last stage keeps the loss.
 - B(k): the last stage back-propagates its loss, the others the gradient received from the next stage, both
-  under the same context again (ring attention's backward reads it); a stage after the first sends its
-  input's gradient back.
+  under the same contexts again (ring attention's backward reads the micro-batch's, the offloaded
+  activations come back through the act_ctx); a stage after the first sends its input's gradient back.
 
 A micro-batch shared by several pipelines runs ring attention among the stage's global ranks of those
-pipelines. Afterwards the gradients of each stage are summed over its HDP ranks (one process group per
-stage), the gradient norm is taken over all stages for clipping, and one optimizer step follows — skipped on
-every rank when the loss or the norm is not finite, as in the HDP `Runtime`. Activation offloading is not
-applied here (every micro-batch runs with ratio 0).
+pipelines. Each stage offloads the plan's share r of its own micro-batches' saved activations (several are
+in flight under 1F1B: the act_ctx keys them by micro-batch). Evaluation runs the same order's forwards only.
 
 `torch.distributed.pipelining` is not used: its stages infer one activation shape from the first
 micro-batch and receive every micro-batch into buffers of that shape, its schedules take a fixed number of
@@ -29,10 +29,11 @@ context; ByteScale's micro-batches differ in length and count per pipeline, and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,16 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..planner.pipeline_order import chained_micro_batches, stage_order
+from ..planner.pipeline_order import Op, chained_micro_batches, stage_order
 from ..planner.plan import MicroBatch, Plan, PlanError
 from ..runtime.context import MicroBatchContext, micro_batch
-from .batch import MicroBatchInputs, build_micro_batch, num_targets
-from .collectives import gather, sync_gradients
-from .engine import BatchLike, ListBatch, ModelProtocolError
-from .stages import StageSpec, is_hf_model, stage_inputs
+from ..runtime.offload import ActivationContext, get_act_ctx
+from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
+from .stages import StageSpec, full_model_name, is_hf_model, split_stages, stage_inputs
 
-__all__ = ["PipelineExecutor", "PipelineStats", "StageWork", "PipelineSetupError", "StageTransferError",
-           "check_stage_plan"]
+__all__ = ["PipelineExecutor", "PipelineSetupError", "StageTransferError", "check_stage_plan", "gather_stage_weights",
+           "pipeline_stage", "stage_group", "stage_spec"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """Activation dtypes a header can name, by index."""
@@ -67,27 +67,6 @@ class StageTransferError(RuntimeError):
 
 
 @dataclass
-class PipelineStats:
-    """One pipeline step, the same on every rank (lists are indexed by global rank)."""
-
-    loss: float
-    """Token-level loss of the global batch: the sum over the last stage's ranks."""
-    time: float
-    busy: list[float]
-    """Seconds each rank computed in its micro-batches (waits for the neighbouring stages left out)."""
-    micro_batches: list[int]
-    stage_bytes: int
-    """Activation and gradient bytes all ranks sent between stages."""
-    ring_bytes: int
-    """Ring-attention bytes all ranks sent."""
-    allreduce_bytes: int
-    """Gradient bytes this rank all-reduced with the other HDP ranks of its stage."""
-    grad_norm: float
-    """Of the whole model's summed gradient (all stages), before clipping."""
-    skipped: bool
-
-
-@dataclass
 class _InFlight:
     """One micro-batch between its forward and its backward on this stage."""
 
@@ -99,13 +78,73 @@ class _InFlight:
 
 
 @dataclass
-class StageWork:
-    """What this stage rank's ops of a step did (`PipelineExecutor.forward_backward`), before any reduction."""
+class _Tally:
+    """This stage rank's running figures of a step."""
 
     loss: float = 0.0
     busy: float = 0.0
     stage_bytes: int = 0
     ring_bytes: int = 0
+
+
+def stage_spec(model: nn.Module) -> StageSpec | None:
+    """The `StageSpec` of a module from `split_stages` (through `optimize()` or not); None for a whole model."""
+    spec = getattr(getattr(model, "original_module", model), "spec", None)
+    return spec if isinstance(spec, StageSpec) else None
+
+
+def pipeline_stage(model: nn.Module, pp_size: int) -> nn.Module:
+    """This process's stage of `model` in a job of `pp_size` x HDP processes (stage-major: global rank `g`
+    runs stage `g // hdp`); the model itself for `pp_size == 1`. Every rank builds the whole model first."""
+    if pp_size == 1:
+        return model
+    if not dist.is_initialized():
+        raise PipelineSetupError(f"pp_size {pp_size} needs torch.distributed initialised with pp_size x HDP "
+                                 f"processes (torchrun --nproc_per_node)")
+    world = dist.get_world_size()
+    if world % pp_size:
+        raise PipelineSetupError(f"{world} processes cannot hold pipelines of {pp_size} stages: run a multiple of "
+                                 f"{pp_size} processes (pp_size x HDP ranks)")
+    return split_stages(model, pp_size)[dist.get_rank() // (world // pp_size)]
+
+
+_groups: dict[tuple[int, int], list[dist.ProcessGroup]] = {}
+
+
+def stage_group(spec: StageSpec) -> dist.ProcessGroup:
+    """The process group of stage `spec.index`'s HDP ranks, over which its gradients are summed and its ZeRO
+    shards live. The first call creates every stage's group, on every rank at once (a collective)."""
+    world = dist.get_world_size()
+    key = (world, spec.pp_size)
+    if key not in _groups:
+        hdp = world // spec.pp_size
+        _groups[key] = [dist.new_group([s * hdp + r for r in range(hdp)]) for s in range(spec.pp_size)]
+    return _groups[key][spec.index]
+
+
+def gather_stage_weights(model: nn.Module, stage: nn.Module) -> None:
+    """Copy every stage's parameters and buffers into global rank 0's whole `model` (the others' copies of
+    the other stages stay as they were): what a save of the whole model after pipeline training needs. Every
+    rank calls it; the first HDP rank of each stage sends."""
+    spec = stage_spec(stage)
+    if spec is None:
+        return
+    hdp = dist.get_world_size() // spec.pp_size
+    plain = getattr(stage, "original_module", stage)
+    mine = ({full_model_name(spec, name): t.detach().cpu() for name, t in plain.state_dict().items()}
+            if dist.get_rank() % hdp == 0 else {})
+    gathered: list[dict[str, torch.Tensor]] | None = None
+    if dist.get_rank() == 0:
+        gathered = [{} for _ in range(dist.get_world_size())]
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return
+    whole = model.state_dict()
+    for tensors in gathered:
+        for name, tensor in tensors.items():
+            if name not in whole:
+                raise PipelineSetupError(f"stage tensor {name} is not in the whole model {type(model).__name__}")
+            whole[name].copy_(tensor)
 
 
 def check_stage_plan(plan: Plan, spec: StageSpec, world_size: int, rank: int) -> None:
@@ -124,120 +163,140 @@ def check_stage_plan(plan: Plan, spec: StageSpec, world_size: int, rank: int) ->
 
 
 class PipelineExecutor:
-    """`PipelineExecutor(stage, optimizer)`; `step(plan, batch) -> PipelineStats`.
+    """`PipelineExecutor(stage)`; `forward_backward(plan, batch) -> RankWork`, `evaluate(plan, batch)`,
+    `grad_norm(params)`.
 
-    `stage` is this rank's module from `split_stages(model, pp_size)` (plain or through `optimize()`), the
-    optimizer over its parameters. Construct it on every rank at once: it creates one process group per
-    stage (a collective call).
+    `stage` is this rank's module from `split_stages(model, pp_size)`, through `optimize()`. `autocast` makes
+    the context every forward runs in (mixed precision), `offload_ratio` gives a micro-batch's share r of
+    saved activations to offload. Construct it on every rank at once: it creates one process group per stage
+    (a collective call), `stage_group`, over which the stage's gradients are summed.
     """
 
-    def __init__(self, stage: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 max_grad_norm: float | None = 1.0) -> None:
-        spec = getattr(stage, "spec", None)
-        if not isinstance(spec, StageSpec):
+    def __init__(self, stage: nn.Module, *,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 offload_ratio: Callable[[MicroBatch], float] = lambda mb: 0.0) -> None:
+        spec = stage_spec(stage)
+        if spec is None:
             raise PipelineSetupError(f"{type(stage).__name__} has no StageSpec .spec: pass a module from "
                                      f"split_stages(model, pp_size), optionally through optimize()")
         if not dist.is_initialized():
-            raise PipelineSetupError("the pipeline executor needs torch.distributed initialised (hdp * pp processes)")
-        self.stage, self.spec, self.optimizer, self.max_grad_norm = stage, spec, optimizer, max_grad_norm
+            raise PipelineSetupError(f"a pipeline of {spec.pp_size} stages needs torch.distributed initialised with "
+                                     f"pp_size x HDP processes (torchrun --nproc_per_node)")
+        self.stage, self.spec, self.autocast, self.offload_ratio = stage, spec, autocast, offload_ratio
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size % spec.pp_size:
-            raise PipelineSetupError(f"{self.world_size} processes cannot hold pipelines of {spec.pp_size} stages")
+            raise PipelineSetupError(f"{self.world_size} processes cannot hold pipelines of {spec.pp_size} stages: "
+                                     f"the job needs a multiple of {spec.pp_size}")
         self.hdp = self.world_size // spec.pp_size
         if self.rank // self.hdp != spec.index:
             raise PipelineSetupError(f"global rank {self.rank} runs stage {self.rank // self.hdp} (stage-major, "
                                      f"{self.hdp} HDP ranks) but holds stage module {spec.index}")
         self.hdp_rank = self.rank % self.hdp
-        groups = [dist.new_group([s * self.hdp + r for r in range(self.hdp)]) for s in range(spec.pp_size)]
-        self.stage_group = groups[spec.index]
-        self.params = [p for p in stage.parameters() if p.requires_grad]
-        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.stage_group = stage_group(spec)
+        params = list(stage.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
         model = getattr(stage, "original_module", stage)
         self.hidden_size = int(model.config.hidden_size)
         self._hf_labels = is_hf_model(model)
 
-    def step(self, plan: Plan, batch: BatchLike | Sequence[torch.Tensor]) -> PipelineStats:
-        """Forward and backward of this stage's micro-batches of `plan`, gradient sync, clipping, optimizer step."""
-        if not hasattr(batch, "lengths"):
-            batch = ListBatch(batch, None)
-        start = time.perf_counter()
-        self._check(plan, batch)
-        self.optimizer.zero_grad(set_to_none=False)
-        work = self.forward_backward(plan, batch)
-        allreduce_bytes = sync_gradients(self.params, self.hdp, self.stage_group)
-        # after the sync a stage's HDP ranks hold equal gradients: one of them counts the stage's share of the norm
-        stage_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params) if self.hdp_rank == 0 else 0.0
-        totals = gather([work.loss, work.busy, float(len(plan.schedule[self.hdp_rank])), stage_sq,
-                         float(work.stage_bytes), float(work.ring_bytes)], self.rank, self.world_size, self.device)
-        loss, grad_norm = float(totals[:, 0].sum()), math.sqrt(float(totals[:, 3].sum()))
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not skipped:
-            self._clip(grad_norm)
-            self.optimizer.step()
-        return PipelineStats(loss=loss, time=time.perf_counter() - start, busy=totals[:, 1].tolist(),
-                             micro_batches=totals[:, 2].astype(int).tolist(), stage_bytes=int(totals[:, 4].sum()),
-                             ring_bytes=int(totals[:, 5].sum()), allreduce_bytes=allreduce_bytes,
-                             grad_norm=grad_norm, skipped=skipped)
-
-    def _check(self, plan: Plan, batch: BatchLike) -> None:
+    def check(self, plan: Plan, batch: BatchLike) -> None:
+        """`check_stage_plan`, and the batch's lengths against the plan's."""
         check_stage_plan(plan, self.spec, self.world_size, self.rank)
         lengths = [int(n) for n in np.asarray(batch.lengths)]
         if lengths != plan.sequences:
             raise PlanError(f"the plan was made for sequence lengths {plan.sequences[:8]}... but the batch has "
                             f"{lengths[:8]}...: plan this batch")
 
-    def forward_backward(self, plan: Plan, batch: BatchLike) -> StageWork:
+    def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
         """This stage's F and B ops of its pipeline, in `stage_order`; gradients accumulate in `.grad`."""
+        self.check(plan, batch)
+        mine, order = self._ops(plan)
+        act_ctx = get_act_ctx(len(mine), [self.offload_ratio(mb) for mb in mine])
+        self.stage.train()
+        tally = self._run(order, mine, batch, act_ctx)
+        return RankWork(loss=tally.loss, busy=tally.busy, micro_batches=len(mine), p2p_bytes=tally.ring_bytes,
+                        offloaded_bytes=sum(s.offloaded_bytes for s in act_ctx.stats),
+                        peak_saved_bytes=max((s.peak_resident_bytes for s in act_ctx.stats), default=0),
+                        stage_bytes=tally.stage_bytes)
+
+    def evaluate(self, plan: Plan, batch: BatchLike) -> float:
+        """This rank's summed loss of `plan`'s micro-batches (0 before the last stage): the forwards of
+        `stage_order` alone, without gradients (dropping the backwards keeps the order deadlock-free)."""
+        self.check(plan, batch)
+        mine, order = self._ops(plan)
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                forwards = [op for op in order if op[0] == "F"]
+                return self._run(forwards, mine, batch, get_act_ctx(len(mine), [0.0] * len(mine))).loss
+        finally:
+            self.stage.train()
+
+    def grad_norm(self, params: list[nn.Parameter]) -> float:
+        """The 2-norm of the whole model's gradient, over every stage, once each stage's gradients are summed
+        over its HDP ranks (its ranks then hold equal ones: the first of them counts the stage)."""
+        squares = sum(float(p.grad.double().pow(2).sum()) for p in params) if self.hdp_rank == 0 else 0.0
+        total = torch.tensor(squares, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return math.sqrt(float(total))
+
+    def _ops(self, plan: Plan) -> tuple[list[MicroBatch], list[Op]]:
         mine = plan.micro_batches_of(self.hdp_rank)
         chained = chained_micro_batches(plan)
-        order = stage_order(self.spec.index, self.spec.pp_size, [mb.shared for mb in mine],
-                            [mb.id in chained for mb in mine])
+        return mine, stage_order(self.spec.index, self.spec.pp_size, [mb.shared for mb in mine],
+                                 [mb.id in chained for mb in mine])
+
+    def _run(self, order: list[Op], mine: list[MicroBatch], batch: BatchLike, act_ctx: ActivationContext) -> _Tally:
         num_items = num_targets(batch.lengths)
-        self.stage.train()
-        work, in_flight, sends = StageWork(), {}, []
+        tally, in_flight, sends = _Tally(), {}, []
         for kind, k in order:
             began = time.perf_counter()
+            act_ctx.update_micro_batch_id(k)
             if kind == "F":
                 inputs = build_micro_batch(mine[k], self.hdp_rank, batch.lengths, batch.tokens, num_items)
-                in_flight[k], waited = self._forward(inputs, sends, work)
+                in_flight[k], waited = self._forward(inputs, act_ctx, sends, tally)
             else:
-                waited = self._backward(mine[k], in_flight.pop(k), sends, work)
-            work.busy += time.perf_counter() - began - waited
+                waited = self._backward(mine[k], in_flight.pop(k), act_ctx, sends, tally)
+            tally.busy += time.perf_counter() - began - waited
             sends = [(request, t) for request, t in sends if not request.is_completed()]
         for request, _ in sends:
             request.wait()
-        return work
+        return tally
 
-    def _forward(self, inputs: MicroBatchInputs, sends: _Sends, work: StageWork) -> tuple[_InFlight, float]:
+    def _forward(self, inputs: MicroBatchInputs, act_ctx: ActivationContext, sends: _Sends,
+                 tally: _Tally) -> tuple[_InFlight, float]:
         """F: receive (after the first stage), run the stage, send on (before the last); the seconds waited."""
         mb, waited, received = inputs.micro_batch, 0.0, None
         if not self.spec.is_first:
             shape = (1, inputs.num_tokens, self.hidden_size)
             received, waited = self._receive(self.rank - self.hdp, mb, "hidden states", shape)
-            received.requires_grad_()
+            received.requires_grad_(torch.is_grad_enabled())
         context = self._context(inputs)
-        with micro_batch(ctx=context):
-            out = self.stage(**stage_inputs(self.spec, inputs.model_kwargs(self.device, self._hf_labels), received))
+        kwargs = stage_inputs(self.spec, inputs.model_kwargs(self.device, self._hf_labels), received)
+        with micro_batch(ctx=context), act_ctx, self.autocast():
+            out = self.stage(**kwargs)
         if self.spec.is_last:
             out = self._loss(out).float()
-            work.loss += float(out.detach())
+            tally.loss += float(out.detach())
         else:
-            work.stage_bytes += self._send(out, self.rank + self.hdp, mb, sends)
+            tally.stage_bytes += self._send(out, self.rank + self.hdp, mb, sends)
+        tally.ring_bytes += context.ring_stats.bytes_sent
         return _InFlight(context, received, out), waited
 
-    def _backward(self, mb: MicroBatch, state: _InFlight, sends: _Sends, work: StageWork) -> float:
+    def _backward(self, mb: MicroBatch, state: _InFlight, act_ctx: ActivationContext, sends: _Sends,
+                  tally: _Tally) -> float:
         """B: back-propagate the loss or the next stage's gradient, send the input's gradient back; the seconds
         waited."""
-        waited = 0.0
-        with micro_batch(ctx=state.context):
+        waited, sent_before = 0.0, state.context.ring_stats.bytes_sent
+        with micro_batch(ctx=state.context), act_ctx:
             if self.spec.is_last:
                 state.output.backward()
             else:
                 grad, waited = self._receive(self.rank + self.hdp, mb, "gradient", tuple(state.output.shape))
                 torch.autograd.backward(state.output, grad)
         if state.received is not None:
-            work.stage_bytes += self._send(state.received.grad, self.rank - self.hdp, mb, sends)
-        work.ring_bytes += state.context.ring_stats.bytes_sent
+            tally.stage_bytes += self._send(state.received.grad, self.rank - self.hdp, mb, sends)
+        tally.ring_bytes += state.context.ring_stats.bytes_sent - sent_before
         return waited
 
     def _context(self, inputs: MicroBatchInputs) -> MicroBatchContext:
@@ -277,12 +336,3 @@ class PipelineExecutor:
         tensor = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
         dist.recv(tensor, src=peer)
         return tensor, time.perf_counter() - began
-
-    def _clip(self, grad_norm: float) -> None:
-        """Scale the gradients as `clip_grad_norm_` would over the whole model (the norm spans every stage)."""
-        if self.max_grad_norm is None:
-            return
-        coef = self.max_grad_norm / (grad_norm + 1e-6)
-        if coef < 1.0:
-            for p in self.params:
-                p.grad.mul_(coef)

@@ -66,11 +66,13 @@ class PlanSettings:
     """What the scheduler plans with: the same arguments `Runtime.plan` passes to `planner.plan`."""
 
     world_size: int
+    """HDP ranks."""
     capacity: int
     cost_model: CostModel
     strategy: str
     context_length: int | None = None
     shard_blocker: str | None = None
+    pp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,7 @@ class Scheduler:
         began = time.perf_counter()
         s = self.settings
         step_plan = plan(batch.lengths, s.world_size, s.capacity, s.cost_model, strategy=s.strategy,
-                         context_length=s.context_length, shard_blocker=s.shard_blocker)
+                         pp_size=s.pp_size, context_length=s.context_length, shard_blocker=s.shard_blocker)
         step_plan.validate()
         return PlannedStep(step, batch.indices, batch.lengths, step_plan, time.perf_counter() - began,
                            self.sampler.state_dict())

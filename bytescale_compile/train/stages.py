@@ -31,6 +31,7 @@ Other models are split as our LLaMA (examples/models/llama.py): `embed_tokens`, 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -38,10 +39,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["StageSpec", "StageOutput", "UnsupportedModelError", "is_hf_model", "stage_specs", "split_stages",
-           "stage_inputs"]
+__all__ = ["StageSpec", "StageOutput", "UnsupportedModelError", "full_model_name", "is_hf_model", "stage_specs",
+           "split_stages", "stage_inputs"]
 
 _FIRST_STAGE_KWARGS = ("input_ids", "position_ids")
+_LAYER_NAME = re.compile(r"^((?:model\.)?layers)\.(\d+)\.")
+"""A decoder layer's name prefix in a stage: `layers.<j>.` (ours) or `model.layers.<j>.` (Hugging Face)."""
 _FINAL_NORMS = ("norm", "final_layernorm")
 """Names of a Hugging Face base model's final norm (LLaMA's, Phi's and Persimmon's)."""
 
@@ -101,6 +104,12 @@ def stage_inputs(spec: StageSpec, model_kwargs: Mapping[str, Any],
         rest = {k: v for k, v in model_kwargs.items() if k != "input_ids"}
         return {"hidden_states": hidden_states, **rest}
     return {"hidden_states": hidden_states, "position_ids": model_kwargs["position_ids"]}
+
+
+def full_model_name(spec: StageSpec, name: str) -> str:
+    """The whole model's name of a stage's parameter or buffer `name`: a stage numbers its layers from 0.
+    Checkpoints and final/ use these names, so no two stages' tensors share one."""
+    return _LAYER_NAME.sub(lambda m: f"{m[1]}.{int(m[2]) + spec.layers.start}.", name, count=1)
 
 
 def split_stages(model: nn.Module, pp_size: int) -> list[nn.Module]:

@@ -9,6 +9,12 @@ step, evaluation, checkpoints, metrics and, for Hugging Face models, `final/`. T
 optimized model (its weights reset in place between them), so the model compiles once per run: a plan
 changes only the micro-batch context, never the graphs. It works in one process without
 `torch.distributed` as well as under torchrun.
+
+With `--pp N` every rank builds the whole model on the host, moves only its pipeline stage to the device
+(`pipeline_stage`: stage-major, rank // HDP ranks), compiles and optimizes that stage alone (ZeRO-1 over the
+stage's HDP ranks), checkpoints it under the whole model's names, and before final/ gathers every stage's
+weights into rank 0's model. Calibration times the whole model on the device over all ranks (the cost model
+is per layer, whatever the split), so it needs the whole model to fit one device.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,7 +51,9 @@ from .engine import Runtime, default_cost_model
 from .metrics import MetricsLog, StepRecord, echo, progress
 from .models import LoadedModel, load_model
 from .optim import LRSchedule, build_optimizer
+from .pipeline import gather_stage_weights, pipeline_stage, stage_group, stage_spec
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
+from .stages import UnsupportedModelError, split_stages
 
 __all__ = ["CALIBRATED_COST_MODEL", "CHECKPOINTS_DIR", "CONFIG_FILE", "FINAL_DIR", "RunInputs", "RunResult", "VocabularyError", "evaluate",
            "run", "run_dir", "setup"]
@@ -105,6 +114,8 @@ def setup(config: TrainConfig) -> RunInputs:
         _check_same_tokens(train_data, eval_data)
     model = load_model(config.model, config.seed)
     _check_vocabulary(train_data, model)
+    if config.pp > 1:
+        _check_pipeline(config.pp, model)
     tokenizer = _final_tokenizer(config, train_data, model)
     cost = CostModel.load(config.cost_model) if config.cost_model else default_cost_model(model.module)
     if config.loader == "ray":
@@ -147,6 +158,19 @@ def _check_same_tokens(train: TokenDataset, held_out: TokenDataset) -> None:
                               f"{train.tokenizer}): prepare both with the same tokenizer")
 
 
+def _check_pipeline(pp: int, model: LoadedModel) -> None:
+    """The job's processes (torchrun's WORLD_SIZE, 1 without it) form pipelines of `pp` stages, and the model
+    splits into them."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % pp:
+        raise ConfigError(f"pp = {pp} needs a multiple of {pp} processes (pp x HDP ranks), but the job has {world}: "
+                          f"run torchrun --nproc_per_node with a multiple of {pp}")
+    try:
+        split_stages(model.module, pp)
+    except (UnsupportedModelError, ValueError) as e:
+        raise ConfigError(f"pp = {pp}: model {model.spec} cannot be split into pipeline stages: {e}") from e
+
+
 def _check_vocabulary(data: TokenDataset, model: LoadedModel) -> None:
     if data.vocab_size > model.vocab_size:
         source = data.tokenizer.name_or_path if data.tokenizer else "bytes"
@@ -186,11 +210,18 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     if _is_rank0():
         Path(config.out).mkdir(parents=True, exist_ok=True)
         (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
-    model = inputs.model.module.to(device or torch.device("cpu"))
+    device = device or torch.device("cpu")
+    model = inputs.model.module
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    optimized = optimize(model)
-    if config.calibrate:
-        inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, optimized))
+    if config.pp == 1:
+        optimized = optimize(model.to(device))
+        if config.calibrate:
+            inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, optimized))
+    else:
+        if config.calibrate:  # the whole model on the device while it is timed, then only this rank's stage
+            inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, optimize(model.to(device))))
+            model.to("cpu")
+        optimized = optimize(pipeline_stage(model, config.pp).to(device))
     results = []
     with _ray_session(config):
         for strategy in config.strategies:
@@ -238,9 +269,11 @@ def _ray_session(config: TrainConfig) -> Iterator[None]:
 
 
 def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunResult:
+    """One strategy's run; `optimized` is the whole model or, with pipelines, this rank's stage."""
     config, directory, rank0 = inputs.config, run_dir(inputs.config, strategy), _is_rank0()
-    model = optimized.original_module
-    optimizer = build_optimizer(model, config.lr, config.weight_decay, (config.beta1, config.beta2), config.zero)
+    spec = stage_spec(optimized)
+    optimizer = build_optimizer(optimized.original_module, config.lr, config.weight_decay, (config.beta1, config.beta2),
+                                config.zero, stage_group(spec) if spec is not None else None)
     schedule = LRSchedule(config.lr, config.warmup, config.schedule_steps, config.min_lr_ratio)
     runtime = Runtime(optimized, optimizer, cost_model=inputs.cost_model, strategy=strategy, capacity=config.capacity,
                       max_grad_norm=config.max_grad_norm,
@@ -270,7 +303,7 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunR
                 save_checkpoint(directory / CHECKPOINTS_DIR, step, runtime.model, optimizer,
                                 {"step": step, "sampler": loaded.sampler_state, "config": config.to_dict()})
     log.close()
-    final = _save_final(model, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
+    final = _save_final(optimized, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
     return RunResult(strategy, directory, records, eval_loss, final)
 
 
@@ -286,7 +319,7 @@ def _steps(inputs: RunInputs, runtime: Runtime, sampler: GlobalBatchSampler, dir
     import ray
 
     settings = PlanSettings(runtime.world_size, runtime.capacity, inputs.cost_model, runtime.strategy,
-                            runtime.context_length, "; ".join(runtime.shard_blockers()) or None)
+                            runtime.context_length, "; ".join(runtime.shard_blockers()) or None, runtime.pp_size)
     scheduler = scheduler_for(directory, inputs.train_data, config.data_servers, config.global_tokens, config.seed,
                               config.max_len, sampler.state_dict(), first_step, settings, config.prefetch_steps)
     batches = RemoteBatches(scheduler, runtime.rank, first_step, pin_memory=runtime.device.type == "cuda",
@@ -335,10 +368,16 @@ def evaluate(runtime: Runtime, batches: list[GlobalBatch]) -> float:
     return sum(runtime.evaluate(b) * n for b, n in zip(batches, targets)) / sum(targets)
 
 
-def _save_final(model: torch.nn.Module, inputs: RunInputs, path: Path) -> Path:
-    """`save_pretrained` of the trained weights (fp32) and the tokenizer, on rank 0; every rank waits for it."""
+def _save_final(optimized: OptimizedModule, inputs: RunInputs, path: Path) -> Path:
+    """`save_pretrained` of the trained weights (fp32) and the tokenizer, on rank 0 (pipelines: every stage's
+    weights gathered into its whole model first); every rank waits for it."""
+    model = inputs.model.module
+    gather_stage_weights(model, optimized)
     if _is_rank0():
-        model.save_pretrained(path)
+        if stage_spec(optimized) is None:
+            model.save_pretrained(path)
+        else:  # this rank's stage is on the device, the others' weights on the host
+            model.save_pretrained(path, state_dict={k: v.detach().cpu() for k, v in model.state_dict().items()})
         if inputs.tokenizer is not None:
             inputs.tokenizer.tokenizer.save_pretrained(path)
     if dist.is_initialized():
