@@ -222,7 +222,7 @@ def _unscale(node: fx.Node) -> tuple[fx.Node, float]:
     if is_call(node, operator.mul, torch.mul, operator.truediv, torch.div) and isinstance(node.args[1], (int, float)) \
             and node.args[1] > 0 and _applies_mask(node.args[0]):
         c = float(node.args[1])
-        return node.args[0], c if node.target in (operator.mul, torch.mul) else 1.0 / c
+        return node.args[0], c if is_call(node, operator.mul, torch.mul) else 1.0 / c
     return node, 1.0
 
 
@@ -353,7 +353,7 @@ def _unscale_scores(scores: fx.Node) -> tuple[fx.Node, fx.Node, float]:
     if is_call(scores, operator.mul, operator.truediv, torch.mul, torch.div):
         a, b = scores.args[:2]
         if isinstance(b, (int, float)) and isinstance(a, fx.Node):
-            scale = float(b) if scores.target in (operator.mul, torch.mul) else 1.0 / float(b)
+            scale = float(b) if is_call(scores, operator.mul, torch.mul) else 1.0 / float(b)
             scores = a
         else:
             raise NotEquivalent("scores are scaled by a tensor, not a constant")

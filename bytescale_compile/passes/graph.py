@@ -58,12 +58,21 @@ def same_size(a: Any, b: Any) -> bool:
 
 
 def is_call(node: Any, *targets: Any, methods: tuple[str, ...] = ()) -> bool:
-    """A call_function to one of `targets`, or a call_method named in `methods`."""
+    """A call_function to one of `targets`, or a call_method named in `methods` or the dunder method of an
+    `operator` target: Dynamo of torch 2.11 records `a == b` on tensors as `call_method __eq__`, where 2.13
+    records `call_function operator.eq`."""
     if not isinstance(node, fx.Node):
         return False
     if node.op == "call_function":
         return node.target in targets
-    return node.op == "call_method" and node.target in methods
+    return node.op == "call_method" and (node.target in methods or node.target in map(_dunder, targets))
+
+
+def _dunder(target: Any) -> str | None:
+    """`__eq__` for `operator.eq`, `__and__` for `operator.and_`; None for a target outside `operator`."""
+    if getattr(target, "__module__", None) != "_operator":
+        return None
+    return f"__{target.__name__.rstrip('_')}__"
 
 
 def replace_with_op(graph: fx.Graph, old: fx.Node, op: Any, args: tuple, output_index: int | None = 0) -> fx.Node:
