@@ -48,7 +48,8 @@ def simulate(plan: Plan, cost_model: CostModel, sends: bool = True) -> Timeline:
 def step_time(plan: Plan, cost_model: CostModel, sends: bool = True) -> float:
     """`simulate(plan, cost_model, sends).step_time` without building the timeline's spans."""
     duration, start = _settle(plan, cost_model)
-    return _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start), sends)
+    runs = _pipeline_runs(plan, cost_model, duration, sends)
+    return _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start), runs)
 
 
 def boundary_bytes_per_token(cost_model: CostModel) -> float:
@@ -250,14 +251,15 @@ def _rank_ends(plan: Plan, duration: dict[int, float], start: dict[int, float]) 
     return clock
 
 
-def _pipeline_runs(plan: Plan, cost_model: CostModel, duration: dict[int, float], ranks: list[int],
-                   sends: bool) -> list[PipelineRun]:
-    """The 1F1B run of each of `ranks`' pipelines, stage by stage."""
+def _pipeline_runs(plan: Plan, cost_model: CostModel, duration: dict[int, float], sends: bool) -> list[PipelineRun]:
+    """The 1F1B run of every rank's pipeline, stage by stage (a rank without micro-batches: an empty run, bubble
+    0); none without pipelines."""
+    if plan.pp_size == 1:
+        return []
     shared_ids = {m.id for m in plan.micro_batches if m.shared}
     chained = chained_micro_batches(plan)
     runs = []
-    for rank in ranks:
-        ids = plan.schedule[rank]
+    for rank, ids in enumerate(plan.schedule):
         runs.append(one_f_one_b([duration[i] for i in ids], plan.pp_size,
                                 pipeline_sends(plan, cost_model, rank) if sends else 0.0,
                                 [i in shared_ids for i in ids], [i in chained for i in ids]))
@@ -265,14 +267,12 @@ def _pipeline_runs(plan: Plan, cost_model: CostModel, duration: dict[int, float]
 
 
 def _step_end(plan: Plan, cost_model: CostModel, duration: dict[int, float], clock: list[float],
-              sends: bool = True) -> float:
-    """With pp > 1 each rank's pipeline adds its 1F1B fill and drain (`_pipeline_runs`); then the gradient
-    all-reduce over all ranks."""
-    pp = plan.pp_size
-    if pp > 1:
-        runs = _pipeline_runs(plan, cost_model, duration, list(range(plan.world_size)), sends)
+              runs: list[PipelineRun]) -> float:
+    """With pp > 1 each rank's pipeline adds its 1F1B fill and drain (`runs`, `_pipeline_runs`); then the
+    gradient all-reduce over all ranks."""
+    if runs:
         # each pipeline's 1F1B run adds its fill and drain to its micro-batches' time / pp
-        clock = [c + run.makespan - sum(duration[i] for i in ids) / pp
+        clock = [c + run.makespan - sum(duration[i] for i in ids) / plan.pp_size
                  for c, run, ids in zip(clock, runs, plan.schedule)]
     sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
     return max(clock, default=0.0) + sync
@@ -286,10 +286,11 @@ def _timeline(plan: Plan, cost_model: CostModel, duration: dict[int, float], sta
         end = start[m.id] + duration[m.id] / plan.pp_size
         kind = "shared" if m.shared else "packed"
         spans.extend(Span(r, start[m.id], end, m.id, kind, m.tokens_per_rank, len(m.ranks)) for r in m.ranks)
-    end = _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start), sends)
+    runs = _pipeline_runs(plan, cost_model, duration, sends)
+    end = _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start), runs)
     sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
     spans.extend(Span(r, end - sync, end, -1, "allreduce") for r in range(plan.world_size))
-    return Timeline(plan.strategy, plan.world_size, spans)
+    return Timeline(plan.strategy, plan.world_size, spans, [run.bubble_rate for run in runs] if runs else None)
 
 
 def pipeline_bubbles(plan: Plan, cost_model: CostModel, sends: bool = True) -> list[float]:
@@ -297,7 +298,7 @@ def pipeline_bubbles(plan: Plan, cost_model: CostModel, sends: bool = True) -> l
     0 for a rank without micro-batches or without pipelines."""
     if plan.pp_size == 1 or not plan.micro_batches:
         return [0.0] * plan.world_size
-    return _bubbles(plan, cost_model, _settle(plan, cost_model)[0], sends)
+    return [run.bubble_rate for run in _pipeline_runs(plan, cost_model, _settle(plan, cost_model)[0], sends)]
 
 
 def bubble_rates(plan: Plan, cost_model: CostModel, sends: bool = True) -> tuple[float, float]:
@@ -307,17 +308,9 @@ def bubble_rates(plan: Plan, cost_model: CostModel, sends: bool = True) -> tuple
         return 0.0, 0.0
     duration, _ = _settle(plan, cost_model)
     ranks = [r for r, ids in enumerate(plan.schedule) if ids]
-    bubbles = _bubbles(plan, cost_model, duration, sends)
+    runs = _pipeline_runs(plan, cost_model, duration, sends)
     first = [first_order_bubble([duration[i] for i in plan.schedule[r]], plan.pp_size).bubble_rate for r in ranks]
-    return float(np.mean([bubbles[r] for r in ranks])), float(np.mean(first))
-
-
-def _bubbles(plan: Plan, cost_model: CostModel, duration: dict[int, float], sends: bool) -> list[float]:
-    ranks = [r for r, ids in enumerate(plan.schedule) if ids]
-    bubbles = [0.0] * plan.world_size
-    for r, run in zip(ranks, _pipeline_runs(plan, cost_model, duration, ranks, sends)):
-        bubbles[r] = run.bubble_rate
-    return bubbles
+    return float(np.mean([runs[r].bubble_rate for r in ranks])), float(np.mean(first))
 
 
 def busy_times(timeline: Timeline) -> np.ndarray:

@@ -47,6 +47,8 @@ class Timeline:
     strategy: str
     world_size: int
     spans: list[Span]
+    bubbles: list[float] | None = None
+    """With pipelines (pp > 1): each rank's 1F1B bubble rate, stage by stage; None without."""
 
     @property
     def step_time(self) -> float:

@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from .stages import StageSpec, full_model_name
+from .stages import full_model_name, stage_spec
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -171,15 +171,10 @@ def _model_for_dcp(model: nn.Module) -> nn.Module:
     return model.original_module if hasattr(model, "original_module") else model
 
 
-def _stage(model: nn.Module) -> StageSpec | None:
-    spec = getattr(model, "spec", None)
-    return spec if isinstance(spec, StageSpec) and spec.pp_size > 1 else None
-
-
 def _shard_key(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
     """Where this rank's optimizer state goes when it is not the whole model's replicated state: its ZeRO
     shard and/or its pipeline stage's."""
-    spec = _stage(model)
+    spec = stage_spec(model)
     stage = f"stage{spec.index}_of_{spec.pp_size}" if spec is not None else None
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         shard = f"rank{optimizer.rank}_of_{optimizer.world_size}"
@@ -211,7 +206,7 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     if key is None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         return {"model": model_sd, "optim": optim_sd}
-    spec = _stage(model)
+    spec = stage_spec(model)
     full = (lambda name: full_model_name(spec, name)) if spec is not None else (lambda name: name)
     local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     _init_optimizer_state(local)
@@ -231,7 +226,7 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str
     if key is None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return
-    if _stage(model) is None:  # a stage's model tensors, like every shard's, are the live ones, loaded in place
+    if stage_spec(model) is None:  # a stage's model tensors, like every shard's, are the live ones, loaded in place
         set_model_state_dict(model, state["model"])
     for group, saved in zip(optimizer.param_groups, state["optim"][key]["param_groups"]):
         group.update(saved)
@@ -517,7 +512,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     target = _model_for_dcp(model)
     _check_optimizer_kind(path, target, optimizer)
     state = _state_dicts(target, optimizer)  # templates: tensors on their destination devices
-    _check_model_shapes(path, state["model"], whole=_stage(target) is None)
+    _check_model_shapes(path, state["model"], whole=stage_spec(target) is None)
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))

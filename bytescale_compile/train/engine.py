@@ -57,8 +57,8 @@ from .batch import (
     num_targets,
 )
 from .collectives import gather, sync_gradients
-from .pipeline import PipelineExecutor, stage_spec
-from .stages import is_hf_model, stage_inputs
+from .pipeline import PipelineExecutor
+from .stages import is_hf_model, stage_inputs, stage_spec
 
 __all__ = ["Runtime", "StepStats", "RankWork", "BatchLike", "ListBatch", "ModelProtocolError", "BatchError",
            "SkippedStepsError", "CostModelWarning", "prediction_off", "PREDICTION_TOLERANCE", "RUNTIME_STRATEGIES"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planner import CostModel
-from ..sim.simulator import busy_times, p2p_bytes, pipeline_bubbles, simulate
+from ..sim.simulator import busy_times, p2p_bytes, simulate
 from .engine import StepStats
 
 __all__ = ["METRICS_FILE", "MetricsLog", "StepRecord", "echo", "progress"]
@@ -81,7 +81,7 @@ class StepRecord:
                    predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model), data_wait_s=data_wait_s,
                    plan_time_s=stats.plan_time if plan_time_s is None else plan_time_s, auto_choice=stats.auto_choice,
                    auto_speedup=stats.auto_speedup, stage_bytes=stats.stage_bytes, bubbles=stats.bubbles,
-                   predicted_bubbles=pipeline_bubbles(stats.plan, cost_model) if stats.bubbles is not None else None)
+                   predicted_bubbles=timeline.bubbles if stats.bubbles is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if value is not None or key not in _OPTIONAL}

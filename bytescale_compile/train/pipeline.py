@@ -47,10 +47,10 @@ from ..planner.plan import MicroBatch, Plan, PlanError
 from ..runtime.context import MicroBatchContext, micro_batch
 from ..runtime.offload import ActivationContext, get_act_ctx
 from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
-from .stages import StageSpec, full_model_name, is_hf_model, split_stages, stage_inputs
+from .stages import StageSpec, full_model_name, is_hf_model, split_stages, stage_inputs, stage_spec
 
 __all__ = ["PipelineExecutor", "PipelineSetupError", "StageTransferError", "check_stage_plan", "gather_stage_weights",
-           "pipeline_stage", "stage_group", "stage_spec"]
+           "pipeline_stage", "stage_group"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """Activation dtypes a header can name, by index."""
@@ -85,12 +85,6 @@ class _Tally:
     busy: float = 0.0
     stage_bytes: int = 0
     ring_bytes: int = 0
-
-
-def stage_spec(model: nn.Module) -> StageSpec | None:
-    """The `StageSpec` of a module from `split_stages` (through `optimize()` or not); None for a whole model."""
-    spec = getattr(getattr(model, "original_module", model), "spec", None)
-    return spec if isinstance(spec, StageSpec) else None
 
 
 def pipeline_stage(model: nn.Module, pp_size: int) -> nn.Module:
@@ -151,6 +145,11 @@ def check_stage_plan(plan: Plan, spec: StageSpec, world_size: int, rank: int) ->
     """Everything about the plan that can be checked before communicating: raise `PlanError` or
     `PipelineSetupError` on every rank alike, so no rank is left waiting on another."""
     plan.validate()
+    _check_fit(plan, spec, world_size, rank)
+
+
+def _check_fit(plan: Plan, spec: StageSpec, world_size: int, rank: int) -> None:
+    """The plan's pipelines, the job's processes and this rank's stage module fit together."""
     if plan.pp_size != spec.pp_size:
         raise PipelineSetupError(f"the plan has pp_size {plan.pp_size} but the stage module is stage {spec.index} "
                                  f"of {spec.pp_size}: split the model with split_stages(model, plan.pp_size)")
@@ -200,8 +199,9 @@ class PipelineExecutor:
         self._hf_labels = is_hf_model(model)
 
     def check(self, plan: Plan, batch: BatchLike) -> None:
-        """`check_stage_plan`, and the batch's lengths against the plan's."""
-        check_stage_plan(plan, self.spec, self.world_size, self.rank)
+        """That a plan its caller validated (the Runtime: `check_stage_plan` less `Plan.validate`, which is
+        not cheap at scale and ran already) fits this job and the batch's lengths."""
+        _check_fit(plan, self.spec, self.world_size, self.rank)
         lengths = [int(n) for n in np.asarray(batch.lengths)]
         if lengths != plan.sequences:
             raise PlanError(f"the plan was made for sequence lengths {plan.sequences[:8]}... but the batch has "

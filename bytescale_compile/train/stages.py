@@ -39,8 +39,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["StageSpec", "StageOutput", "UnsupportedModelError", "full_model_name", "is_hf_model", "stage_specs",
-           "split_stages", "stage_inputs"]
+__all__ = ["StageSpec", "StageOutput", "UnsupportedModelError", "full_model_name", "is_hf_model", "stage_spec",
+           "stage_specs", "split_stages", "stage_inputs"]
 
 _FIRST_STAGE_KWARGS = ("input_ids", "position_ids")
 _LAYER_NAME = re.compile(r"^((?:model\.)?layers)\.(\d+)\.")
@@ -75,6 +75,12 @@ class StageSpec:
     @property
     def is_last(self) -> bool:
         return self.index == self.pp_size - 1
+
+
+def stage_spec(model: nn.Module) -> StageSpec | None:
+    """The `StageSpec` of a module from `split_stages` (through `optimize()` or not); None for a whole model."""
+    spec = getattr(getattr(model, "original_module", model), "spec", None)
+    return spec if isinstance(spec, StageSpec) else None
 
 
 def stage_specs(num_layers: int, pp_size: int) -> list[StageSpec]:

@@ -51,9 +51,9 @@ from .engine import Runtime, default_cost_model
 from .metrics import MetricsLog, StepRecord, echo, progress
 from .models import LoadedModel, load_model
 from .optim import LRSchedule, build_optimizer
-from .pipeline import gather_stage_weights, pipeline_stage, stage_group, stage_spec
+from .pipeline import gather_stage_weights, pipeline_stage, stage_group
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
-from .stages import UnsupportedModelError, split_stages
+from .stages import UnsupportedModelError, split_stages, stage_spec
 
 __all__ = ["CALIBRATED_COST_MODEL", "CHECKPOINTS_DIR", "CONFIG_FILE", "FINAL_DIR", "RunInputs", "RunResult", "VocabularyError", "evaluate",
            "run", "run_dir", "setup"]
