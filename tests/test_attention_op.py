@@ -120,7 +120,7 @@ def test_matches_sdpa(hq: int, hkv: int, t: int, dtype: torch.dtype) -> None:
     grad_out = torch.randn(2, hq, t, D, dtype=dtype)
     for got, want in zip(grads_of(op_out, q, k, v, grad_out), grads_of(sdpa, q, k, v, grad_out)):
         assert got.shape == want.shape and got.dtype == want.dtype
-        assert rel_err(got, want) <= 1e-5
+        assert rel_err(got, want, floor=1.0) <= 1e-5  # one token: dq is 0 in exact arithmetic
 
 
 def test_non_contiguous_grad_out() -> None:
@@ -291,7 +291,7 @@ def test_window_matches_sdpa_with_mask(hq: int, hkv: int, window: int, dv: int) 
     got = grads_of(lambda *x: attention(*x, SCALE, window=window)[0], q, k, v, grad_out)
     want = grads_of(masked_sdpa(window_mask(16, window)), q, k, v, grad_out)
     for g, w in zip(got, want):
-        assert g.shape == w.shape and rel_err(g, w) <= 1e-5
+        assert g.shape == w.shape and rel_err(g, w, floor=1.0) <= 1e-5  # a window of one: dq is 0
     if window < 16:
         assert rel_err(got[0], grads_of(sdpa, q, k, v, grad_out)[0]) > 1e-2  # the window really changed the answer
 
