@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .api import OptimizedModule, RecompileLimitError, explain, optimize
+    from .capture.backend import ShardingError
     from .config import Config
     from .passes.report import CompileReport
     from .train.engine import Runtime, StepStats
@@ -20,6 +21,7 @@ _EXPORTS = {
     "explain": ".api",
     "OptimizedModule": ".api",
     "RecompileLimitError": ".api",
+    "ShardingError": ".capture.backend",
     "Config": ".config",
     "CompileReport": ".passes.report",
     "Runtime": ".train.engine",
@@ -28,8 +30,8 @@ _EXPORTS = {
 }
 """Public name -> the module that defines it."""
 
-__all__ = ["optimize", "explain", "Config", "OptimizedModule", "CompileReport", "RecompileLimitError", "Runtime", "StepStats",
-           "pipeline_stage"]
+__all__ = ["optimize", "explain", "Config", "OptimizedModule", "CompileReport", "RecompileLimitError", "ShardingError", "Runtime",
+           "StepStats", "pipeline_stage"]
 __version__ = "0.1.0"
 
 

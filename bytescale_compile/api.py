@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import Backend
+from .capture import Backend, ShardingError
 from .capture.layers import mark_repeated_layers
 from .config import Config
 from .passes.report import CompileReport, GraphReport
@@ -83,6 +83,13 @@ class OptimizedModule(nn.Module):
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.compile_and_run(*args, **kwargs)
+        self._refuse_packed_mixers(args, kwargs)
+        return out
+
+    def compile_and_run(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward, compiling on the way as needed, without refusing a packed row that a token mixer left
+        alone would read across: for calls made only to compile and report (`explain`, the runtime's probe)."""
         if self.compile_config.dynamic:
             for t in (*args, *kwargs.values()):
                 _mark_token_dim_dynamic(t)
@@ -101,6 +108,25 @@ class OptimizedModule(nn.Module):
             self._report = CompileReport(graphs=list(self._pending))
             self._compiled_graphs += self._pending
         return out
+
+    def _refuse_packed_mixers(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Raise `ShardingError` for a row that packs sequences (position_ids restart inside it) when a token
+        mixer the compiler left alone would read across them. Raised before any backward: the result is unused.
+
+        Hugging Face's eager forward is as wrong there (no `seq_idx`), so the eager model is no reference to
+        fall back on. Costs a device sync, and only for such models.
+        """
+        mixers = CompileReport(graphs=self._compiled_graphs).token_mixers_left_alone() if self._compiled_graphs else {}
+        if not mixers:
+            return
+        arguments = self.__signature__.bind_partial(*args, **kwargs).arguments
+        position_ids = arguments.get("position_ids", kwargs.get("position_ids"))  # also through **kwargs (Mamba2)
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() >= 1 and bool((position_ids[..., 1:] == 0).any()):
+            layers = ", ".join(f"`{source}` ({', '.join(patterns)})" for source, patterns in list(mixers.items())[:3])
+            raise ShardingError(f"position_ids restart inside a row, so the row packs several sequences, but "
+                                f"{len(mixers)} module(s) mix tokens in a way that would read across them: {layers}"
+                                f"{' ...' if len(mixers) > 3 else ''}. Pass one sequence per row (bytescale_compile's "
+                                f"Runtime does so for this model)")
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -175,5 +201,5 @@ def _optimized_class(cls: type[nn.Module], config: Config) -> type[nn.Module]:
 def explain(model: nn.Module, *args: Any, **kwargs: Any) -> CompileReport:
     """Compile `model` on these inputs without training (no backward, no update) and report."""
     optimized = model if isinstance(model, OptimizedModule) else optimize(model)
-    optimized(*args, **kwargs)
+    optimized.compile_and_run(*args, **kwargs)
     return optimized.report

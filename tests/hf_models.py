@@ -143,3 +143,59 @@ MORE_ARCHS = [
         first_k_dense_replace=1, n_group=1, topk_group=1)))),
 ]
 BY_NAME.update({a.name: a for a in MORE_ARCHS})
+
+
+@dataclass(frozen=True)
+class Hybrid:
+    """A hybrid architecture: softmax attention in some layers, another token mixer in the others."""
+
+    name: str
+    build: Callable[[Any], nn.Module]
+    attention: tuple[str, ...]
+    """Module paths of the softmax attention sites (rewritten)."""
+    mixers: tuple[str, ...]
+    """Module paths of the other token mixers (found and left alone)."""
+
+
+_HYBRID_LAYERS = 4
+
+
+def _hybrid(**overrides: Any) -> dict[str, Any]:
+    return _common(num_hidden_layers=_HYBRID_LAYERS, **overrides)
+
+
+def _layers(template: str, *indices: int) -> tuple[str, ...]:
+    return tuple(template.format(i) for i in indices)
+
+
+HYBRIDS = [
+    Hybrid("lfm2", lambda tf: tf.Lfm2ForCausalLM(tf.Lfm2Config(**_hybrid(
+        layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3))),
+        _layers("model.layers.{}.self_attn", 1), _layers("model.layers.{}.conv", 0, 2, 3)),
+    Hybrid("bamba", lambda tf: tf.BambaForCausalLM(tf.BambaConfig(**_hybrid(
+        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+        mamba_chunk_size=16, mamba_expand=2))),
+        _layers("model.layers.{}.self_attn", 1), _layers("model.layers.{}.mamba", 0, 2, 3)),
+    Hybrid("qwen3-next", lambda tf: tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**_hybrid(
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"], head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32))),
+        _layers("model.layers.{}.self_attn", 1), _layers("model.layers.{}.linear_attn", 0, 2, 3)),
+    Hybrid("jamba", lambda tf: tf.JambaForCausalLM(tf.JambaConfig(**_hybrid(
+        attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+        num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8))),
+        _layers("model.layers.{}.self_attn", 1), _layers("model.layers.{}.mamba", 0, 2, 3)),
+    Hybrid("mamba2", lambda tf: tf.Mamba2ForCausalLM(tf.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=1, state_size=16,
+        chunk_size=16, expand=2, use_cache=False, pad_token_id=0)),
+        (), _layers("backbone.layers.{}.mixer", 0, 1)),
+]
+HYBRID_BY_NAME = {h.name: h for h in HYBRIDS}
+
+
+def build_hybrid(name: str, seed: int = 0) -> nn.Module:
+    """The hybrid's tiny model, seeded, in training mode, in fp32; skips the test without transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    return HYBRID_BY_NAME[name].build(transformers).float().train()

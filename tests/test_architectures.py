@@ -32,7 +32,7 @@ def test_optimized_matches_eager_and_rewrites_every_attention(name):
     arch = BY_NAME[name]
     assert [s.reason for s in report.skipped("attention")] == []
     assert len(report.rewrites("attention")) == arch.layers
-    assert len(report.attention_layers()) == arch.layers and all("rewritten" in line for line in report.attention_layers())
+    assert len(report.mixer_layers()) == arch.layers and all("rewritten" in line for line in report.mixer_layers())
     assert optimized.shard_blockers() == []
     assert len(report.rewrites("fused_loss")) == int(arch.fused_loss), report.skipped("fused_loss")
 

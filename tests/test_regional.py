@@ -39,7 +39,7 @@ def test_our_llama_matches_eager_with_one_body(codegen):
     report = optimized.report
     assert _body_count(optimized) == 3
     assert optimized.report.graphs[0].graph_after.count("torch.ops.bytescale.attention.default(") == 1  # in the body
-    assert [line.split(":")[0] for line in report.attention_layers()] == [
+    assert [line.split(":")[0] for line in report.mixer_layers()] == [
         f"layer {i} (`layers.{i}.self_attn`)" for i in range(3)]
     assert optimized.shard_blockers() == []
 
@@ -50,7 +50,7 @@ def test_hf_llama_mask_proved_through_the_body_input(codegen):
     eager = copy.deepcopy(model)
     optimized = _optimized(model, codegen)
     assert_matches_eager(optimized, eager, protocol_batch(SEQ_LENS, 128, hf=True))
-    lines = optimized.report.attention_layers()
+    lines = optimized.report.mixer_layers()
     assert len(lines) == 3 and all("segments from position_ids restarts" in line and "rewritten" in line for line in lines)
     assert optimized.shard_blockers() == []
     assert "attention_mask: " not in optimized.report.graphs[0].graph_after  # the proved mask left the body's inputs

@@ -1,5 +1,5 @@
 """Capture: the Dynamo backend, AOTAutograd wiring and our partition hook."""
 
-from .backend import Backend
+from .backend import Backend, ShardingError
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "ShardingError"]

@@ -30,6 +30,7 @@ from ..passes.manager import Pass, PassContext, PassManager
 from ..passes.offload import NAME as OFFLOAD, apply_offload
 from ..passes.regions import has_regions
 from ..passes.report import CompileReport, GraphReport, PassResult
+from ..passes.token_mixers import NAME as TOKEN_MIXERS, find_token_mixers
 from ..runtime.context import current_context
 from .codegen import compile_with_inductor
 from .saved import saved_activations
@@ -38,7 +39,8 @@ __all__ = ["Backend", "default_passes", "ShardingError"]
 
 
 class ShardingError(RuntimeError):
-    """A graph compiled while a micro-batch is shared over ranks holds an attention the ring cannot run."""
+    """A model is asked to run a packed row or a shared sequence that one of its token mixers (an attention
+    the pass left alone, a convolution, a scan) would read across."""
 
 log = logging.getLogger(__name__)
 REGIONS_HIDE_SAVED = ("layers compiled once (Config.compile_layers_once): the tensors each layer saves for its "
@@ -47,10 +49,11 @@ _graph_ids = itertools.count()
 
 
 def default_passes() -> list[Pass]:
-    """The pre-autograd passes in the order they run."""
+    """The pre-autograd passes in the order they run; the token-mixer analysis last, over what they left."""
     return [
         Pass(ATTENTION, rewrite_attention, enabled_by="attention"),
         Pass(FUSED_LOSS, rewrite_loss, enabled_by="fused_loss"),
+        Pass(TOKEN_MIXERS, find_token_mixers),
     ]
 
 
@@ -157,16 +160,19 @@ class Backend:
 
 
 def _refuse_unshardable(report: GraphReport) -> None:
-    """A graph first compiled inside a shared micro-batch must run every attention as the ring.
+    """A graph first compiled inside a shared or packed micro-batch must run every token mixer segment-aware.
 
     The runtime plans from the compile report, so this fires only for a graph that appears mid-step
-    (a recompilation): better to stop than to attend over this rank's chunks only.
+    (a recompilation): better to stop than to read this rank's chunks only, or across the packed sequences.
     """
     ctx = current_context()
+    if ctx is None or not (ctx.is_ring or len(ctx.seq_lens) > 1):
+        return
     blockers = CompileReport(graphs=[report]).shard_blockers()
-    if ctx is not None and ctx.is_ring and blockers:
-        raise ShardingError(f"micro-batch {ctx.micro_batch_id} is shared by ranks {list(ctx.group)}, but a graph "
-                            f"compiled for it cannot run over them: {'; '.join(blockers)}")
+    if blockers:
+        what = f"shared by ranks {list(ctx.group)}" if ctx.is_ring else f"a row of {len(ctx.seq_lens)} packed sequences"
+        raise ShardingError(f"micro-batch {ctx.micro_batch_id} is {what}, but a graph compiled for it cannot run "
+                            f"it: {'; '.join(blockers)}")
 
 
 def _device_type(example_inputs: list[Any]) -> str:

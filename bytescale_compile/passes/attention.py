@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
-from .graph import NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
+from .graph import ATTENTION_SITE, NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
 from .manager import PassContext
 from .masks import CausalMask, prove_causal_mask, strip_additive_mask
 from .regions import Region, find_regions
@@ -68,10 +68,12 @@ def _rewrite_graph(graph: fx.Graph, result: PassResult, region: Region | None) -
         try:
             found = match(node, scope)
         except NotEquivalent as why:
+            node.meta[ATTENTION_SITE] = True
             result.skipped += [Skipped(node.name, _target_name(node), s, str(why)) for s in scope.sources(source)]
             continue
         except Exception as error:  # a shape the matcher did not foresee: leave it alone, say so
             log.warning("attention pass: cannot analyse %s (%s): %r", node.name, source, error)
+            node.meta[ATTENTION_SITE] = True
             result.skipped += [Skipped(node.name, _target_name(node), s, f"matcher could not analyse it: {error!r}")
                                for s in scope.sources(source)]
             continue

@@ -10,8 +10,12 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["NotEquivalent", "arg", "value", "source_module", "layer_index", "same_size", "is_call", "is_float_upcast",
+__all__ = ["ATTENTION_SITE", "NotEquivalent", "arg", "value", "source_module", "layer_index", "same_size", "is_call", "is_float_upcast",
            "replace_with_op", "has_side_effects", "eliminate_dead_code"]
+
+ATTENTION_SITE = "bytescale_attention_site"
+"""`node.meta` key the attention pass sets on a site it left alone, so later analyses report it there once."""
+
 
 class NotEquivalent(Exception):
     """Raised by a matcher with the reason a pattern is left alone."""
@@ -104,6 +108,7 @@ _INPLACE_OPERATORS = frozenset({
     operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
     operator.irshift, operator.setitem, operator.delitem,
 })
+_FUNCTORCH_LEVELS = "torch._functorch.predispatch"
 _INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
 
 
@@ -113,11 +118,15 @@ def has_side_effects(node: fx.Node) -> bool:
     FX's own rule misses in-place tensor methods in Dynamo graphs (`y.mul_(2)` is a call_method
     whose result is often unused, as is `scatter_add_` in a custom autograd.Function's backward),
     so names ending in a single underscore, in-place operators (`x += y`, `x[i] = y`) and `out=`
-    count as mutations; a higher-order op or submodule call is kept when a graph it runs is.
+    count as mutations; a higher-order op or submodule call is kept when a graph it runs is. So are
+    functorch's level changes, which FX's rule misses too: Dynamo inlines a `torch.vmap` (Jamba's
+    associative scan) as `_vmap_increment_nesting` ... `_vmap_decrement_nesting`, both unused.
     """
     if node.op not in ("call_function", "call_method", "call_module"):
         return node.op in ("placeholder", "output")
     if node.is_impure() or node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
+        return True
+    if getattr(node.target, "__module__", None) == _FUNCTORCH_LEVELS:
         return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if node.op != "call_module" and (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))):

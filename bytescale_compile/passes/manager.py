@@ -39,15 +39,16 @@ class PassManager:
         self.passes = passes
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassResult]:
-        """Run every enabled pass in order, then clean up (keeping every mutation, nested graphs too), recompile."""
+        """Run every enabled pass in order. After each that rewrote, clean up (keeping every mutation, nested
+        graphs too) and recompile, so the next pass sees only what still runs."""
         results = []
         for p in self.passes:
             if p.enabled_by is not None and not getattr(ctx.config, p.enabled_by):
                 results.append(PassResult(p.name, disabled=f"Config.{p.enabled_by}=False"))
                 continue
             results.append(p.run(gm, ctx))
-        if any(r.rewrites for r in results):
-            eliminate_dead_code(gm)
-            gm.graph.lint()
-            gm.recompile()
+            if results[-1].rewrites:
+                eliminate_dead_code(gm)
+                gm.graph.lint()
+                gm.recompile()
         return results

@@ -9,9 +9,10 @@ from typing import Any
 from ..kernels.dispatch import last_used
 
 __all__ = ["Rewrite", "Skipped", "PassResult", "SavedActivation", "GeneratedKernel", "GeneratedCode", "GraphReport",
-           "CompileReport", "ATTENTION_PASS"]
+           "CompileReport", "ATTENTION_PASS", "TOKEN_MIXERS_PASS"]
 
 ATTENTION_PASS = "attention"
+TOKEN_MIXERS_PASS = "token_mixers"
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
@@ -125,24 +126,37 @@ class CompileReport:
     def saved_activations(self) -> list[SavedActivation]:
         return [a for g in self.graphs for a in g.saved_activations]
 
-    def attention_layers(self) -> list[str]:
-        """One line per attention site: "layer 3 (`model.layers.3.self_attn`): sliding window 4096, rewritten"."""
+    def mixer_layers(self) -> list[str]:
+        """The token-mixer table, one line per module that mixes tokens, in layer order:
+        "layer 3 (`model.layers.3.self_attn`): sliding window 4096, rewritten", or
+        "layer 0 (`model.layers.0.conv`): left alone: convolution over tokens (kernel 3)"."""
         sites = [(r.source, f"{r.detail or 'causal'}, rewritten") for r in self.rewrites(ATTENTION_PASS)]
         sites += [(s.source, f"left alone: {s.reason}") for s in self.skipped(ATTENTION_PASS)]
+        sites += [(source, f"left alone: {', '.join(patterns)}") for source, patterns in self.token_mixers_left_alone().items()]
         return [f"{_layer_name(source)}: {what}" for source, what in sorted(sites, key=lambda site: _layer_key(site[0]))]
 
     def shard_blockers(self) -> list[str]:
         """Why sequences of this model cannot be sharded over ranks or packed into one row; empty when they can.
 
-        Both are safe only when every attention found in the compiled graphs became `bytescale::attention`:
-        an attention left eager would attend over the rank's own zigzag chunks only, or across the packed
-        sequences — silently wrong.
+        Both are safe only when every token mixer found in the compiled graphs became a segment-aware op
+        (`bytescale::attention`): any other would read across the packed sequences, or only the rank's own
+        zigzag chunks of its sequence — silently wrong.
         """
         if not self.graphs:
             return ["the model has not been compiled yet (no compile report)"]
         blockers = [f"attention pass disabled ({p.disabled})" for p in self.pass_results(ATTENTION_PASS) if p.disabled]
         blockers += [f"`{s.source}` (`{s.node}`): attention left alone: {s.reason}" for s in self.skipped(ATTENTION_PASS)]
+        blockers += [f"`{source}`: token mixer left alone ({', '.join(patterns)}): it would read across packed "
+                     f"sequences, and only a rank's own chunks of a shared one" for source, patterns in self.token_mixers_left_alone().items()]
         return list(dict.fromkeys(blockers))
+
+    def token_mixers_left_alone(self) -> dict[str, list[str]]:
+        """Module path -> what each token mixer the analysis left alone there does."""
+        found: dict[str, list[str]] = {}
+        for s in self.skipped(TOKEN_MIXERS_PASS):
+            if s.reason not in found.setdefault(s.source, []):
+                found[s.source].append(s.reason)
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,9 +166,9 @@ class CompileReport:
         lines = [f"# bytescale_compile report ({len(self.graphs)} graph(s))", ""]
         if self.kernels:
             lines += ["Kernels: " + ", ".join(f"`{op}` {impl}" for op, impl in sorted(self.kernels.items())), ""]
-        layers = self.attention_layers()
+        layers = self.mixer_layers()
         if layers:
-            lines += ["## Attention per layer", ""] + [f"- {line}" for line in layers] + [""]
+            lines += ["## Token mixers per layer", ""] + [f"- {line}" for line in layers] + [""]
         for g in self.graphs:
             lines += [f"## Graph {g.graph_id}", ""]
             for p in g.passes:

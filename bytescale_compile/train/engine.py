@@ -215,6 +215,12 @@ class Runtime:
             raise BatchError(f"the given plan is of sequence lengths {list(given.sequences)[:8]}..., not the batch's "
                              f"{np.asarray(lengths).tolist()[:8]}... ({len(given.sequences)} vs {len(lengths)} "
                              f"sequences): plan and batch are of different steps")
+        blockers = self.shard_blockers()
+        joint = next((mb for mb in given.micro_batches if len(mb.ranks) > 1 or len(mb.sequences) > 1), None)
+        if blockers and joint is not None:
+            raise BatchError(f"the given plan runs micro-batch {joint.id} ({len(joint.sequences)} sequence(s) on ranks "
+                             f"{list(joint.ranks)}), but this model takes one sequence per micro-batch on one rank: "
+                             f"{'; '.join(blockers)}")
         return given
 
     def shard_blockers(self) -> list[str]:
@@ -250,7 +256,7 @@ class Runtime:
             kwargs = stage_inputs(self.pipeline.spec, kwargs, None if self.pipeline.spec.is_first else hidden)
         self.model.train()
         with self._autocast():
-            self.model(**kwargs)
+            self.model.compile_and_run(**kwargs)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.mixed_precision is None:
