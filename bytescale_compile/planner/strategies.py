@@ -1,0 +1,25 @@
+"""The strategy names, defined once: what builds a plan, what a run may ask for, and what the simulator compares.
+
+Everything that names a strategy (the planner, the Runtime, the training config, the simulator, the CLI and
+the projection) imports it from here, so a new strategy is added in one place."""
+
+from __future__ import annotations
+
+__all__ = ["AUTO", "BALANCE", "NAIVE", "RUNTIME_STRATEGIES", "STATIC", "STRATEGIES", "STRATEGY_SPECS"]
+
+BALANCE, NAIVE, STATIC, AUTO = "balance", "naive", "static", "auto"
+
+STRATEGIES = (BALANCE, NAIVE, STATIC)
+"""The planners that build a plan: what `Plan.strategy` may be."""
+RUNTIME_STRATEGIES = (*STRATEGIES, AUTO)
+"""What `plan()` and a Runtime accept: "auto" builds candidates of the others and keeps the fastest, so its
+plans carry the winner's name."""
+STRATEGY_SPECS: dict[str, tuple[str, bool]] = {
+    STATIC: (STATIC, False),
+    "naive-nooffload": (NAIVE, False),
+    NAIVE: (NAIVE, True),
+    BALANCE: (BALANCE, True),
+    AUTO: (AUTO, True),
+}
+"""What the simulator and the CLI compare, name -> (planner strategy, offload): "naive-nooffload" is the
+paper's communication-only ablation; "auto" the fastest of balance and static candidates under the simulator."""
