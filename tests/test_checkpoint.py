@@ -1,4 +1,6 @@
-"""Checkpoints with torch.distributed.checkpoint: exact round trips (1 process and 2 gloo ranks), atomicity."""
+"""Checkpoints with torch.distributed.checkpoint: exact round trips (1 process and 2 gloo ranks), atomicity,
+optimizer state stored by parameter name whatever the layout (ZeRO shards, pipeline stages), layouts and the
+older format refused."""
 
 from __future__ import annotations
 
@@ -7,18 +9,24 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import bytescale_compile as bsc
+from bytescale_compile.models.llama import tiny
+from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.checkpoint import (
     COMPLETE_MARKER,
+    MANIFEST_FILE,
     CheckpointError,
     checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
+    resume_latest,
     save_checkpoint,
 )
-from bytescale_compile.runtime.spawn import run_distributed
-from examples.models.llama import tiny
+from bytescale_compile.train.optim import build_optimizer
+from bytescale_compile.train.pipeline import pipeline_stage, stage_group
 
 TRAIN_STATE = {"step": 2, "sampler": {"epoch": 0, "cursor": 17}, "seeds": [1, 2], "config": {"lr": 1e-3}}
 
@@ -175,8 +183,6 @@ def test_round_trip_two_gloo_ranks(tmp_path: Path, wrap: bool) -> None:
 
 
 def _zero(model: torch.nn.Module) -> torch.optim.Optimizer:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
 
@@ -205,4 +211,116 @@ def _zero_round_trip(rank: int, world: int, root: str) -> None:
 
 def test_zero_shards_round_trip_two_gloo_ranks(tmp_path: Path) -> None:
     run_distributed(_zero_round_trip, 2, str(tmp_path))
+    assert (tmp_path / "ok_0").exists() and (tmp_path / "ok_1").exists()
+
+
+def _keys(path: Path) -> set[str]:
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _optimizer_state_names(path: Path) -> list[str]:
+    """The parameter of every stored Adam first moment, in key order."""
+    prefix, suffix = "app.optim.state.", ".exp_avg"
+    return sorted(k[len(prefix):-len(suffix)] for k in _keys(path) if k.startswith(prefix) and k.endswith(suffix))
+
+
+def test_state_is_stored_by_parameter_name(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    _train(model, optimizer, 1)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1})
+    names = sorted(name for name, _ in model.named_parameters())
+    assert _optimizer_state_names(path) == names
+    keys = _keys(path)
+    assert {f"app.model.{name}" for name in model.state_dict()} <= keys
+    assert {f"app.optim.param_groups.{name}.lr" for name in names} <= keys
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    assert (manifest["version"], manifest["world_size"], manifest["pp_size"], manifest["zero"]) == (2, 1, 1, False)
+
+
+def test_older_format_is_refused(tmp_path: Path) -> None:
+    """A checkpoint of format 1 (per-shard keys) does not verify: loading says so, a resume names it."""
+    model, optimizer = _fresh(0)
+    _train(model, optimizer, 1)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1})
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    (path / MANIFEST_FILE).write_text(json.dumps({**manifest, "version": 1}))
+    with pytest.raises(CheckpointError, match=rf"{path} is in checkpoint format 1, this version reads format 2"):
+        load_checkpoint(path, model, optimizer)
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* verifies, tried 1: step_00000001: .* format 1"):
+        resume_latest(tmp_path, model, optimizer)
+
+
+def _zero_groups(model: torch.nn.Module) -> ZeroRedundancyOptimizer:
+    """ZeRO-1 over two groups, the second of one parameter: one rank's share of it is empty."""
+    rest = [p for name, p in model.named_parameters() if name != "norm.weight"]
+    return ZeroRedundancyOptimizer([{"params": rest}, {"params": [model.norm.weight], "lr": 2e-2}],
+                                   optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+
+def _fake_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """Optimizer steps on seeded gradients: a pipeline stage cannot run alone."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        for p in module.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+
+
+def _layouts_worker(rank: int, world: int, root: str) -> None:
+    # ZeRO over 2 ranks: each rank writes the state of its own parameters, under their names
+    torch.manual_seed(0)
+    model = tiny()
+    optimizer = _zero_groups(model)
+    _train(model, optimizer, 2)
+    optimizer.param_groups[1]["lr"] = 5e-3
+    zero = save_checkpoint(Path(root, "zero"), 2, model, optimizer, {"step": 2})
+    assert _optimizer_state_names(zero) == sorted(name for name, _ in model.named_parameters())
+    files = {index.fqn: info.relative_path
+             for index, info in dcp.FileSystemReader(str(zero)).read_metadata().storage_data.items()}
+    mine = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
+    assert all(files[f"app.optim.state.{name}.exp_avg"] == f"__{rank}_0.distcp"
+               for name, p in model.named_parameters() if id(p) in mine)
+    torch.manual_seed(100 + rank)
+    model2 = tiny()
+    optimizer2 = _zero_groups(model2)
+    load_checkpoint(zero, model2, optimizer2)
+    saved, loaded = optimizer.optim.state_dict(), optimizer2.optim.state_dict()
+    assert saved["state"].keys() == loaded["state"].keys()
+    for i, state in saved["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, loaded["state"][i][key]), (i, key)
+    for group, group2 in zip(saved["param_groups"], loaded["param_groups"]):
+        assert group2 == group or not group["params"]  # this rank saved no group it holds nothing of
+    holds_norm = bool(optimizer.optim.param_groups[1]["params"])
+    assert optimizer2.param_groups[1]["lr"] == (5e-3 if holds_norm else 2e-2)
+    _train(model, optimizer, 1, seed=1)
+    _train(model2, optimizer2, 1, seed=1)
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), name
+
+    # 2 pipeline stages (one rank each, ZeRO over each stage's ranks): stored under the whole model's names
+    torch.manual_seed(0)
+    stage = pipeline_stage(tiny(), 2)
+    stage_optimizer = build_optimizer(stage, 1e-2, 0.1, (0.9, 0.95), zero=True, process_group=stage_group(stage.spec))
+    _fake_steps(stage, stage_optimizer, 2)
+    staged = save_checkpoint(Path(root, "pp"), 2, stage, stage_optimizer, {"step": 2})
+    assert _optimizer_state_names(staged) == _optimizer_state_names(zero)  # every layer once, numbered as in the model
+    torch.manual_seed(100 + rank)
+    stage2 = pipeline_stage(tiny(), 2)
+    stage_optimizer2 = build_optimizer(stage2, 1e-3, 0.1, (0.9, 0.95), zero=True,
+                                       process_group=stage_group(stage2.spec))
+    load_checkpoint(staged, stage2, stage_optimizer2)
+    _assert_same(stage, stage_optimizer.optim, stage2, stage_optimizer2.optim)
+
+    with pytest.raises(CheckpointError, match=r"holds ZeRO optimizer shards over 1 rank\(s\) in each of 2 pipeline "
+                                              r"stages, but this run has ZeRO optimizer shards over 2 rank\(s\)"):
+        load_checkpoint(staged, model2, optimizer2)
+    with pytest.raises(CheckpointError, match=r"holds ZeRO optimizer shards over 2 rank\(s\), but this run has ZeRO "
+                                              r"optimizer shards over 1 rank\(s\) in each of 2 pipeline stages"):
+        load_checkpoint(zero, stage2, stage_optimizer2)
+    Path(root, f"ok_{rank}").touch()
+
+
+def test_zero_groups_and_pipeline_stages_two_gloo_ranks(tmp_path: Path) -> None:
+    run_distributed(_layouts_worker, 2, str(tmp_path))
     assert (tmp_path / "ok_0").exists() and (tmp_path / "ok_1").exists()

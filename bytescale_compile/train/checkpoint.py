@@ -4,9 +4,10 @@ Layout of one checkpoint:
 
     <root>/step_00000042/
         .metadata            DCP metadata (written by the coordinator, rank 0)
-        __<rank>_0.distcp    DCP data files (replicated tensors are deduplicated: each is written once)
+        __<rank>_0.distcp    DCP data files (a tensor several ranks hold alike is written once)
         train_state.json     the caller's JSON-able dict (sampler state, step, seeds, run config), rank 0
-        MANIFEST.json        size and sha256 of every file above (all ranks' shards) and the world size, rank 0
+        MANIFEST.json        format version, the layout the ranks held the state in (world size, pipeline
+                             stages, ZeRO) and the size and sha256 of every file above, rank 0
         COMPLETE             the commit marker: a directory without it is not a checkpoint
 
 Saving is atomic: every rank writes into `<root>/step_<step>.tmp/`; after a barrier rank 0 writes
@@ -18,18 +19,22 @@ Loading verifies the manifest first (rank 0 hashes, every rank gets the verdict)
 overwritten shard is an error naming the file instead of silently different weights. `resume_latest` takes
 the newest checkpoint that verifies and reports each newer one it skipped and why.
 
-The model is replicated on every rank (data-parallel style): state dicts come from
-`torch.distributed.checkpoint.state_dict.get_state_dict` (optimizer state keyed by parameter FQN) and go
-back through `set_state_dict`. A ZeRO-1 `ZeroRedundancyOptimizer` holds only this rank's shard of the
-optimizer state: each rank writes its shard under its own key (`zero_rank<r>_of_<W>`), so nothing is
-gathered to one rank, and a resume needs the same number of ranks. Everything also works without `torch.distributed` initialised (one
-process).
+DCP saves one `Stateful`, the model and its optimizer (`_AppState` under "app"), through DCP's own
+`get_state_dict`/`set_state_dict` with the optimizer state flattened per parameter: the keys are
+`app.model.<param>`, `app.optim.state.<param>.<exp_avg|exp_avg_sq|step>` and
+`app.optim.param_groups.<param>.<lr|betas|...>`, where `<param>` is always the whole model's name:
 
-A pipeline stage (`train/stages.py`) saves its own tensors under the whole model's names (`full_model_name`:
-a stage numbers its layers from 0), so the stages' model tensors never collide and the HDP ranks of one stage
-write theirs once; its optimizer state goes under the stage's key (`stage<s>_of_<pp>`, or
-`zero_stage<s>_of_<pp>_rank<r>_of_<hdp>` with ZeRO-1 over the stage's ranks). A resume needs the same pp_size
-and number of ranks. The root directory must be on a file system every rank sees (one machine, or a shared mount).
+- a pipeline stage (`train/stages.py`) numbers its layers from 0, so its names go through `full_model_name`
+  and no two stages' names collide;
+- a ZeRO-1 `ZeroRedundancyOptimizer` holds its rank's parameters' state only: DCP's helpers run on its local
+  optimizer, so each rank writes the state of its own parameters and nothing is gathered.
+
+Tensors several ranks hold alike (the model, a replicated optimizer) are written once. The names do not
+depend on how the ranks split the state, but a resume still needs the layout it was saved with (resharding
+is not implemented): another world size, pp_size or ZeRO setting is refused naming both. Checkpoints of the
+older format (per-shard keys, manifest version 1) do not verify and say so. Everything also works without
+`torch.distributed` initialised (one process). The root directory must be on a file system every rank sees
+(one machine, or a shared mount).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +56,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .stages import full_model_name, stage_spec
@@ -84,7 +85,10 @@ logger = logging.getLogger(__name__)
 COMPLETE_MARKER = "COMPLETE"
 TRAIN_STATE_FILE = "train_state.json"
 MANIFEST_FILE = "MANIFEST.json"
-_MANIFEST_VERSION = 1
+_MANIFEST_VERSION = 2
+"""Format 2: optimizer state by parameter name (DCP's flattened state dicts) and the layout in the manifest."""
+_APP = "app"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _DCP_METADATA = ".metadata"
 _PREFIX = "step_"
 _TMP_SUFFIX = ".tmp"
@@ -168,84 +172,101 @@ def _quiet_single_process() -> Iterator[None]:
 
 def _model_for_dcp(model: nn.Module) -> nn.Module:
     """`get_state_dict` on the plain model: an `OptimizedModule` shares its dicts, so the FQNs are equal."""
-    return model.original_module if hasattr(model, "original_module") else model
+    return getattr(model, "original_module", model)
 
 
-def _shard_key(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
-    """Where this rank's optimizer state goes when it is not the whole model's replicated state: its ZeRO
-    shard and/or its pipeline stage's."""
-    spec = stage_spec(model)
-    stage = f"stage{spec.index}_of_{spec.pp_size}" if spec is not None else None
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        shard = f"rank{optimizer.rank}_of_{optimizer.world_size}"
-        return f"zero_{stage}_{shard}" if stage else f"zero_{shard}"
-    return stage
+@dataclass(frozen=True)
+class _Layout:
+    """How the ranks hold the model and optimizer state; a resume needs the one it was saved with."""
+
+    world_size: int
+    pp_size: int
+    zero: bool
+
+    @classmethod
+    def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> _Layout:
+        spec = stage_spec(model)
+        return cls(_world_size(), spec.pp_size if spec is not None else 1,
+                   isinstance(optimizer, ZeroRedundancyOptimizer))
+
+    def describe(self) -> str:
+        if self.zero:
+            stages = f" in each of {self.pp_size} pipeline stages" if self.pp_size > 1 else ""
+            return f"ZeRO optimizer shards over {self.world_size // self.pp_size} rank(s){stages}"
+        if self.pp_size > 1:
+            return f"the optimizer states of {self.pp_size} pipeline stages"
+        return "a replicated optimizer state"
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the state of an optimizer that never stepped (a zero-lr step on zero gradients), as DCP's
-    `get_state_dict` does, so there are tensors to save and to load into."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not params or any(optimizer.state.get(p) for p in params):
-        return
-    lrs, grads = [group["lr"] for group in optimizer.param_groups], [p.grad for p in params]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    for p, grad in zip(params, grads):
-        p.grad = grad
+@contextmanager
+def _named_groups_only(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Hide the parameter groups without parameters from DCP's helpers: the flattened state names a group's
+    hyperparameters by its parameters, so it can neither save nor restore an empty group (a ZeRO rank's
+    share of a small group may be empty)."""
+    groups = optimizer.param_groups
+    optimizer.param_groups = [group for group in groups if group["params"]]
+    try:
+        yield
+    finally:  # `load_state_dict` replaces the groups it was shown
+        shown = iter(optimizer.param_groups)
+        optimizer.param_groups = [next(shown) if group["params"] else group for group in groups]
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What DCP saves and loads in place: {"model": ..., "optim": ...}."""
-    key = _shard_key(model, optimizer)
-    if key is None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-    spec = stage_spec(model)
-    full = (lambda name: full_model_name(spec, name)) if spec is not None else (lambda name: name)
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    _init_optimizer_state(local)
-    names = {p: full(name) for name, p in model.named_parameters()}
-    shard: dict[str, Any] = {
-        f"{names[p]}.{key}": value
-        for group in local.param_groups for p in group["params"] for key, value in local.state[p].items()
-    }
-    shard["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    model_sd = ({full(name): t for name, t in model.state_dict().items()} if spec is not None
-                else get_model_state_dict(model))
-    return {"model": model_sd, "optim": {key: shard}}
+def _sync_hyperparameters(zero: ZeroRedundancyOptimizer, to_local: bool) -> None:
+    """Copy the ZeRO wrapper's hyperparameters (what a schedule sets) to its local optimizer, as its `step`
+    does first, or back after a load. This rank saves no group it holds no parameter of, so the wrapper keeps
+    its own values there: they reach no parameter on this rank."""
+    for group, local in zip(zero.param_groups, zero.optim.param_groups):
+        keys = [key for key in group if key != "params"]
+        if to_local:
+            local.update({key: group[key] for key in keys})
+        elif local["params"]:
+            group.update({key: local[key] for key in keys})
 
 
-def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    key = _shard_key(model, optimizer)
-    if key is None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return
-    if stage_spec(model) is None:  # a stage's model tensors, like every shard's, are the live ones, loaded in place
-        set_model_state_dict(model, state["model"])
-    for group, saved in zip(optimizer.param_groups, state["optim"][key]["param_groups"]):
-        group.update(saved)
+class _AppState(Stateful):
+    """The model and optimizer as DCP saves and loads them: DCP's state dicts (optimizer state per parameter)
+    under the whole model's names. A ZeRO optimizer contributes its local optimizer, this rank's parameters."""
 
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = _model_for_dcp(model)
+        self.zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+        self.local = self.zero.optim if self.zero is not None else optimizer
+        self.spec = stage_spec(self.model)
+        self.layout = _Layout.of(self.model, optimizer)
 
-def _check_optimizer_kind(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """A checkpoint of ZeRO shards or pipeline stages needs the same ZeRO and stages over as many ranks, and a
-    replicated one a replicated one."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = sorted({k.split(".")[1] for k in keys if k.startswith(("optim.zero_", "optim.stage"))})
-    wanted = _shard_key(model, optimizer)
-    if wanted is None and saved:
-        kind = "ZeRO optimizer shards" if saved[0].startswith("zero_") else "the optimizer states of pipeline stages"
-        raise CheckpointError(f"checkpoint directory {path} holds {kind} ({saved[0]}..): resume it with the ZeRO "
-                              "setting (--zero), pipeline stages (--pp) and number of ranks it was saved with")
-    if wanted is not None and not any(k.startswith(f"optim.{wanted}.") for k in keys):
-        found = f"optimizer shards {saved[0]}..{saved[-1]}" if saved else "a replicated optimizer state"
-        raise CheckpointError(f"checkpoint directory {path} holds {found}, but this run needs {wanted}: resume with "
-                              "the ZeRO setting (--zero), pipeline stages (--pp) and number of ranks it was saved with")
+    def _local_state(self) -> dict[str, dict[str, Any]]:
+        """DCP's state dicts under this module's names (a stage's layers from 0). `get_state_dict`
+        initialises an optimizer that never stepped (a zero-lr step), so there are tensors to load into."""
+        with _named_groups_only(self.local):
+            model_state, optim_state = get_state_dict(self.model, self.local, options=_OPTIONS)
+        return {"model": model_state, "optim": optim_state}
+
+    def _saved_name(self, part: str, key: str) -> str:
+        """The whole model's name of a key; an optimizer key reads `<state|param_groups>.<param>.<what>`."""
+        if self.spec is None:
+            return key
+        if part == "model":
+            return full_model_name(self.spec, key)
+        section, rest = key.split(".", 1)
+        return f"{section}.{full_model_name(self.spec, rest)}"
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.zero is not None:
+            _sync_hyperparameters(self.zero, to_local=True)
+        return {part: {self._saved_name(part, key): value for key, value in state.items()}
+                for part, state in self._local_state().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        local = {part: {self._saved_name(part, key): key for key in state}
+                 for part, state in self._local_state().items()}
+        model_state, optim_state = ({local[part][key]: value for key, value in state_dict[part].items()}
+                                    for part in ("model", "optim"))
+        with _named_groups_only(self.local):
+            set_state_dict(self.model, self.local, model_state_dict=model_state, optim_state_dict=optim_state,
+                           options=_OPTIONS)
+        if self.zero is not None:
+            _sync_hyperparameters(self.zero, to_local=False)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -278,14 +299,14 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_manifest(directory: Path) -> None:
-    """Record every file's size and sha256 (all ranks' shards: the caller saw them all written) and the world
-    size; the manifest and the COMPLETE marker themselves are not listed."""
+def _write_manifest(directory: Path, layout: _Layout) -> None:
+    """Record every file's size and sha256 (all ranks' shards: the caller saw them all written) and the
+    layout; the manifest and the COMPLETE marker themselves are not listed."""
     files = {
         f.relative_to(directory).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
         for f in sorted(directory.rglob("*")) if f.is_file() and f.name not in (MANIFEST_FILE, COMPLETE_MARKER)
     }
-    manifest = {"version": _MANIFEST_VERSION, "world_size": _world_size(), "files": files}
+    manifest = {"version": _MANIFEST_VERSION, **asdict(layout), "files": files}
     _write_file(directory / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
 
 
@@ -299,12 +320,16 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint directory {path}: unreadable {MANIFEST_FILE}: {e}") from e
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lists no files")
+    if manifest.get("version") != _MANIFEST_VERSION:
+        raise CheckpointError(f"checkpoint directory {path} is in checkpoint format {manifest.get('version')}, this "
+                              f"version reads format {_MANIFEST_VERSION} only (optimizer state by parameter name): "
+                              "continue that run with the version that saved it, or start a new run in another --out")
     return manifest
 
 
 def verify_checkpoint(path: str | Path) -> None:
-    """Raise `CheckpointError` naming the first problem: no COMPLETE marker, no manifest, or a listed file
-    missing, of another size, or whose sha256 differs."""
+    """Raise `CheckpointError` naming the first problem: no COMPLETE marker, no manifest (or one of another
+    format), or a listed file missing, of another size, or whose sha256 differs."""
     path = Path(path)
     if not (path / COMPLETE_MARKER).is_file():
         raise CheckpointError(f"checkpoint directory {path} has no {COMPLETE_MARKER} marker (an interrupted save?)")
@@ -334,8 +359,8 @@ def save_checkpoint(
 
     Returns the final directory. `train_state` must be JSON-able (it is checked on every rank before any
     I/O, so a bad value fails everywhere at once). Re-saving a step that already has a checkpoint
-    replaces it. Note: `get_state_dict` initialises an optimizer that has never stepped (one zero-lr step
-    with zero gradients), so save after the first optimizer step to keep Adam's step count untouched.
+    replaces it. Note: DCP's `get_state_dict` initialises an optimizer that has never stepped (one zero-lr
+    step with zero gradients), so save after the first optimizer step to keep Adam's step count untouched.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -358,15 +383,15 @@ def save_checkpoint(
 
     _on_rank0(f"preparing {tmp}", prepare)
 
-    state = _state_dicts(_model_for_dcp(model), optimizer)
+    app = _AppState(model, optimizer)
     with _quiet_single_process():  # collective when distributed; replicated tensors are written once
-        dcp.save(state, checkpoint_id=str(tmp))
+        dcp.save({_APP: app}, checkpoint_id=str(tmp))
     if _distributed():
         dist.barrier()
 
     def commit() -> None:
         _write_file(tmp / TRAIN_STATE_FILE, state_text)
-        _write_manifest(tmp)
+        _write_manifest(tmp, app.layout)
         _write_file(tmp / COMPLETE_MARKER, f"step {step}\n")
         _fsync_dir(tmp)
         old = None
@@ -477,20 +502,30 @@ def _check_complete(path: Path) -> None:
         raise CheckpointError(f"checkpoint directory {path} is incomplete: missing {what}{hint}")
 
 
-def _check_world_size(path: Path) -> None:
-    saved = _read_manifest(path).get("world_size")
-    if saved is not None and saved != _world_size():
-        raise CheckpointError(f"checkpoint directory {path} was saved by {saved} rank(s), this run has "
-                              f"{_world_size()}: resume with {saved} (torchrun --nproc_per_node), or start a new "
-                              "run in another --out")
+def _check_layout(path: Path, now: _Layout) -> None:
+    """The same number of ranks, pipeline stages and ZeRO setting as the save (resharding is not implemented)."""
+    manifest = _read_manifest(path)
+    try:
+        saved = _Layout(**{field.name: manifest[field.name] for field in fields(_Layout)})
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lacks {e} (damaged?)") from e
+    if saved.world_size != now.world_size:
+        raise CheckpointError(f"checkpoint directory {path} was saved by {saved.world_size} rank(s), this run has "
+                              f"{now.world_size}: resume with {saved.world_size} (torchrun --nproc_per_node), or "
+                              "start a new run in another --out")
+    if saved != now:
+        raise CheckpointError(f"checkpoint directory {path} holds {saved.describe()}, but this run has "
+                              f"{now.describe()}: resume with the ZeRO setting (--zero), pipeline stages (--pp) and "
+                              "number of ranks it was saved with")
 
 
 def _check_model_shapes(path: Path, model_state: dict[str, Any], whole: bool = True) -> None:
     """The checkpoint's model tensors must be this model's, by name and shape (DCP's metadata has both); a
     pipeline stage (`whole=False`) checks its own tensors only."""
-    saved = {key[len("model."):]: list(meta.size)
+    prefix = f"{_APP}.model."
+    saved = {key[len(prefix):]: list(meta.size)
              for key, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-             if key.startswith("model.") and hasattr(meta, "size")}
+             if key.startswith(prefix) and hasattr(meta, "size")}
     now = {name: list(t.shape) for name, t in model_state.items() if isinstance(t, torch.Tensor)}
     names = saved.keys() | now.keys() if whole else now.keys()
     differences = [f"{name}: saved {saved.get(name, 'absent')}, this model {now.get(name, 'absent')}"
@@ -508,17 +543,14 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint directory {path}: unreadable {TRAIN_STATE_FILE}: {e}") from e
 
-    _check_world_size(path)
-    target = _model_for_dcp(model)
-    _check_optimizer_kind(path, target, optimizer)
-    state = _state_dicts(target, optimizer)  # templates: tensors on their destination devices
-    _check_model_shapes(path, state["model"], whole=stage_spec(target) is None)
+    app = _AppState(model, optimizer)
+    _check_layout(path, app.layout)
+    _check_model_shapes(path, app.state_dict()["model"], whole=app.spec is None)
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load({_APP: app}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint directory {path}: could not load model/optimizer state: {_short(e)}") from e
-    _restore(target, optimizer, state)
     return train_state
 
 
@@ -526,8 +558,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     """Restore `model` and `optimizer` in place from the checkpoint at `path`; return its train_state.
 
     Every rank must call it. A directory without the COMPLETE marker, DCP metadata, train state or manifest,
-    a file that does not match the manifest, a checkpoint saved by another number of ranks, or contents that
-    do not match the model/optimizer raise `CheckpointError` naming the directory (and the file).
+    a file that does not match the manifest, a checkpoint saved by another number of ranks, pipeline stages
+    or ZeRO setting, or contents that do not match the model/optimizer raise `CheckpointError` naming the
+    directory (and the file).
     """
     path = Path(path)
     _check_complete(path)
