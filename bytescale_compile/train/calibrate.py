@@ -20,11 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..planner import CostModel, MicroBatch, Plan
+from ..planner import BALANCE, STATIC, CostModel, MicroBatch, Plan
 from ..planner.plan import local_tokens
 from ..planner.profiler import fit_time
 from .collectives import gather, sync_gradients
@@ -95,7 +94,7 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     (`Runtime.cost_model = result.cost_model`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if runtime.pipeline is not None:
+    if runtime.pp_size > 1:
         raise ValueError("calibrate a Runtime over the whole model, not a pipeline stage: the cost model is per "
                          "layer, and pipelines of any pp_size plan with it")
     lengths = tuple(int(s) for s in (lengths or calibration_lengths(runtime.capacity)))
@@ -146,14 +145,14 @@ def _forward_backward(runtime: Runtime, plan: Plan, seed: int) -> Callable[[], o
 def _one_each(length: int, world: int, capacity: int) -> Plan:
     """Every rank one micro-batch of one sequence of `length` tokens, nothing shared."""
     micro_batches = [MicroBatch(r, (r,), (r,), 0.0, length, 0.0) for r in range(world)]
-    return Plan("static", world, max(length, capacity), 1, [length] * world, micro_batches, [[r] for r in range(world)])
+    return Plan(STATIC, world, max(length, capacity), 1, [length] * world, micro_batches, [[r] for r in range(world)])
 
 
 def _all_share(length: int, world: int, capacity: int) -> Plan:
     """One sequence of `length` tokens split over every rank: one ring over the whole world."""
     held = local_tokens([length], world)
     micro_batch = MicroBatch(0, tuple(range(world)), (0,), 0.0, held, 0.0)
-    return Plan("balance", world, max(held, capacity), 1, [length], [micro_batch], [[0]] * world)
+    return Plan(BALANCE, world, max(held, capacity), 1, [length], [micro_batch], [[0]] * world)
 
 
 def _with_ring_overhead(model: CostModel, length: int, seconds: float, world: int) -> CostModel:

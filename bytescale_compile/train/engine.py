@@ -11,9 +11,10 @@ the loss or the gradient norm is not finite (both are the same on every rank aft
 Strategies differ only in the plan: "balance", "naive", "static" and "auto" (the fastest of the planner's
 candidates under the simulator, `planner/auto.py`) all run through this code.
 
-With pipelines (a stage from `pipeline_stage`, `pp_size > 1`) the forwards and backwards run in 1F1B on the
-stage's ranks (`train/pipeline.py`); gradients are summed over the stage's HDP ranks only, and the norm that
-clipping and the skip test read spans every stage.
+What differs between a whole model and a pipeline stage lives in the Runtime's one `Executor`
+(`train/executor.py`). With pipelines (a stage from `pipeline_stage`, `pp_size > 1`) the forwards and
+backwards run in 1F1B on the stage's ranks (`train/pipeline.py`); gradients are summed over the stage's HDP
+ranks only, and the norm that clipping and the skip test read spans every stage.
 
 Mixed precision is autocast around the forward only: parameters, gradients and optimizer state stay
 fp32 (the master weights), the loss comes back in fp32, and the backward runs outside autocast as
@@ -26,14 +27,12 @@ when they differ by more than 2× either way: plans balanced by a cost model tha
 
 from __future__ import annotations
 
-import contextlib
-import inspect
+import dataclasses
 import math
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -42,30 +41,17 @@ from torch import nn
 
 from ..api import OptimizedModule, optimize
 from ..config import Config
-from ..planner import AUTO, STRATEGIES, CostModel, MicroBatch, Plan, plan
+from ..planner import RUNTIME_STRATEGIES, CostModel, Plan, plan
 from ..planner.model_shape import model_shape
-from ..runtime.context import micro_batch
-from ..runtime.offload import get_act_ctx
 from ..sim.simulator import step_time
-from .batch import (
-    BatchError,
-    BatchLike,
-    ListBatch,
-    ModelProtocolError,
-    RankWork,
-    build_micro_batch,
-    num_targets,
-)
+from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork
 from .collectives import gather, sync_gradients
+from .executor import Executor, WholeModelExecutor
 from .pipeline import PipelineExecutor
-from .stages import is_hf_model, stage_inputs, stage_spec
+from .stages import stage_spec
 
 __all__ = ["Runtime", "StepStats", "RankWork", "BatchLike", "ListBatch", "ModelProtocolError", "BatchError",
            "SkippedStepsError", "CostModelWarning", "prediction_off", "PREDICTION_TOLERANCE", "RUNTIME_STRATEGIES"]
-
-RUNTIME_STRATEGIES = (*STRATEGIES, AUTO)
-"""What a Runtime plans with: the planner's strategies, which name a plan, and "auto", which picks one of
-them per step (its plans carry the winner's name, so `planner.STRATEGIES` stays what a Plan may be)."""
 
 
 class SkippedStepsError(RuntimeError):
@@ -136,6 +122,28 @@ class StepStats:
         return max(busy) / min(busy) if busy else 1.0
 
 
+@dataclass(frozen=True)
+class RankFigures:
+    """Every rank's `RankWork` of a step and the wall seconds of its forward-backward, one entry per global rank
+    (stage-major), from one all-reduce."""
+
+    loss: np.ndarray
+    busy: np.ndarray
+    micro_batches: np.ndarray
+    p2p_bytes: np.ndarray
+    offloaded_bytes: np.ndarray
+    peak_saved_bytes: np.ndarray
+    stage_bytes: np.ndarray
+    forward_backward_time: np.ndarray
+
+    @classmethod
+    def gather(cls, work: RankWork, forward_backward_time: float, rank: int, world_size: int,
+               device: torch.device) -> RankFigures:
+        mine = {**dataclasses.asdict(work), "forward_backward_time": forward_backward_time}
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(*gather([float(mine[name]) for name in names], rank, world_size, device).T)
+
+
 class Runtime:
     """`Runtime(model, optimizer, config, cost_model, strategy)`; `step(batch) -> StepStats`,
     `evaluate(batch) -> float`.
@@ -170,13 +178,12 @@ class Runtime:
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.global_world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.device = next(self.model.parameters()).device
         self.mixed_precision = mixed_precision
-        spec = stage_spec(self.model)
-        self.pp_size = spec.pp_size if spec is not None else 1
-        self.pipeline = (PipelineExecutor(self.model, autocast=self._autocast, offload_ratio=self._offload_ratio)
-                         if spec is not None else None)
-        """The 1F1B executor of this rank's stage; None for a whole model."""
+        self.executor: Executor = (WholeModelExecutor if stage_spec(self.model) is None
+                                   else PipelineExecutor)(self.model, mixed_precision)
+        """Runs this rank's micro-batches: of the whole model, or of its pipeline stage."""
+        self.device = self.executor.device
+        self.pp_size = self.executor.pp_size
         self.world_size = self.global_world_size // self.pp_size
         """HDP ranks: the ranks a plan is made for."""
         self.rank = self.global_rank % self.world_size
@@ -184,9 +191,6 @@ class Runtime:
             raise ValueError(f"max_skipped_steps must be an int >= 1, got {max_skipped_steps!r}")
         self.max_skipped_steps = max_skipped_steps
         self.vocab_size = _vocab_size(self.model.original_module)
-        original = self.model.original_module
-        self._hf_labels = is_hf_model(original) or "labels" in inspect.signature(original.forward).parameters
-        self._blockers: list[str] | None = None
         self.steps = 0
         self._skipped_in_a_row: list[int] = []
         self._timed: list[StepStats] = []
@@ -201,7 +205,7 @@ class Runtime:
         blockers = self.shard_blockers()
         result = plan(lengths, self.world_size, self.capacity, self.cost_model, strategy=self.strategy,
                       pp_size=self.pp_size, context_length=self.context_length,
-                      shard_blocker="; ".join(blockers) or None)
+                      shard_blocker="; ".join(blockers) or None, step_time=step_time)
         result.validate()
         return result
 
@@ -225,19 +229,12 @@ class Runtime:
 
     def shard_blockers(self) -> list[str]:
         """Why this model's sequences cannot be split over ranks or packed (empty: they can); compiles it first
-        if needed. Every rank compiles the same model, so every rank reaches the same answer without communicating.
-        Pipeline stages hold different layers: the first call gathers every stage's reasons (a collective), so
-        every rank plans alike.
+        if needed. Every rank compiles the same model, so every rank reaches the same answer without communicating
+        (pipeline stages, which hold different layers, gather every stage's reasons on the first call).
         """
         if not self.model.compilations:
             self._compile_probe()
-        if self.pipeline is None:
-            return self.model.shard_blockers()
-        if self._blockers is None:
-            everyone: list[list[str]] = [[] for _ in range(self.global_world_size)]
-            dist.all_gather_object(everyone, self.model.shard_blockers())
-            self._blockers = list(dict.fromkeys(reason for reasons in everyone for reason in reasons))
-        return self._blockers
+        return self.executor.shard_blockers()
 
     def _compile_probe(self) -> None:
         """Compile the model on a tiny packed row (two sequences of 4 tokens) so planning can read its report.
@@ -249,19 +246,12 @@ class Runtime:
         labels[:, 3::4] = -100
         kwargs = {"input_ids": torch.zeros_like(positions), "position_ids": positions, "shift_labels": labels,
                   "num_items_in_batch": torch.tensor(6, device=self.device)}
-        if self._hf_labels:
+        if self.executor.hf_labels:
             kwargs["labels"] = labels
-        if self.pipeline is not None:
-            hidden = torch.zeros(1, 8, self.pipeline.hidden_size, device=self.device, dtype=self.params[0].dtype)
-            kwargs = stage_inputs(self.pipeline.spec, kwargs, None if self.pipeline.spec.is_first else hidden)
+        kwargs = self.executor.probe_inputs(kwargs)
         self.model.train()
-        with self._autocast():
+        with self.executor.autocast():
             self.model.compile_and_run(**kwargs)
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.mixed_precision is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.mixed_precision)
 
     def step(self, batch: BatchLike | Sequence[torch.Tensor], plan: Plan | None = None) -> StepStats:
         """Plan `batch` (or run the ready-made `plan`, e.g. the remote scheduler's, checked against the batch)
@@ -273,57 +263,35 @@ class Runtime:
         plan_time = time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=False)
         began = time.perf_counter()
-        work = self.forward_backward(step_plan, batch)
+        work = self.executor.forward_backward(step_plan, batch)
         forward_backward_time = time.perf_counter() - began
-        allreduce_bytes = sync_gradients(self.params, self.world_size,
-                                         self.pipeline.stage_group if self.pipeline is not None else None)
-        totals = self._gather([work.loss, work.busy, float(work.micro_batches), float(work.p2p_bytes),
-                               float(work.offloaded_bytes), float(work.peak_saved_bytes), float(work.stage_bytes),
-                               forward_backward_time])
+        allreduce_bytes = sync_gradients(self.params, self.world_size, self.executor.sync_group)
+        ranks = RankFigures.gather(work, forward_backward_time, self.global_rank, self.global_world_size, self.device)
+        loss = float(ranks.loss.sum())
         grad_norm = self._clip_gradients()
-        skipped = not (math.isfinite(grad_norm) and math.isfinite(float(totals[:, 0].sum())))
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
         if not skipped:
             self.optimizer.step()
         self.steps += 1
-        self._count_skip(skipped, float(totals[:, 0].sum()), grad_norm)
+        self._count_skip(skipped, loss, grad_norm)
         auto = step_plan.meta.get("auto", {})
-        stats = StepStats(step=self.steps, strategy=self.strategy, loss=float(totals[:, 0].sum()),
+        stats = StepStats(step=self.steps, strategy=self.strategy, loss=loss,
                           tokens=int(np.asarray(batch.lengths).sum()), time=time.perf_counter() - start,
-                          plan_time=plan_time, busy=totals[:, 1].tolist(),
-                          micro_batches=totals[:, 2].astype(int).tolist(), p2p_bytes=int(totals[:, 3].sum()),
-                          allreduce_bytes=allreduce_bytes,
-                          offloaded_bytes=int(totals[:, 4].sum()), peak_saved_bytes=totals[:, 5].astype(int).tolist(),
+                          plan_time=plan_time, busy=ranks.busy.tolist(),
+                          micro_batches=ranks.micro_batches.astype(int).tolist(), p2p_bytes=int(ranks.p2p_bytes.sum()),
+                          allreduce_bytes=allreduce_bytes, offloaded_bytes=int(ranks.offloaded_bytes.sum()),
+                          peak_saved_bytes=ranks.peak_saved_bytes.astype(int).tolist(),
                           plan=step_plan, grad_norm=grad_norm, skipped=skipped,
                           predicted_time=step_time(step_plan, self.cost_model), auto_choice=auto.get("chosen"),
-                          auto_speedup=auto.get("speedup_over_static"), stage_bytes=int(totals[:, 6].sum()),
-                          bubbles=self._bubbles(totals[:, 1], float(totals[:, 7].max())))
+                          auto_speedup=auto.get("speedup_over_static"), stage_bytes=int(ranks.stage_bytes.sum()),
+                          bubbles=self.executor.bubbles(ranks.busy, float(ranks.forward_backward_time.max())))
         self._compare_with_prediction(stats)
         return stats
 
     def forward_backward(self, step_plan: Plan, batch: BatchLike) -> RankWork:
         """Forward and backward of this rank's micro-batches of `step_plan`, gradients accumulated into `.grad`
         and not yet summed over ranks: a step without its gradient sync and optimizer update."""
-        if self.pipeline is not None:
-            return self.pipeline.forward_backward(step_plan, batch)
-        num_items = num_targets(batch.lengths)
-        self.model.train()
-        loss, busy, p2p = torch.zeros((), device=self.device), 0.0, 0
-        mine = step_plan.micro_batches_of(self.rank)
-        act_ctx = get_act_ctx(len(mine), [self._offload_ratio(mb) for mb in mine])
-        for i, mb in enumerate(mine):
-            began = time.perf_counter()
-            inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
-            act_ctx.update_micro_batch_id(i)
-            with micro_batch(ctx=inputs.context), act_ctx:
-                with self._autocast():
-                    mb_loss = self._loss(self.model(**inputs.model_kwargs(self.device, self._hf_labels))).float()
-                mb_loss.backward()
-            loss += mb_loss.detach()
-            busy += time.perf_counter() - began
-            p2p += inputs.context.ring_stats.bytes_sent
-        return RankWork(loss=loss.item(), busy=busy, micro_batches=len(mine), p2p_bytes=p2p,
-                        offloaded_bytes=sum(s.offloaded_bytes for s in act_ctx.stats),
-                        peak_saved_bytes=max((s.peak_resident_bytes for s in act_ctx.stats), default=0))
+        return self.executor.forward_backward(step_plan, batch)
 
     def _compare_with_prediction(self, stats: StepStats) -> None:
         """Warn once, on rank 0, when this Runtime's steps `_COMPARED_CALLS` together took more than
@@ -345,21 +313,8 @@ class Runtime:
         without gradients, so nothing is offloaded and no parameter or optimizer state changes."""
         if not hasattr(batch, "lengths"):
             batch = ListBatch(batch, self.vocab_size)
-        step_plan = self.plan(np.asarray(batch.lengths))
-        if self.pipeline is not None:
-            return float(self._gather([self.pipeline.evaluate(step_plan, batch)])[:, 0].sum())
-        num_items = num_targets(batch.lengths)
-        loss = torch.zeros((), dtype=torch.float64)
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for mb in step_plan.micro_batches_of(self.rank):
-                    inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
-                    with micro_batch(ctx=inputs.context), self._autocast():
-                        loss += self._loss(self.model(**inputs.model_kwargs(self.device, self._hf_labels))).double().cpu()
-        finally:
-            self.model.train()
-        return float(self._gather([loss.item()])[:, 0].sum())
+        loss = self.executor.evaluate(self.plan(np.asarray(batch.lengths)), batch)
+        return float(gather([loss], self.global_rank, self.global_world_size, self.device).sum())
 
     def _count_skip(self, skipped: bool, loss: float, grad_norm: float) -> None:
         """Raise once `max_skipped_steps` steps in a row were skipped (the parameters are still those before them)."""
@@ -370,42 +325,13 @@ class Runtime:
                 f"parameters are unchanged since step {self._skipped_in_a_row[0] - 1}: check the data (a batch with "
                 f"no target gives 0/0) and the learning rate, or resume from a checkpoint")
 
-    def _loss(self, output: Any) -> torch.Tensor:
-        loss = getattr(output, "loss", None)
-        if not isinstance(loss, torch.Tensor):
-            model = type(self.model.original_module).__name__
-            given = "input_ids, position_ids, shift_labels, num_items_in_batch" + (", labels" if self._hf_labels else "")
-            raise ModelProtocolError(f"{model} returned no loss (output.loss is {loss!r}) although the runtime passed "
-                                     f"{given}: its forward must compute the summed next-token loss from shift_labels "
-                                     f"(or labels) divided by num_items_in_batch")
-        return loss
-
-    def _offload_ratio(self, mb: MicroBatch) -> float:
-        """The plan's r ("auto"), Config's fixed ratio, or 0 ("off")."""
-        mode = self.model.compile_config.offload
-        if mode == "auto":
-            return mb.offload_ratio
-        return 0.0 if mode == "off" else float(mode)
-
     def _clip_gradients(self) -> float:
-        """Clip the summed gradients to `max_grad_norm` over the whole model (every stage); their norm before."""
-        if self.pipeline is None:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
-        norm = self.pipeline.grad_norm(self.params)
-        if self.max_grad_norm is not None and math.isfinite(norm) and self.max_grad_norm / (norm + 1e-6) < 1.0:
-            for p in self.params:
-                p.grad.mul_(self.max_grad_norm / (norm + 1e-6))
+        """Clip the summed gradients to `max_grad_norm` over the whole model (every stage); their norm before.
+        A non-finite norm skips the step, so its gradients are left as they are."""
+        norm = self.executor.grad_norm(self.params)
+        if self.max_grad_norm is not None and math.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, torch.tensor(norm, device=self.device))
         return norm
-
-    def _bubbles(self, busy: np.ndarray, forward_backward_time: float) -> list[float] | None:
-        """Each pipeline's measured bubble rate from its stages' busy seconds (stage-major ranks)."""
-        if self.pipeline is None or forward_backward_time <= 0:
-            return None
-        per_stage = busy.reshape(self.pp_size, self.world_size)
-        return (1.0 - per_stage.sum(axis=0) / (self.pp_size * forward_backward_time)).tolist()
-
-    def _gather(self, values: list[float]) -> np.ndarray:
-        return gather(values, self.global_rank, self.global_world_size, self.device)
 
 
 def _check_int(name: str, value: object) -> None:

@@ -1,7 +1,8 @@
 """The 1F1B pipeline executor: a step's forwards and backwards of an HDP plan with `pp_size > 1` on one stage
 rank (ByteScale's PP inside each HDP rank, whose pipelines may run different numbers of micro-batches: the
-paper's "Solve PP Imbalance"). The `Runtime` drives it: it plans, then sums the stage's gradients, clips over
-all stages and steps the optimizer.
+paper's "Solve PP Imbalance"), the `Executor` (`train/executor.py`) a `Runtime` holds for a stage. The Runtime
+plans, then sums the stage's gradients over `sync_group`, clips to the norm over all stages and steps the
+optimizer.
 
 The job has `hdp * pp` processes, stage-major: global rank `g` runs stage `g // hdp` of pipeline (HDP rank)
 `g % hdp`, so its previous stage is `g - hdp` and its next `g + hdp`. Every stage rank of pipeline `i` runs
@@ -29,11 +30,10 @@ context; ByteScale's micro-batches differ in length and count per pipeline, and 
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..api import OptimizedModule
 from ..planner.pipeline_order import Op, chained_micro_batches, stage_order
 from ..planner.plan import MicroBatch, Plan, PlanError
 from ..runtime.context import MicroBatchContext, micro_batch
 from ..runtime.offload import ActivationContext, get_act_ctx
 from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
-from .stages import StageSpec, full_model_name, is_hf_model, split_stages, stage_inputs, stage_spec
+from .executor import Executor, rank_work
+from .stages import StageSpec, full_model_name, split_stages, stage_inputs, stage_spec
 
 __all__ = ["PipelineExecutor", "PipelineSetupError", "StageTransferError", "check_stage_plan", "gather_stage_weights",
            "pipeline_stage", "stage_group"]
@@ -102,18 +104,16 @@ def pipeline_stage(model: nn.Module, pp_size: int) -> nn.Module:
     return split_stages(model, pp_size)[dist.get_rank() // (world // pp_size)]
 
 
-_groups: dict[tuple[int, int], list[dist.ProcessGroup]] = {}
-
-
 def stage_group(spec: StageSpec) -> dist.ProcessGroup:
     """The process group of stage `spec.index`'s HDP ranks, over which its gradients are summed and its ZeRO
     shards live. The first call creates every stage's group, on every rank at once (a collective)."""
-    world = dist.get_world_size()
-    key = (world, spec.pp_size)
-    if key not in _groups:
-        hdp = world // spec.pp_size
-        _groups[key] = [dist.new_group([s * hdp + r for r in range(hdp)]) for s in range(spec.pp_size)]
-    return _groups[key][spec.index]
+    return _stage_groups(dist.get_world_size(), spec.pp_size)[spec.index]
+
+
+@functools.cache
+def _stage_groups(world: int, pp_size: int) -> list[dist.ProcessGroup]:
+    hdp = world // pp_size
+    return [dist.new_group([s * hdp + r for r in range(hdp)]) for s in range(pp_size)]
 
 
 def gather_stage_weights(model: nn.Module, stage: nn.Module) -> None:
@@ -161,19 +161,15 @@ def _check_fit(plan: Plan, spec: StageSpec, world_size: int, rank: int) -> None:
                                  f"stage * {plan.world_size} + HDP rank) but holds stage module {spec.index}")
 
 
-class PipelineExecutor:
-    """`PipelineExecutor(stage)`; `forward_backward(plan, batch) -> RankWork`, `evaluate(plan, batch)`,
-    `grad_norm(params)`.
+class PipelineExecutor(Executor):
+    """`PipelineExecutor(stage, mixed_precision=None)`: the `Executor` of one pipeline stage.
 
-    `stage` is this rank's module from `split_stages(model, pp_size)`, through `optimize()`. `autocast` makes
-    the context every forward runs in (mixed precision), `offload_ratio` gives a micro-batch's share r of
-    saved activations to offload. Construct it on every rank at once: it creates one process group per stage
-    (a collective call), `stage_group`, over which the stage's gradients are summed.
+    `stage` is this rank's module from `split_stages(model, pp_size)`, through `optimize()`. Construct it on
+    every rank at once: it creates one process group per stage (`stage_group`, a collective call); its
+    `sync_group` is this stage's, over which the stage's gradients are summed.
     """
 
-    def __init__(self, stage: nn.Module, *,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 offload_ratio: Callable[[MicroBatch], float] = lambda mb: 0.0) -> None:
+    def __init__(self, stage: OptimizedModule, mixed_precision: torch.dtype | None = None) -> None:
         spec = stage_spec(stage)
         if spec is None:
             raise PipelineSetupError(f"{type(stage).__name__} has no StageSpec .spec: pass a module from "
@@ -181,7 +177,8 @@ class PipelineExecutor:
         if not dist.is_initialized():
             raise PipelineSetupError(f"a pipeline of {spec.pp_size} stages needs torch.distributed initialised with "
                                      f"pp_size x HDP processes (torchrun --nproc_per_node)")
-        self.stage, self.spec, self.autocast, self.offload_ratio = stage, spec, autocast, offload_ratio
+        super().__init__(stage, mixed_precision)
+        self.spec, self.pp_size = spec, spec.pp_size
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size % spec.pp_size:
             raise PipelineSetupError(f"{self.world_size} processes cannot hold pipelines of {spec.pp_size} stages: "
@@ -191,12 +188,9 @@ class PipelineExecutor:
             raise PipelineSetupError(f"global rank {self.rank} runs stage {self.rank // self.hdp} (stage-major, "
                                      f"{self.hdp} HDP ranks) but holds stage module {spec.index}")
         self.hdp_rank = self.rank % self.hdp
-        self.stage_group = stage_group(spec)
-        params = list(stage.parameters())
-        self.device = params[0].device if params else torch.device("cpu")
-        model = getattr(stage, "original_module", stage)
-        self.hidden_size = int(model.config.hidden_size)
-        self._hf_labels = is_hf_model(model)
+        self.sync_group = stage_group(spec)
+        self.hidden_size = int(stage.config.hidden_size)
+        self._blockers: list[str] | None = None
 
     def check(self, plan: Plan, batch: BatchLike) -> None:
         """That a plan its caller validated (the Runtime: `check_stage_plan` less `Plan.validate`, which is
@@ -211,26 +205,24 @@ class PipelineExecutor:
         """This stage's F and B ops of its pipeline, in `stage_order`; gradients accumulate in `.grad`."""
         self.check(plan, batch)
         mine, order = self._ops(plan)
-        act_ctx = get_act_ctx(len(mine), [self.offload_ratio(mb) for mb in mine])
-        self.stage.train()
+        act_ctx = self.act_ctx(mine)
+        self.model.train()
         tally = self._run(order, mine, batch, act_ctx)
-        return RankWork(loss=tally.loss, busy=tally.busy, micro_batches=len(mine), p2p_bytes=tally.ring_bytes,
-                        offloaded_bytes=sum(s.offloaded_bytes for s in act_ctx.stats),
-                        peak_saved_bytes=max((s.peak_resident_bytes for s in act_ctx.stats), default=0),
-                        stage_bytes=tally.stage_bytes)
+        return rank_work(act_ctx, loss=tally.loss, busy=tally.busy, p2p_bytes=tally.ring_bytes,
+                         stage_bytes=tally.stage_bytes)
 
     def evaluate(self, plan: Plan, batch: BatchLike) -> float:
         """This rank's summed loss of `plan`'s micro-batches (0 before the last stage): the forwards of
         `stage_order` alone, without gradients (dropping the backwards keeps the order deadlock-free)."""
         self.check(plan, batch)
         mine, order = self._ops(plan)
-        self.stage.eval()
+        self.model.eval()
         try:
             with torch.no_grad():
                 forwards = [op for op in order if op[0] == "F"]
                 return self._run(forwards, mine, batch, get_act_ctx(len(mine), [0.0] * len(mine))).loss
         finally:
-            self.stage.train()
+            self.model.train()
 
     def grad_norm(self, params: list[nn.Parameter]) -> float:
         """The 2-norm of the whole model's gradient, over every stage, once each stage's gradients are summed
@@ -239,6 +231,27 @@ class PipelineExecutor:
         total = torch.tensor(squares, dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return math.sqrt(float(total))
+
+    def shard_blockers(self) -> list[str]:
+        """Stages hold different layers: the first call gathers every stage's reasons (a collective), so every
+        rank plans alike."""
+        if self._blockers is None:
+            everyone: list[list[str]] = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(everyone, self.model.shard_blockers())
+            self._blockers = list(dict.fromkeys(reason for reasons in everyone for reason in reasons))
+        return self._blockers
+
+    def probe_inputs(self, kwargs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stage's share of `kwargs`; a stage after the first gets zero hidden states in their place."""
+        hidden = torch.zeros(1, kwargs["input_ids"].shape[1], self.hidden_size, device=self.device, dtype=self.dtype)
+        return stage_inputs(self.spec, kwargs, None if self.spec.is_first else hidden)
+
+    def bubbles(self, busy: np.ndarray, forward_backward_time: float) -> list[float] | None:
+        """From the busy seconds of each pipeline's stages (global ranks are stage-major)."""
+        if forward_backward_time <= 0:
+            return None
+        per_stage = busy.reshape(self.pp_size, self.hdp)
+        return (1.0 - per_stage.sum(axis=0) / (self.pp_size * forward_backward_time)).tolist()
 
     def _ops(self, plan: Plan) -> tuple[list[MicroBatch], list[Op]]:
         mine = plan.micro_batches_of(self.hdp_rank)
@@ -272,9 +285,9 @@ class PipelineExecutor:
             received, waited = self._receive(self.rank - self.hdp, mb, "hidden states", shape)
             received.requires_grad_(torch.is_grad_enabled())
         context = self._context(inputs)
-        kwargs = stage_inputs(self.spec, inputs.model_kwargs(self.device, self._hf_labels), received)
+        kwargs = stage_inputs(self.spec, inputs.model_kwargs(self.device, self.hf_labels), received)
         with micro_batch(ctx=context), act_ctx, self.autocast():
-            out = self.stage(**kwargs)
+            out = self.model(**kwargs)
         if self.spec.is_last:
             out = self._loss(out).float()
             tally.loss += float(out.detach())
@@ -309,7 +322,7 @@ class PipelineExecutor:
     def _loss(self, output: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor):
-            raise ModelProtocolError(f"the last stage ({type(self.stage).__name__}) returned no loss (output.loss is "
+            raise ModelProtocolError(f"the last stage ({type(self.model).__name__}) returned no loss (output.loss is "
                                      f"{loss!r}): split the model with split_stages(), whose last stage computes it")
         return loss
 

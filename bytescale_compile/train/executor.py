@@ -1,0 +1,172 @@
+"""How one rank runs its part of a step's plan: the `Executor` a `Runtime` holds, and its whole-model kind.
+
+The Runtime plans, sums gradients, clips and steps the optimizer alike for every model; what depends on
+whether this rank holds the whole model or one pipeline stage sits behind this interface: running its
+micro-batches (forward and backward, or forwards alone to evaluate), the gradient norm over the whole model,
+the group gradients are summed over, the bubbles, what a compile probe passes, and the shard blockers every
+rank plans with. `WholeModelExecutor` (here) runs HDP without pipelines; `PipelineExecutor`
+(`train/pipeline.py`) runs one stage of 1F1B pipelines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..api import OptimizedModule
+from ..planner.plan import MicroBatch, Plan
+from ..runtime.context import micro_batch
+from ..runtime.offload import ActivationContext, get_act_ctx
+from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
+from .stages import is_hf_model
+
+__all__ = ["Executor", "WholeModelExecutor", "rank_work"]
+
+
+class Executor(ABC):
+    """This rank's module (through `optimize()`) and how to run its micro-batches of a plan.
+
+    `mixed_precision` (None or an autocast dtype) is the autocast of every forward; the share r of saved
+    activations a micro-batch offloads comes from the module's `Config.offload`.
+    """
+
+    pp_size: int
+    """Stages of a pipeline (1: the whole model)."""
+    sync_group: dist.ProcessGroup | None
+    """The ranks that hold the same parameters, over which gradients are summed (None: every rank)."""
+
+    def __init__(self, model: OptimizedModule, mixed_precision: torch.dtype | None = None) -> None:
+        self.model, self.mixed_precision = model, mixed_precision
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.dtype = first.dtype if first is not None else torch.get_default_dtype()
+        original = model.original_module
+        self.hf_labels = is_hf_model(original) or "labels" in inspect.signature(original.forward).parameters
+        """Also pass the targets as `labels`: what a Hugging Face forward reads them from."""
+
+    @abstractmethod
+    def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
+        """Forward and backward of this rank's micro-batches of `plan`, gradients accumulated into `.grad` and
+        not yet summed over ranks."""
+
+    @abstractmethod
+    def evaluate(self, plan: Plan, batch: BatchLike) -> float:
+        """This rank's part of the loss of `plan`, in eval mode without gradients (the ranks' parts sum to it)."""
+
+    @abstractmethod
+    def grad_norm(self, params: list[nn.Parameter]) -> float:
+        """The 2-norm of the whole model's gradient, once `sync_group` has summed `params`' gradients."""
+
+    @abstractmethod
+    def shard_blockers(self) -> list[str]:
+        """Why the model's sequences cannot be split over ranks or packed (empty: they can), the same on every
+        rank; read after the module has compiled."""
+
+    @abstractmethod
+    def probe_inputs(self, kwargs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this rank's module takes in place of the model protocol's `kwargs`, to compile it."""
+
+    @abstractmethod
+    def bubbles(self, busy: np.ndarray, forward_backward_time: float) -> list[float] | None:
+        """Per HDP rank, the share of its stages' time not spent computing, from every global rank's busy
+        seconds and the slowest forward-backward; None without pipelines."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mixed_precision is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.mixed_precision)
+
+    def act_ctx(self, mine: list[MicroBatch]) -> ActivationContext:
+        """The step's act_ctx over this rank's micro-batches, each offloading the plan's r ("auto"), Config's
+        fixed ratio, or nothing ("off")."""
+        mode = self.model.compile_config.offload
+        if mode == "auto":
+            ratios = [mb.offload_ratio for mb in mine]
+        else:
+            ratios = [0.0 if mode == "off" else float(mode)] * len(mine)
+        return get_act_ctx(len(mine), ratios)
+
+
+def rank_work(act_ctx: ActivationContext, *, loss: float, busy: float, p2p_bytes: int,
+              stage_bytes: int = 0) -> RankWork:
+    """What a step's micro-batches under `act_ctx` did, with its offloading figures."""
+    return RankWork(loss=loss, busy=busy, micro_batches=len(act_ctx.stats), p2p_bytes=p2p_bytes,
+                    offloaded_bytes=sum(s.offloaded_bytes for s in act_ctx.stats),
+                    peak_saved_bytes=max((s.peak_resident_bytes for s in act_ctx.stats), default=0),
+                    stage_bytes=stage_bytes)
+
+
+class WholeModelExecutor(Executor):
+    """The whole model on every rank: this rank's micro-batches one after another, gradients summed over all
+    ranks (HDP without pipelines)."""
+
+    def __init__(self, model: OptimizedModule, mixed_precision: torch.dtype | None = None) -> None:
+        super().__init__(model, mixed_precision)
+        self.pp_size, self.sync_group = 1, None
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
+        num_items = num_targets(batch.lengths)
+        self.model.train()
+        loss, busy, p2p = torch.zeros((), device=self.device), 0.0, 0
+        mine = plan.micro_batches_of(self.rank)
+        act_ctx = self.act_ctx(mine)
+        for i, mb in enumerate(mine):
+            began = time.perf_counter()
+            inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
+            act_ctx.update_micro_batch_id(i)
+            with micro_batch(ctx=inputs.context), act_ctx:
+                mb_loss = self._loss(inputs).float()
+                mb_loss.backward()
+            loss += mb_loss.detach()
+            busy += time.perf_counter() - began
+            p2p += inputs.context.ring_stats.bytes_sent
+        return rank_work(act_ctx, loss=loss.item(), busy=busy, p2p_bytes=p2p)
+
+    def evaluate(self, plan: Plan, batch: BatchLike) -> float:
+        num_items = num_targets(batch.lengths)
+        loss = torch.zeros((), dtype=torch.float64)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mb in plan.micro_batches_of(self.rank):
+                    inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
+                    with micro_batch(ctx=inputs.context):
+                        loss += self._loss(inputs).double().cpu()
+        finally:
+            self.model.train()
+        return loss.item()
+
+    def grad_norm(self, params: list[nn.Parameter]) -> float:
+        """Every rank holds the whole summed gradient: its own norm is the model's."""
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+
+    def shard_blockers(self) -> list[str]:
+        return self.model.shard_blockers()
+
+    def probe_inputs(self, kwargs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return kwargs
+
+    def bubbles(self, busy: np.ndarray, forward_backward_time: float) -> list[float] | None:
+        return None
+
+    def _loss(self, inputs: MicroBatchInputs) -> torch.Tensor:
+        """The model's loss of one micro-batch, its forward under autocast."""
+        with self.autocast():
+            output: Any = self.model(**inputs.model_kwargs(self.device, self.hf_labels))
+        loss = getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            model = type(self.model.original_module).__name__
+            given = "input_ids, position_ids, shift_labels, num_items_in_batch" + (", labels" if self.hf_labels else "")
+            raise ModelProtocolError(f"{model} returned no loss (output.loss is {loss!r}) although the runtime passed "
+                                     f"{given}: its forward must compute the summed next-token loss from shift_labels "
+                                     f"(or labels) divided by num_items_in_batch")
+        return loss
