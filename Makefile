@@ -45,7 +45,7 @@ demo: $(DEMO_DATA) $(DEMO_COST)
 	$(VENV)/bin/torchrun --nproc_per_node=4 -m bytescale_compile.train --config examples/configs/demo.toml
 
 inspect: $(STAMP)
-	$(VENV)/bin/bytescale-compile inspect examples.models.llama:small --seq-len 2048
+	$(VENV)/bin/bytescale-compile inspect bytescale_compile.models.llama:small --seq-len 2048
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15

@@ -38,7 +38,7 @@ def qwen2(layers: int = 4) -> torch.nn.Module:
 
 
 def llama_small() -> torch.nn.Module:
-    from examples.models.llama import small
+    from bytescale_compile.models.llama import small
 
     return small()
 

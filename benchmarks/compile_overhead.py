@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bytescale_compile as bsc  # noqa: E402
-from examples.models.llama import small  # noqa: E402
+from bytescale_compile.models.llama import small  # noqa: E402
 
 
 def batch(n: int, vocab: int) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ of one micro-batch under `act_ctx = get_act_ctx(1, [r])` (paper Listing 1); one 
 and fills the host buffer pool, then `--repeats` measured steps follow. Figures are printed (and with
 `--json` written), never asserted.
 
-CPU mode (the default without CUDA): the example model `examples.models.llama:small` (4 layers,
+CPU mode (the default without CUDA): the example model `bytescale_compile.models.llama:small` (4 layers,
 hidden 256, fp32) at `--tokens` (default 2048). Host and "device" are the same memory here, so the
 figure that matters is the act_ctx's counter `peak_resident_bytes`: the most saved-activation bytes
 on the device at any point of the micro-batch. It is printed next to Eq. 2's shape
@@ -51,6 +51,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bytescale_compile.units import parse_size  # noqa: E402
+
 RATIOS = (0.0, 0.5, 1.0)
 OFF = "off"
 """The variant with the offload pass switched off (no act_ctx ops in the graphs)."""
@@ -71,7 +73,7 @@ class Setup:
 
     device: str
     model: str
-    """"small" (examples.models.llama:small) or "1b" (MODEL_1B)."""
+    """"small" (bytescale_compile.models.llama:small) or "1b" (MODEL_1B)."""
     dtype: str
     tokens: int
     variant: str
@@ -81,16 +83,12 @@ class Setup:
 
 # --- parsing ------------------------------------------------------------------------------------
 
-def parse_size(text: str) -> int:
-    """'2048', '16K', '64k', '1M' -> tokens (K = 1024)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (expected e.g. 2048, 16K, 1M)")
-    return int(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20}[match.group(2).lower()]
-
-
 def parse_sizes(text: str) -> list[int]:
-    return [parse_size(t) for t in text.split(",") if t.strip()]
+    """'2048', '16K,64K', '1M' -> tokens (K = 1024), as the CLI reads sizes."""
+    try:
+        return [parse_size(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def size_label(tokens: int) -> str:
@@ -103,7 +101,7 @@ def build_model(setup: Setup):
     """The model under test on its device, in its dtype, seeded so every variant starts alike."""
     import torch
 
-    from examples.models.llama import LlamaConfig, LlamaForCausalLM, small
+    from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM, small
 
     torch.manual_seed(0)
     with torch.device(setup.device):  # initialise in place: a 1B model is quick to build on the GPU

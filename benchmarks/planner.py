@@ -28,14 +28,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bytescale_compile.planner import CostModel, plan  # noqa: E402
-from bytescale_compile.sim.experiments import STRATEGY_SPECS, run_strategy  # noqa: E402
+from bytescale_compile.planner import AUTO, STRATEGY_SPECS, CostModel, plan  # noqa: E402
+from bytescale_compile.sim.experiments import run_strategy  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
 from bytescale_compile.sim.simulator import bubble_rates, lower_bound, step_time  # noqa: E402
 
 K, M = 2 ** 10, 2 ** 20
 TOKENS, CAPACITY = 32 * M, 8 * K
-STRATEGIES = ["static", "naive-nooffload", "naive", "balance"]
+STRATEGIES = [name for name in STRATEGY_SPECS if name != AUTO]
 REPEATS = 3
 """Each planning time is the least of this many runs: the other processes sharing the 2 cores only ever add time."""
 AUTO_GOAL = 3.0
@@ -50,7 +50,7 @@ def _plan_ms(lens: np.ndarray, ranks: int, cost: CostModel, names: list[str], cl
         for name in names:
             strategy, offload = STRATEGY_SPECS[name]
             start = clock()
-            plan(lens, ranks, CAPACITY, cost, strategy=strategy, offload=offload)
+            plan(lens, ranks, CAPACITY, cost, strategy=strategy, offload=offload, step_time=step_time)
             best[name] = min(best[name], (clock() - start) * 1e3)
     return best
 
@@ -141,7 +141,7 @@ def pipelines(cost: CostModel) -> None:
             for name in ("balance", "static", "naive", "auto"):
                 strategy, offload = STRATEGY_SPECS[name]
                 p = plan(lens, 32, CAPACITY * pp, cost, strategy=strategy, pp_size=pp, context_length=128 * K,
-                         offload=offload)
+                         offload=offload, step_time=step_time)
                 (staged, first), (unsent, _) = bubble_rates(p, cost), bubble_rates(p, cost, sends=False)
                 print(f"{dataset:>7} {pp:>3} {name:>8} {step_time(p, cost):>8.2f} {step_time(p, cost, sends=False):>9.2f} "
                       f"{staged:>7.3f} {unsent:>9.3f} {first:>9.3f}")

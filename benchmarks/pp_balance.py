@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bytescale_compile.planner import CostModel, Hardware, Plan, plan  # noqa: E402
 from bytescale_compile.planner.pipeline_order import chained_micro_batches  # noqa: E402
-from bytescale_compile.sim.experiments import parse_size  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
 from bytescale_compile.sim.simulator import bubble_rates, step_time  # noqa: E402
+from bytescale_compile.units import parse_size  # noqa: E402
 
 K = 2 ** 10
 GPUS, TP, MODEL, HARDWARE = 1024, 8, "llama-70b", "h100-nvlink"

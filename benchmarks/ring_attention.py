@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bytescale_compile.runtime.dist_attn import RingStats, ring_attention_bwd, ring_attention_fwd  # noqa: E402
 from bytescale_compile.runtime.layout import zigzag_layout  # noqa: E402
-from bytescale_compile.runtime.spawn import run_distributed  # noqa: E402
+from bytescale_compile.testing import run_distributed  # noqa: E402
 
 HQ, HKV, D = 2, 1, 32
 _FIELDS = ("bytes_sent", "sends_skipped", "blocks_computed", "blocks_skipped")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 from typing import Any
 
@@ -55,7 +56,8 @@ class OptimizedModule(nn.Module):
         self._report = CompileReport()
         self._pending: list[GraphReport] = []
         self._compiled_graphs: list[GraphReport] = []
-        self._backends = {mode: Backend(config, mode, self._pending.append) for mode in (True, False)}
+        graph_ids = itertools.count()
+        self._backends = {mode: Backend(config, mode, self._pending.append, graph_ids) for mode in (True, False)}
         self._compiled = {mode: torch.compile(model, backend=b, dynamic=None if config.dynamic else False)
                           for mode, b in self._backends.items()}
 

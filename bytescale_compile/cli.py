@@ -7,7 +7,6 @@ traceback instead. torch and the compiler load only in the commands that need th
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect as pyinspect
 import json
 import os
@@ -15,6 +14,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
+
+from .models.factory import FactoryError, load_factory, resolve_factory
+from .units import parse_size
 
 if TYPE_CHECKING:
     from torch import nn
@@ -58,8 +60,6 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 def _size(text: str) -> int:
     """An argparse type: one positive size such as 8K, 32M or 1000."""
-    from .sim.experiments import parse_size
-
     try:
         value = parse_size(text)
     except ValueError as e:
@@ -105,36 +105,12 @@ def _created(path: Path) -> Path:
     return path
 
 
-def _cwd_importable() -> None:
-    """MODULE:FACTORY specs name modules of the current project, like `python -m` would find them."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
-
-def resolve_factory(spec: str) -> Callable[[], Any]:
-    """`package.module:factory` → the factory, imported but not called (the current directory is importable)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise CLIError(f"expected MODULE:FACTORY (e.g. examples.models.llama:small), got {spec!r}")
-    _cwd_importable()
+def _model(spec: str) -> nn.Module:
+    """The model a MODULE:FACTORY spec builds; a spec that builds none is a usage error."""
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise CLIError(f"cannot import module {module_name!r}: {e}") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise CLIError(f"{module_name} has no callable {attr!r}")
-    return factory
-
-
-def load_factory(spec: str) -> nn.Module:
-    """`package.module:factory` → the model the factory builds."""
-    from torch import nn
-
-    model = resolve_factory(spec)()
-    if not isinstance(model, nn.Module):
-        raise CLIError(f"{spec} returned {type(model).__name__}, not an nn.Module")
-    return model
+        return load_factory(spec)
+    except FactoryError as e:
+        raise CLIError(str(e)) from e
 
 
 def protocol_inputs(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> dict[str, Any]:
@@ -169,7 +145,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .config import Config
 
     torch.manual_seed(0)
-    model = load_factory(args.target)
+    model = _model(args.target)
     model.train(not args.eval)
     config = Config(attention=not args.no_attention, fused_loss=not args.no_fused_loss)
     inputs = protocol_inputs(model, args.seq_len, args.vocab_size)
@@ -224,7 +200,7 @@ def _cost_model(name: str, hardware: str | None = None, tp: int = 1) -> Any:
 
 def _strategy(name: str) -> str:
     """A strategy `run_strategy` knows, checked before any planning or output."""
-    from .sim.experiments import STRATEGY_SPECS
+    from .planner import STRATEGY_SPECS
 
     if name not in STRATEGY_SPECS:
         raise CLIError(f"unknown strategy {name!r}; strategies: {', '.join(STRATEGY_SPECS)}")
@@ -232,7 +208,7 @@ def _strategy(name: str) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .planner import PlanError
+    from .planner import AUTO, PlanError
     from .sim.experiments import run_strategy
     from .sim.lengths import sample_global_batch
 
@@ -254,8 +230,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  per-rank micro-batches: {min(map(len, outcome.plan.schedule))}..{max(map(len, outcome.plan.schedule))}")
     print(f"  planned in {outcome.plan_seconds * 1e3:.1f} ms; simulated step {outcome.step_time:.3f} s, "
           f"{outcome.tokens_per_second:,.0f} tokens/s, busy spread {outcome.busy_spread:.2f}")
-    if "auto" in outcome.plan.meta:
-        report = outcome.plan.meta["auto"]
+    if AUTO in outcome.plan.meta:
+        report = outcome.plan.meta[AUTO]
         over_static = report["speedup_over_static"]
         print(f"  auto chose {report['chosen']}: "
               + (f"{over_static:.2f}x static, " if over_static is not None else "static cannot plan this batch, ")
@@ -302,7 +278,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .planner.profiler import profile_model
 
     out = _output_file(args.out, "--out")
-    resolve_factory(args.target)
+    try:
+        resolve_factory(args.target)
+    except FactoryError as e:
+        raise CLIError(str(e)) from e
     try:
         result = profile_model(args.target, args.lengths, _created(out), repeats=args.repeats,
                                ranks_per_device=args.ranks_per_device)
@@ -387,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="compile a model on one sequence and print what every pass did")
-    p.add_argument("target", help="MODULE:FACTORY returning an nn.Module, e.g. examples.models.llama:small")
+    p.add_argument("target", help="MODULE:FACTORY returning an nn.Module, e.g. bytescale_compile.models.llama:small")
     p.add_argument("--seq-len", type=_int_at_least(2), default=512,
                    help="tokens in the sample row, at least 2: a token and its target (default 512)")
     p.add_argument("--vocab-size", type=_int_at_least(1), default=None, help="when the model has no config.vocab_size")
@@ -406,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-tokens", type=_size, default="32M")
     p.add_argument("--ranks", type=_int_at_least(1), default=1024)
     p.add_argument("--capacity", type=_size, default="8K", help="tokens per rank, C")
-    p.add_argument("--strategy", default="balance", help="balance | naive | naive-nooffload | static | auto")
+    p.add_argument("--strategy", default="balance", help="the planner's strategy (an unknown name lists them)")
     p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
     p.add_argument("--hardware", default=None, help="cluster preset for the ranks: l20 | h100-nvlink (default: "
                    "private 25 GB/s links per rank)")
@@ -425,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=_int_at_least(1), default=1024)
     p.add_argument("--capacity", type=_size, default="8K")
     p.add_argument("--global-tokens", type=_size, default="32M")
-    p.add_argument("--strategies", default="static,naive,balance", help="of static, naive, naive-nooffload, balance, auto")
+    p.add_argument("--strategies", default="static,naive,balance",
+                   help="comma-separated planner strategies (an unknown name lists them)")
     p.add_argument("--hardware", default=None, help="cluster preset for the ranks: l20 | h100-nvlink (default: "
                    "private 25 GB/s links per rank)")
     p.add_argument("--tp", type=_int_at_least(1), default=1, help="devices per HDP rank on the --hardware cluster")
@@ -436,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("profile", help="fit T(s) and Act(s) of one layer of a model on this device")
-    p.add_argument("target", help="MODULE:FACTORY, e.g. examples.models.llama:small")
+    p.add_argument("target", help="MODULE:FACTORY, e.g. bytescale_compile.models.llama:small")
     p.add_argument("--lengths", type=_sizes, default="256,512,1K,2K", help="at least 3 distinct lengths")
     p.add_argument("--repeats", type=_int_at_least(1), default=3)
     p.add_argument("--out", default="cost_model.json", help="the cost-model JSON to write (records the device)")

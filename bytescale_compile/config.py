@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .kernels.cross_entropy_ref import DEFAULT_CHUNK_SIZE
+__all__ = ["Config", "DEFAULT_CHUNK_SIZE"]
 
-__all__ = ["Config"]
+DEFAULT_CHUNK_SIZE = 1024
+"""Tokens per chunk of the fused loss: smaller chunks give the grad_weight matmul a short inner dimension,
+larger ones are no faster and grow the [chunk, V] buffer. Defined here, at the bottom of the layers, so that
+`Config` and the loss op share it."""
 
 _PARTITIONERS = ("auto", "default", "min_cut")
 _OFFLOAD_MODES = ("auto", "off")

@@ -9,7 +9,7 @@ from torch import nn
 
 import bytescale_compile as bsc
 from bytescale_compile.cli import main
-from examples.models.llama import LlamaForCausalLM, tiny
+from bytescale_compile.models.llama import LlamaForCausalLM, tiny
 
 
 def test_optimize_rejects_non_modules():
@@ -76,19 +76,19 @@ def test_many_optimized_instances_of_one_class():
 
 
 def test_cli_inspect_prints_report(capsys):
-    assert main(["inspect", "examples.models.llama:tiny", "--seq-len", "64"]) == 0
+    assert main(["inspect", "bytescale_compile.models.llama:tiny", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "Pass `attention`: 2 rewritten" in out and "Pass `fused_loss`: 1 rewritten" in out
 
 
 def test_cli_inspect_json(capsys):
-    assert main(["inspect", "examples.models.llama:tiny", "--seq-len", "32", "--json", "--no-fused-loss"]) == 0
+    assert main(["inspect", "bytescale_compile.models.llama:tiny", "--seq-len", "32", "--json", "--no-fused-loss"]) == 0
     report = json.loads(capsys.readouterr().out)
     passes = report["graphs"][0]["passes"]
     assert passes[1]["disabled"] == "Config.fused_loss=False"
 
 
-@pytest.mark.parametrize("target", ["examples.models.llama:tiny", "tests.helpers:hf_llama"])
+@pytest.mark.parametrize("target", ["bytescale_compile.models.llama:tiny", "tests.helpers:hf_llama"])
 def test_cli_inspect_reports_every_pipeline_stage(target, capsys):
     """--pp 2: one compiled stage per decoder layer; each rewrites its own attention, the last fuses the loss."""
     assert main(["inspect", target, "--seq-len", "32", "--pp", "2"]) == 0
@@ -103,9 +103,9 @@ def test_cli_inspect_reports_every_pipeline_stage(target, capsys):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("examples.models.llama", "MODULE:FACTORY"),
+    ("bytescale_compile.models.llama", "MODULE:FACTORY"),
     ("no_such_module:f", "cannot import module"),
-    ("examples.models.llama:nothing", "no callable"),
+    ("bytescale_compile.models.llama:nothing", "no callable"),
 ])
 def test_cli_bad_target(spec, message, capsys):
     assert main(["inspect", spec]) == 2
@@ -145,5 +145,5 @@ def test_cli_profile_writes_a_loadable_cost_model(tmp_path, capsys):
     from bytescale_compile.planner import CostModel
 
     out = tmp_path / "cost.json"
-    assert main(["profile", "examples.models.llama:tiny", "--lengths", "32,64,128", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["profile", "bytescale_compile.models.llama:tiny", "--lengths", "32,64,128", "--repeats", "1", "--out", str(out)]) == 0
     assert CostModel.load(out).source == "profiled"

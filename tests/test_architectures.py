@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
-from bytescale_compile.runtime.spawn import run_distributed
+from bytescale_compile.testing import run_distributed
 from tests.conftest import rel_err
 from tests.helpers import assert_matches_eager, eager_copy, protocol_batch, reference_step
 from tests.hf_models import ARCHS, BY_NAME, VOCAB, build

@@ -21,8 +21,8 @@ from bytescale_compile.kernels.attention_ref import (
     math_causal_attention_bwd,
     math_causal_attention_fwd,
 )
+from bytescale_compile.models.llama import tiny
 from bytescale_compile.runtime.context import ContextError, micro_batch
-from examples.models.llama import tiny
 from tests.conftest import rel_err
 from tests.helpers import loss_and_grads, protocol_batch
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
+from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import ModelShape
 from bytescale_compile.planner.auto import CANDIDATES
-from bytescale_compile.runtime.spawn import run_distributed
 from bytescale_compile.sim.simulator import simulate
+from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.__main__ import build_parser
 from bytescale_compile.train.compare import comparison, summarize
 from bytescale_compile.train.config import load_config
 from bytescale_compile.train.metrics import StepRecord
 from bytescale_compile.train.projection import RANKS, project, resample_lengths
-from examples.models.llama import tiny
 from tests.conftest import rel_err
 from tests.helpers import reference_step
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
+from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, plan
 from bytescale_compile.planner.common import micro_batch_time
-from bytescale_compile.runtime.spawn import run_distributed
 from bytescale_compile.sim.simulator import simulate, step_time
+from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.calibrate import calibrate, calibration_lengths
-from examples.models.llama import tiny
 from tests.helpers import hf_llama
 
 LENGTHS = (16, 32, 64)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
+from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM
 from bytescale_compile.runtime.offload import get_act_ctx
-from examples.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.helpers import assert_matches_eager, eager_copy, loss_and_grads, protocol_batch
 from tests.hf_models import ARCHS, VOCAB, build
 

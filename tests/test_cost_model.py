@@ -231,7 +231,7 @@ def test_saved_bytes_count_storages_not_parameters():
 
 
 def test_profile_llama_layer_on_cpu():
-    from examples.models.llama import tiny
+    from bytescale_compile.models.llama import tiny
 
     torch.manual_seed(0)
     model = tiny()
@@ -261,7 +261,7 @@ def hf_tiny():
     return LlamaForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("spec", ["examples.models.llama:tiny", "tests.test_cost_model:hf_tiny"])
+@pytest.mark.parametrize("spec", ["bytescale_compile.models.llama:tiny", "tests.test_cost_model:hf_tiny"])
 def test_profile_model_saves_json(spec, tmp_path):
     if "hf" in spec:
         pytest.importorskip("transformers")
@@ -274,14 +274,14 @@ def test_profile_model_saves_json(spec, tmp_path):
 
 def test_profile_model_bad_spec(tmp_path):
     with pytest.raises(ValueError, match="module:factory"):
-        profile_model("examples.models.llama", [64, 128, 256], tmp_path / "x.json")
+        profile_model("bytescale_compile.models.llama", [64, 128, 256], tmp_path / "x.json")
 
 
 def test_profile_as_ranks_sharing_the_cpu(tmp_path):
     """Two processes at once, each on its share of the cores: the times the demo's ranks will see."""
-    result = profile_model("examples.models.llama:tiny", [64, 128, 256], tmp_path / "shared.json", device="cpu",
+    result = profile_model("bytescale_compile.models.llama:tiny", [64, 128, 256], tmp_path / "shared.json", device="cpu",
                            repeats=1, ranks_per_device=2)
     assert result.device.startswith("cpu, 2 processes") and all(t > 0 for t in result.times)
     assert CostModel.load(tmp_path / "shared.json").layers == 2
     with pytest.raises(ValueError, match="ranks_per_device must be >= 1"):
-        profile_model("examples.models.llama:tiny", [64, 128, 256], tmp_path / "x.json", ranks_per_device=0)
+        profile_model("bytescale_compile.models.llama:tiny", [64, 128, 256], tmp_path / "x.json", ranks_per_device=0)

@@ -14,8 +14,6 @@ from bytescale_compile.data.dataset import (
     GlobalBatchSampler,
     TokenDataset,
     TokenizerInfo,
-    build_from_python_sources,
-    build_from_text_files,
     eval_batches,
     python_source_files,
     token_dtype,
@@ -154,43 +152,6 @@ def test_slices(dataset):
 def test_pickles_as_prefix(dataset):
     clone = pickle.loads(pickle.dumps(dataset))
     assert clone == dataset and as_bytes(clone.tokens(3)) == NON_EMPTY[3]
-
-
-def test_jsonl_and_text_files(tmp_path):
-    (tmp_path / "a.txt").write_bytes(b"plain text file")
-    lines = [json.dumps({"content": "first", "id": 1}), "", json.dumps({"content": "s\u00e9cond"})]
-    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
-    paths = [tmp_path / "a.txt", str(tmp_path / "b.jsonl")]
-    ds = build_from_text_files(tmp_path / "ds", paths, jsonl_key="content")
-    assert [as_bytes(ds.tokens(i)) for i in range(len(ds))] == [
-        b"plain text file",
-        b"first",
-        "s\u00e9cond".encode(),
-    ]
-
-
-def test_jsonl_missing_key_names_file_and_line(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
-    with pytest.raises(DatasetError, match=rf"{path}, line 2: no 'text' field"):
-        build_from_text_files(tmp_path / "ds", [path])
-    with pytest.raises(FileNotFoundError, match="ds.json"):
-        TokenDataset.open(tmp_path / "ds")  # the failed write left no dataset behind
-    assert not list(tmp_path.glob("ds.*"))  # nor any of its files
-
-
-def test_python_sources_per_file_and_per_package(tmp_path):
-    per_file = build_from_python_sources(tmp_path / "files", per="file", max_documents=50)
-    per_package = build_from_python_sources(tmp_path / "packages", per="package", max_documents=50)
-    assert len(per_file) == len(per_package) == 50
-    assert per_file.lengths.min() > 0
-    assert per_package.lengths.mean() > per_file.lengths.mean()
-    assert per_package.lengths.max() > 10 * np.median(per_package.lengths)  # the long tail
-    assert b"def " in as_bytes(per_file.tokens(int(per_file.lengths.argmax())))
-    again = build_from_python_sources(tmp_path / "again", per="package", max_documents=50)
-    assert np.array_equal(again.lengths, per_package.lengths)
-    with pytest.raises(ValueError, match="per"):
-        build_from_python_sources(tmp_path / "x", per="module")
 
 
 def test_missing_bin(dataset, tmp_path):

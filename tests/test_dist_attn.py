@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import datetime
-
 import math
 import os
 import random
+import re
 import time
 from dataclasses import dataclass
-
-import re
 
 import pytest
 import torch
@@ -20,8 +18,8 @@ import torch.nn.functional as F
 from bytescale_compile.kernels.attention_ref import block_attention_bwd, block_attention_fwd
 from bytescale_compile.runtime.dist_attn import RingError, RingStats, RingTimeoutError, _merge, packed_ring_attention
 from bytescale_compile.runtime.layout import Block, LayoutError, zigzag_layout
+from bytescale_compile.testing import run_distributed
 from tests.conftest import rel_err
-from bytescale_compile.runtime.spawn import run_distributed
 
 # --- layout ---------------------------------------------------------------------------------------
 
@@ -388,27 +386,37 @@ def test_peer_that_never_arrives_times_out():
 
 
 class _FailingWork:
-    def __init__(self, error: Exception | None):
-        self.error = error
+    """A posted transfer whose wait raises `error` after `seconds` (None: completes at once)."""
+
+    def __init__(self, error: Exception | None, seconds: float = 0.0):
+        self.error, self.seconds = error, seconds
         self.timeouts: list[object] = []
 
     def wait(self, timeout=None):
         self.timeouts.append(timeout)
+        time.sleep(self.seconds)
         if self.error is not None:
             raise self.error
 
 
-@pytest.mark.parametrize("error,raised", [
-    (RuntimeError("[Rank 0] Work timed out after 5000 ms"), "RingTimeoutError"),
-    (torch.distributed.DistBackendError("NCCL watchdog: Timeout at NCCL work 12"), "RingTimeoutError"),
-    (torch.distributed.DistBackendError("Connection reset by peer"), "RingError"),
-])
-def test_wait_maps_backend_errors_to_ring_errors(error, raised):
-    from bytescale_compile.runtime.dist_attn import RingTimeoutError, _make_ring
+@pytest.mark.parametrize("error,seconds,backend,raised", [
+    (RuntimeError("[unbound_buffer.cc:78] Timed out waiting 50ms for recv operation to complete"), 0.06, "gloo",
+     "RingTimeoutError"),
+    (RuntimeError("Connection closed by peer"), 0.06, "gloo", "RingTimeoutError"),
+    (RuntimeError("[Rank 0] Work timed out after 5000 ms"), 0.0, "gloo", "RingError"),
+    (torch.distributed.DistBackendError("Connection reset by peer"), 0.0, "gloo", "RingError"),
+    (torch.distributed.DistBackendError("Watchdog caught collective operation timeout"), 0.06, "nccl", "RingError"),
+], ids=["deadline-passed", "deadline-passed-any-text", "early-failure-any-text", "lost-peer", "nccl-watchdog"])
+def test_wait_tells_timeouts_by_the_rings_deadline_not_the_message(monkeypatch, error, seconds, backend, raised):
+    """A wait that fails once the ring's timeout has passed is a `RingTimeoutError`, one that fails before it a
+    `RingError`, whatever the backend's message says; on NCCL the watchdog's errors are `RingError`s."""
+    from bytescale_compile.runtime import dist_attn
 
-    ring = _make_ring(zigzag_layout([8], 1), [0], 1.0, None, None)
+    ring = dist_attn._make_ring(zigzag_layout([8], 1), [0], 0.05, None, None)
+    monkeypatch.setattr(dist_attn.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist_attn.dist, "get_backend", lambda: backend)
     with pytest.raises(RingError) as err:
-        ring.wait([_FailingWork(error)], "a K/V block", (1,))
+        ring.wait([_FailingWork(error, seconds)], "a K/V block", (1,))
     assert type(err.value).__name__ == raised and "ring group [0]" in str(err.value)
 
 

@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 
 import bytescale_compile as bsc
+from bytescale_compile.models.llama import tiny
 from bytescale_compile.runtime.context import micro_batch
 from bytescale_compile.runtime.layout import zigzag_layout
-from examples.models.llama import tiny
-from bytescale_compile.runtime.spawn import run_distributed
+from bytescale_compile.testing import run_distributed
 from tests.conftest import rel_err
 from tests.helpers import loss_and_grads, protocol_batch
 

@@ -35,11 +35,12 @@ import bytescale_compile
 import bytescale_compile as bsc
 from bytescale_compile.cli import CLIError, main
 from bytescale_compile.data import write_dataset
+from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import CostModel
 from bytescale_compile.runtime import dist_attn
 from bytescale_compile.runtime.dist_attn import RingError, packed_ring_attention
 from bytescale_compile.runtime.layout import zigzag_layout
-from bytescale_compile.runtime.spawn import free_port, run_distributed
+from bytescale_compile.testing import free_port, run_distributed
 from bytescale_compile.train.checkpoint import (
     COMPLETE_MARKER,
     MANIFEST_FILE,
@@ -54,8 +55,6 @@ from bytescale_compile.train.checkpoint import (
 from bytescale_compile.train.config import ConfigError, TrainConfig, load_config, to_toml
 from bytescale_compile.train.engine import CostModelWarning, default_cost_model, prediction_off
 from bytescale_compile.train.trainer import CONFIG_FILE, setup
-from examples.models.llama import tiny
-
 
 # === checkpoints: verified, fallen back from, never resumed under changed settings ================
 
@@ -250,8 +249,8 @@ def test_allow_config_change_accepts_and_reports_them(saved_run: TrainConfig) ->
 
 
 def test_model_change_is_refused_even_when_allowed(saved_run: TrainConfig) -> None:
-    other = replace(saved_run, resume=True, model="examples.models.llama:tiny", seed=1, allow_config_change=True)
-    with pytest.raises(ConfigError, match=r"cannot change model: 'tiny' -> 'examples\.models\.llama:tiny'(.|\n)*"
+    other = replace(saved_run, resume=True, model="bytescale_compile.models.llama:tiny", seed=1, allow_config_change=True)
+    with pytest.raises(ConfigError, match=r"cannot change model: 'tiny' -> 'bytescale_compile\.models\.llama:tiny'(.|\n)*"
                                           r"All differences:(.|\n)*seed: 0 -> 1"):
         setup(other)
 
@@ -302,10 +301,10 @@ def one_line_error(capsys, prog: str) -> str:
     (["plan", "--hardware", "tpu"], ("'tpu'", "l20")),
     (["simulate", "--context", "lots"], ("--context", "'LOTS'")),
     (["simulate", "--tp", "0"], ("--tp", "0")),
-    (["inspect", "examples.models.llama:tiny", "--seq-len", "1"], ("--seq-len", "1")),
+    (["inspect", "bytescale_compile.models.llama:tiny", "--seq-len", "1"], ("--seq-len", "1")),
     (["inspect", "no_such_module:factory"], ("'no_such_module'",)),
-    (["profile", "examples.models.llama:tiny", "--repeats", "0"], ("--repeats", "0")),
-    (["profile", "examples.models.llama:tiny", "--lengths", ""], ("--lengths",)),
+    (["profile", "bytescale_compile.models.llama:tiny", "--repeats", "0"], ("--repeats", "0")),
+    (["profile", "bytescale_compile.models.llama:tiny", "--lengths", ""], ("--lengths",)),
     (["tokenizer", "train", "--input", "x", "--vocab-size", "300", "--out", "o", "--min-frequency", "0"],
      ("--min-frequency", "0")),
     (["data", "prepare", "--input", "x", "--tokenizer", "t", "--out", "o", "--workers", "0"], ("--workers", "0")),
@@ -400,7 +399,7 @@ def test_output_paths_of_the_data_commands_are_checked_first(tmp_path, capsys):
 
 def test_profile_records_the_device(tmp_path, capsys):
     out = tmp_path / "new" / "cost.json"
-    assert main(["profile", "examples.models.llama:tiny", "--lengths", "32,64,128", "--repeats", "1",
+    assert main(["profile", "bytescale_compile.models.llama:tiny", "--lengths", "32,64,128", "--repeats", "1",
                  "--out", str(out)]) == 0
     assert "cost model of cpu written to" in capsys.readouterr().out
     data = json.loads(out.read_text())

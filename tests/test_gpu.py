@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
-from examples.models.llama import tiny
+from bytescale_compile.models.llama import tiny
 from tests.conftest import rel_err
 from tests.helpers import assert_matches_eager, hf_llama, loss_and_grads, protocol_batch
 from tests.test_train import _args, _losses, _run, _torchrun, workspace  # noqa: F401  (workspace: a fixture)

@@ -17,7 +17,7 @@ from torch import nn
 
 import bytescale_compile as bsc
 from bytescale_compile.planner import CostModel, PlanError, plan
-from bytescale_compile.runtime.spawn import run_distributed
+from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.batch import BatchError
 from tests.conftest import rel_err
 from tests.helpers import assert_matches_eager, eager_copy, protocol_batch, reference_step

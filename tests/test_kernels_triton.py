@@ -27,11 +27,11 @@ from bytescale_compile.kernels import attention_triton as attn_triton
 from bytescale_compile.kernels import cross_entropy_triton as ce_triton
 from bytescale_compile.kernels import dispatch
 from bytescale_compile.kernels.cross_entropy_ref import linear_cross_entropy_chunked
-from bytescale_compile.passes.report import CompileReport, GraphReport
+from bytescale_compile.models.llama import tiny
+from bytescale_compile.passes.report import CompileReport
 from bytescale_compile.runtime.context import micro_batch
 from bytescale_compile.runtime.dist_attn import packed_ring_attention
 from bytescale_compile.runtime.layout import zigzag_layout
-from examples.models.llama import tiny
 from tests.conftest import rel_err
 from tests.helpers import loss_and_grads, protocol_batch
 
@@ -63,6 +63,20 @@ def test_kernels_in_interpreter_process():
 @pytest.fixture
 def use_triton(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+
+
+@pytest.fixture
+def triton_loads(monkeypatch) -> list[str]:
+    """The Triton kernel modules dispatch ran, one entry per call that chose Triton (none for the references)."""
+    loads: list[str] = []
+    load = dispatch._kernels
+
+    def recording(name, device):
+        loads.append(name)
+        return load(name, device)
+
+    monkeypatch.setattr(dispatch, "_kernels", recording)
+    return loads
 
 
 def _close(got, want, tol, what=""):
@@ -191,7 +205,7 @@ def test_linear_cross_entropy_z_loss_matches_torch():
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_cross_entropy_softcap_matches_formula(dtype, use_triton):
+def test_linear_cross_entropy_softcap_matches_formula(dtype, use_triton, triton_loads):
     """The op through dispatch, against the dense formula on fp32 copies: loss, grad of h, W and b."""
     from bytescale_compile.ops.loss import fused_linear_cross_entropy
 
@@ -203,7 +217,7 @@ def test_linear_cross_entropy_softcap_matches_formula(dtype, use_triton):
     loss = fused_linear_cross_entropy(*leaves[:2], target, leaves[2], reduction="mean", chunk_size=4, scale=0.6,
                                       softcap=2.5)
     loss.backward()
-    assert dispatch.last_used()["linear_cross_entropy_chunked"] == "triton"
+    assert triton_loads == ["cross_entropy_triton"]
     exact = [x.detach().float().requires_grad_() for x in leaves]
     logits = 2.5 * torch.tanh(0.6 * F.linear(*exact) / 2.5)
     want = F.cross_entropy(logits.view(-1, 50), target.view(-1))
@@ -243,7 +257,7 @@ def _check_attention(got_fwd, want_fwd, got_bwd, want_bwd, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cu", [[0, 1, 18, 19, 20, 45], [0, 45], [0, 7, 7, 45]], ids=["ragged", "one", "empty_segment"])
 @pytest.mark.parametrize("hkv", [1, 2, 4])
-def test_segment_causal_attention_matches_reference(dtype, cu, hkv, use_triton):
+def test_segment_causal_attention_matches_reference(dtype, cu, hkv, use_triton, triton_loads):
     q, k, v = _qkv(dtype, 45, 45, hkv=hkv, tokens_first=True)
     scale = 24 ** -0.5
     got = dispatch.segment_causal_attention_fwd(q, k, v, torch.tensor(cu), scale)
@@ -252,8 +266,7 @@ def test_segment_causal_attention_matches_reference(dtype, cu, hkv, use_triton):
     got_bwd = dispatch.segment_causal_attention_bwd(grad, q, k, v, *got, cu, scale)
     want_bwd = ref.segment_causal_attention_bwd(grad, q, k, v, *want, cu, scale)
     _check_attention(got, want, got_bwd, want_bwd, dtype)
-    assert dispatch.last_used()["segment_causal_attention_fwd"] == "triton"
-    assert dispatch.last_used()["segment_causal_attention_bwd"] == "triton"
+    assert triton_loads == ["attention_triton"] * 2  # the forward and the backward
 
 
 @needs_interpreter
@@ -358,7 +371,7 @@ def test_kernels_never_read_blocks_outside_the_window(use_triton):
 
 
 @needs_interpreter
-def test_ring_of_one_rank_runs_triton_blocks(monkeypatch):
+def test_ring_of_one_rank_runs_triton_blocks(monkeypatch, triton_loads):
     """dist_attn goes through dispatch: packed ring attention (diagonal and full blocks) on Triton = reference."""
     layout = zigzag_layout([9, 1, 14], 1)
     g = torch.Generator().manual_seed(4)
@@ -371,7 +384,7 @@ def test_ring_of_one_rank_runs_triton_blocks(monkeypatch):
         out = packed_ring_attention(*leaves, layout, [0])
         out.backward(grad)
         results[impl] = (out.detach(), *(x.grad for x in leaves))
-        assert dispatch.last_used()["block_attention_bwd"] == impl
+        assert bool(triton_loads) == (impl == "triton")
     for name, a, b in zip(("out", "dq", "dk", "dv"), results["triton"], results["reference"]):
         _close(a, b, 2e-5, name)
 
@@ -465,12 +478,12 @@ def test_fp32_dots_follow_torchs_matmul_precision():
 # --- dispatch -------------------------------------------------------------------------------------
 
 
-def test_dispatch_defaults_to_reference_on_cpu(monkeypatch):
+def test_dispatch_defaults_to_reference_on_cpu(monkeypatch, triton_loads):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert dispatch.choose(torch.device("cpu")) == "reference"
     q, k, v = _qkv(torch.float32, 8, 8)
     dispatch.causal_attention_fwd(q, k, v, 0.5)
-    assert dispatch.last_used()["causal_attention_fwd"] == "reference"
+    assert triton_loads == []
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     assert dispatch.choose(torch.device("cpu")) == "triton"
 
@@ -486,21 +499,26 @@ def test_dispatch_errors_are_actionable(monkeypatch):
         dispatch.block_attention_fwd(q, k, v, 0.5, True)
 
 
-@needs_interpreter
-def test_report_names_the_kernels_that_ran(use_triton):
-    q, k, v = _qkv(torch.float32, 8, 8)
-    dispatch.block_attention_fwd(q, k, v, 0.5, True)
-    report = CompileReport(graphs=[GraphReport(graph_id=0)])
-    assert report.kernels["block_attention_fwd"] == "triton"
-    assert "`block_attention_fwd` triton" in report.to_markdown()
+def test_report_names_the_kernels_chosen_at_compile_time(monkeypatch):
+    """The report carries what dispatch chose for the example inputs' device when each graph compiled: the
+    choice under which it was compiled stays, whatever later calls choose."""
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    torch.manual_seed(0)
+    optimized = bsc.optimize(tiny())
+    report = bsc.explain(optimized, **protocol_batch([13, 1, 10], vocab=128))
+    assert report.kernels == {"bytescale::attention": "reference", "bytescale::fused_linear_cross_entropy": "reference"}
+    assert report.graphs[0].kernels == report.kernels and report.to_dict()["kernels"] == report.kernels
+    assert "`bytescale::attention` reference" in report.to_markdown()
     assert CompileReport().kernels == {}
+    assert bsc.explain(bsc.optimize(tiny(), attention=False, fused_loss=False),
+                       **protocol_batch([4], vocab=128)).kernels == {}
 
 
 # --- the compiled example model -------------------------------------------------------------------
 
 
 @needs_interpreter
-def test_compiled_llama_on_triton_matches_reference(monkeypatch):
+def test_compiled_llama_on_triton_matches_reference(monkeypatch, triton_loads):
     """tiny() optimized: loss and every gradient with the Triton kernels = with the references."""
     torch.manual_seed(0)
     opt = bsc.optimize(tiny())
@@ -512,10 +530,9 @@ def test_compiled_llama_on_triton_matches_reference(monkeypatch):
         with micro_batch(cu_seqlens=[0, 13, 14, 24]):
             packed = loss_and_grads(opt, batch)
         results[impl] = (plain, packed)
-        used = dispatch.last_used()
-        assert {used[name] for name in ("causal_attention_fwd", "causal_attention_bwd", "segment_causal_attention_fwd",
-                                         "segment_causal_attention_bwd", "linear_cross_entropy_chunked")} == {impl}
-    assert opt.report.kernels["linear_cross_entropy_chunked"] == "reference"  # compiled on the first call
+        loaded, triton_loads[:] = set(triton_loads), []
+        assert loaded == ({"attention_triton", "cross_entropy_triton"} if impl == "triton" else set())
+    assert set(opt.report.kernels.values()) == {"reference"}  # compiled on the first call
     for (loss, grads), (want_loss, want_grads) in zip(results["triton"], results["reference"]):
         assert rel_err(loss, want_loss) <= 1e-5
         assert grads.keys() == want_grads.keys()

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
+from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM
 from bytescale_compile.passes.offload import NAME as OFFLOAD
 from bytescale_compile.runtime.context import ContextError
 from bytescale_compile.runtime.offload import get_act_ctx
-from examples.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.helpers import hf_llama, protocol_batch
 
 LAYERS = 6  # 4 offloadable layers, 2 kept

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 import bytescale_compile as bsc
+from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM, tiny
 from bytescale_compile.planner.plan import MicroBatch, Plan, PlanError, local_tokens
-from bytescale_compile.runtime.spawn import run_distributed
+from bytescale_compile.testing import run_distributed
 from bytescale_compile.train import pipeline
 from bytescale_compile.train.pipeline import (
     PipelineExecutor,
@@ -26,7 +27,6 @@ from bytescale_compile.train.pipeline import (
     pipeline_stage,
 )
 from bytescale_compile.train.stages import StageSpec, split_stages
-from examples.models.llama import LlamaConfig, LlamaForCausalLM, tiny
 from tests.conftest import rel_err
 from tests.helpers import hf_llama, reference_step
 

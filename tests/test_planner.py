@@ -17,7 +17,6 @@ from bytescale_compile.planner.common import best_fit_pack
 from bytescale_compile.planner.plan import local_tokens
 from bytescale_compile.runtime.layout import zigzag_layout
 from bytescale_compile.planner.static import plan_static
-from bytescale_compile.sim import simulator
 from bytescale_compile.sim.lengths import sample_global_batch
 from bytescale_compile.sim.simulator import lower_bound, simulate, step_time
 
@@ -196,7 +195,7 @@ def test_naive_offload_lowers_ranks_of_ring_bound_sequences():
 @pytest.mark.parametrize("cost", [COST, L20_COST], ids=["private-links", "l20"])
 def test_auto_keeps_the_fastest_candidate_and_never_loses_to_static(cost):
     lens = sample_global_batch("byted", 4 * 2 ** 20, seed=3, max_len=512 * 1024)
-    chosen = plan(lens, 64, 8192, cost, strategy="auto")
+    chosen = plan(lens, 64, 8192, cost, strategy="auto", step_time=step_time)
     chosen.validate()
     report = chosen.meta["auto"]
     step = simulate(chosen, cost).step_time
@@ -215,7 +214,7 @@ def test_auto_is_never_slower_than_static(lengths, world):
         static = plan(lengths, world, CAPACITY * 8, L20_COST, strategy="static")
     except PlanError:
         return
-    chosen = plan(lengths, world, CAPACITY * 8, L20_COST, strategy="auto")
+    chosen = plan(lengths, world, CAPACITY * 8, L20_COST, strategy="auto", step_time=step_time)
     chosen.validate()
     assert simulate(chosen, L20_COST).step_time <= simulate(static, L20_COST).step_time * (1 + 1e-9)
     assert chosen.meta["auto"]["speedup_over_static"] >= 1 - 1e-9
@@ -247,13 +246,19 @@ def test_auto_returns_exactly_what_its_candidates_plan_and_simulate_apart(datase
              "balance-nooffload": plan_balance(lens, 32, capacity, cost, pp, offload=False),
              "static": plan_static(lens, 32, capacity, cost, pp)}
     assert apart["balance"].to_json() != apart["balance-nooffload"].to_json()
-    chosen = plan(lens, 32, capacity, cost, strategy="auto", pp_size=pp)
+    chosen = plan(lens, 32, capacity, cost, strategy="auto", pp_size=pp, step_time=step_time)
     report = chosen.meta.pop("auto")
     assert report["step_time"] == {name: step_time(p, cost) for name, p in apart.items()}
     assert chosen.to_json() == apart[report["chosen"]].to_json()
 
 
-def test_auto_plans_and_simulates_balance_once_when_offloading_changes_no_sequence(monkeypatch):
+def test_auto_needs_the_callers_step_time():
+    """The planner sits below the simulator: "auto" ranks its candidates by a step time passed in."""
+    with pytest.raises(ValueError, match="step_time"):
+        plan([100, 200], 2, CAPACITY, COST, strategy="auto")
+
+
+def test_auto_plans_and_simulates_balance_once_when_offloading_changes_no_sequence():
     """No sequence longer than C: D(s) and r are the same with and without offloading, so are the plans
     (but for meta["offload"]), and auto builds and simulates one for both candidates."""
     lens = np.array([900, 1000, 300, 1024, 50, 700, 640, 2, 1000])
@@ -263,8 +268,8 @@ def test_auto_plans_and_simulates_balance_once_when_offloading_changes_no_sequen
     shared = SharedWork(lens, 4, CAPACITY, COST, 1)
     assert shared.balance(True) is shared.balance(False)
     simulated = []
-    monkeypatch.setattr(simulator, "step_time", lambda p, cost: simulated.append(p) or step_time(p, cost))
-    chosen = plan(lens, 4, CAPACITY, COST, strategy="auto")
+    chosen = plan(lens, 4, CAPACITY, COST, strategy="auto",
+                  step_time=lambda p, cost: simulated.append(p) or step_time(p, cost))
     assert [p.strategy for p in simulated] == ["balance", "static"]
     steps = chosen.meta["auto"]["step_time"]
     assert chosen.meta["auto"]["chosen"] == "balance" and steps["balance"] == steps["balance-nooffload"]

@@ -38,7 +38,8 @@ def test_pp1_balance_plans_are_unchanged(dataset, seed):
 @pytest.mark.parametrize("dataset", ["github", "byted"])
 def test_pp4_auto_is_never_slower_than_balance_or_static(dataset):
     lens = sample_global_batch(dataset, 2 * 2 ** 20, seed=0, max_len=128 * K)
-    steps = {s: step_time(plan(lens, 16, 32 * K, COST, strategy=s, pp_size=4, context_length=128 * K), COST)
+    steps = {s: step_time(plan(lens, 16, 32 * K, COST, strategy=s, pp_size=4, context_length=128 * K,
+                               step_time=step_time), COST)
              for s in ("balance", "static", "auto")}
     assert steps["auto"] <= min(steps["balance"], steps["static"]) * (1 + 1e-9)
 
@@ -80,7 +81,7 @@ def test_simulator_charges_activation_sends_only_with_pipelines(cost):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_auto_picks_what_a_full_search_over_the_candidates_picks(seed, pp):
     lens = sample_global_batch("byted", 2 * 2 ** 20, seed=seed, max_len=128 * K)
-    chosen = plan(lens, 16, 8 * K * pp, L20_COST, strategy="auto", pp_size=pp)
+    chosen = plan(lens, 16, 8 * K * pp, L20_COST, strategy="auto", pp_size=pp, step_time=step_time)
     steps = {c.name: step_time(c.build(lens, 16, 8 * K * pp, L20_COST, pp, None), L20_COST) for c in CANDIDATES}
     best = min(steps, key=steps.__getitem__)
     assert chosen.meta["auto"]["chosen"] == best

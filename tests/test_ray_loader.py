@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
-
 from bytescale_compile.data import GlobalBatchSampler, TokenDataset
+from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import CostModel, PlanError, plan
 from bytescale_compile.train import remote
 from bytescale_compile.train.__main__ import main
 from bytescale_compile.train.engine import BatchError
 from bytescale_compile.train.remote import DataServerError, PlanSettings, RemoteBatches, scheduler_for
-from examples.models.llama import tiny
 from tests.test_train import GLOBAL_TOKENS, MAX_LEN, _args, _losses, _metrics, _run, _torchrun, workspace  # noqa: F401
 
 ray = pytest.importorskip("ray")

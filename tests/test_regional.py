@@ -9,7 +9,7 @@ import torch
 
 import bytescale_compile as bsc
 from bytescale_compile.capture.layers import repeated_layers
-from examples.models.llama import LlamaConfig, LlamaForCausalLM, tiny
+from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM, tiny
 from tests import hf_models
 from tests.helpers import assert_matches_eager, hf_llama, protocol_batch
 

@@ -10,10 +10,10 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import bytescale_compile as bsc
+from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import PlanError
-from bytescale_compile.runtime.spawn import run_distributed
+from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.engine import BatchError, SkippedStepsError
-from examples.models.llama import tiny
 from tests.conftest import rel_err
 from tests.helpers import reference_step
 

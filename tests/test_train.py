@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from bytescale_compile.data import TokenDataset, eval_batches, eval_prefix, prepare, train_tokenizer, write_dataset
 from bytescale_compile.planner import CostModel
-from bytescale_compile.runtime.spawn import free_port
+from bytescale_compile.testing import free_port
 from bytescale_compile.train.__main__ import main
 from bytescale_compile.train.checkpoint import COMPLETE_MARKER
 from bytescale_compile.train.config import load_config

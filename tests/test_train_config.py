@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from bytescale_compile.models.llama import tiny
 from bytescale_compile.train.__main__ import build_parser
 from bytescale_compile.train.config import ConfigError, TrainConfig, load_config, to_toml
 from bytescale_compile.train.optim import LRSchedule, build_optimizer, param_groups
-from examples.models.llama import tiny
 
 REQUIRED = {"model": "tiny", "data": "corpus"}
 

@@ -12,9 +12,8 @@ run inside Inductor's pipeline and the elementwise work around our ops is fused.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,13 +23,19 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from ..config import Config
-from ..passes.attention import NAME as ATTENTION, rewrite_attention
-from ..passes.loss import NAME as FUSED_LOSS, PREVIOUS_GRAPH_BREAK, rewrite_loss
+from ..kernels.dispatch import choose
+from ..ops import KERNEL_OPS
+from ..passes.attention import NAME as ATTENTION
+from ..passes.attention import rewrite_attention
+from ..passes.loss import NAME as FUSED_LOSS
+from ..passes.loss import PREVIOUS_GRAPH_BREAK, rewrite_loss
 from ..passes.manager import Pass, PassContext, PassManager
-from ..passes.offload import NAME as OFFLOAD, apply_offload
+from ..passes.offload import NAME as OFFLOAD
+from ..passes.offload import apply_offload
 from ..passes.regions import has_regions
 from ..passes.report import CompileReport, GraphReport, PassResult
-from ..passes.token_mixers import NAME as TOKEN_MIXERS, find_token_mixers
+from ..passes.token_mixers import NAME as TOKEN_MIXERS
+from ..passes.token_mixers import find_token_mixers
 from ..runtime.context import current_context
 from .codegen import compile_with_inductor
 from .saved import saved_activations
@@ -45,7 +50,6 @@ class ShardingError(RuntimeError):
 log = logging.getLogger(__name__)
 REGIONS_HIDE_SAVED = ("layers compiled once (Config.compile_layers_once): the tensors each layer saves for its "
                       "backward are made inside one body shared by every layer, which the offload pass cannot tell apart")
-_graph_ids = itertools.count()
 
 
 def default_passes() -> list[Pass]:
@@ -58,12 +62,15 @@ def default_passes() -> list[Pass]:
 
 
 class Backend:
-    """One per optimized module and mode (train/eval), so reports and caches never mix."""
+    """One per optimized module and mode (train/eval), so reports and caches never mix. `graph_ids` numbers the
+    graphs in the reports: the module's two backends share one, so its graphs never share a number."""
 
-    def __init__(self, config: Config, training: bool, on_graph: Callable[[GraphReport], None]) -> None:
+    def __init__(self, config: Config, training: bool, on_graph: Callable[[GraphReport], None],
+                 graph_ids: Iterator[int]) -> None:
         self.config = config
         self.training = training
         self.on_graph = on_graph
+        self.graph_ids = graph_ids
         self.pass_manager = PassManager(default_passes())
         self.compilations = 0
         self.last_graph_break: str | None = None  # the latest break that ended one of our graphs, for later ones
@@ -71,7 +78,7 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         self.compilations += 1
-        report = GraphReport(graph_id=next(_graph_ids))
+        report = GraphReport(graph_id=next(self.graph_ids))
         keep_text = self.config.keep_graph_text
         if keep_text:
             report.graph_before = gm.print_readable(print_output=False)
@@ -83,9 +90,10 @@ class Backend:
             report.graph_after = gm.print_readable(print_output=False)
         log.info("graph %d: %s", report.graph_id,
                  ", ".join(f"{p.name}: {len(p.rewrites)} rewritten" for p in report.passes))
+        device_type = _device_type(example_inputs)
+        report.kernels = _kernel_choices(gm, device_type)
         self.on_graph(report)
         _refuse_unshardable(report)
-        device_type = _device_type(example_inputs)
         partitioner = self.config.resolve_partitioner(device_type)
         regions = has_regions(gm)
         if self.config.resolve_codegen(device_type) == "inductor":
@@ -173,6 +181,15 @@ def _refuse_unshardable(report: GraphReport) -> None:
         what = f"shared by ranks {list(ctx.group)}" if ctx.is_ring else f"a row of {len(ctx.seq_lens)} packed sequences"
         raise ShardingError(f"micro-batch {ctx.micro_batch_id} is {what}, but a graph compiled for it cannot run "
                             f"it: {'; '.join(blockers)}")
+
+
+def _kernel_choices(gm: fx.GraphModule, device_type: str) -> dict[str, str]:
+    """Each of our `KERNEL_OPS` the graph calls (in nested regions too) -> the kernels dispatch chooses for
+    `device_type`: what they run on these inputs, recorded now rather than read back from the ops later."""
+    called = {node.target.name() for module in gm.modules() if isinstance(module, fx.GraphModule)
+              for node in module.graph.nodes if isinstance(node.target, torch._ops.OpOverload)}
+    ours = [op for op in KERNEL_OPS if op in called]
+    return dict.fromkeys(ours, choose(torch.device(device_type))) if ours else {}
 
 
 def _device_type(example_inputs: list[Any]) -> str:

@@ -11,7 +11,9 @@ eager mode the wrapper is a no-op.
 
 from __future__ import annotations
 
+import functools
 import logging
+from typing import cast
 
 import torch
 from torch import nn
@@ -21,7 +23,6 @@ __all__ = ["mark_repeated_layers", "repeated_layers"]
 log = logging.getLogger(__name__)
 
 _MARKED = "_bytescale_compiled_once"
-_subclasses: dict[type, type] = {}
 
 
 def repeated_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -54,11 +55,14 @@ def _original(cls: type) -> type:
 
 
 def _marked_class(cls: type) -> type:
-    """`cls` with its forward marked, made once per class and reused (isinstance and names unchanged)."""
-    if getattr(cls, _MARKED, False):
-        return cls
-    if cls not in _subclasses:
-        namespace = {"forward": torch.compiler.nested_compile_region(cls.forward), _MARKED: True,
-                     "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-        _subclasses[cls] = type(cls.__name__, (cls,), namespace)
-    return _subclasses[cls]
+    """`cls` with its forward marked (isinstance and names unchanged); a marked class is its own."""
+    return cls if getattr(cls, _MARKED, False) else _subclass(cls)
+
+
+@functools.cache
+def _subclass(cls: type) -> type:
+    """Made once per class and reused: every model of the class shares one marked class, so Dynamo sees one."""
+    forward = cast(type[nn.Module], cls).forward
+    namespace = {"forward": torch.compiler.nested_compile_region(forward), _MARKED: True,
+                 "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    return type(cls.__name__, (cls,), namespace)

@@ -6,21 +6,20 @@ rank learns all sequence lengths for the price of the index and reads only the t
 micro-batches. `<prefix>.json` holds the metadata and is written last: a write that dies halfway
 leaves no dataset that opens.
 
-The token dtype is the smallest of uint8/uint16/uint32 that holds the vocabulary. Datasets built here
-hold bytes (uint8, vocab 256): the corpus needs no tokenizer, and the installed Python sources, one
-sample per file or per package directory, give a real skewed length distribution with a long tail.
+The token dtype is the smallest of uint8/uint16/uint32 that holds the vocabulary: `write_dataset` with
+its default vocabulary stores bytes (uint8, vocab 256), which needs no tokenizer;
 `bytescale_compile.data.prepare` writes tokenizer ids in the same format and records the tokenizer's
-identity in the metadata.
+identity in the metadata. `python_source_files` lists the installed Python sources, a corpus every
+machine has (the demo's).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sysconfig
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,8 +33,6 @@ __all__ = [
     "GlobalBatchSampler",
     "TokenDataset",
     "TokenizerInfo",
-    "build_from_python_sources",
-    "build_from_text_files",
     "dataset_files",
     "eval_batches",
     "python_source_files",
@@ -320,50 +317,6 @@ def write_dataset(prefix: str | Path, documents: Iterable[bytes | np.ndarray], s
         return writer.finish(source)
 
 
-def build_from_text_files(
-    prefix: str | Path, paths: Sequence[str | Path], jsonl_key: str = "text"
-) -> TokenDataset:
-    """One document per file, except `.jsonl`: one per line, the UTF-8 bytes of its `jsonl_key` field."""
-    paths = [Path(p) for p in paths]
-    documents = itertools.chain.from_iterable(
-        _jsonl_documents(p, jsonl_key) if p.suffix == ".jsonl" else [p.read_bytes()] for p in paths
-    )
-    return write_dataset(prefix, documents, source="text files: " + ", ".join(map(str, paths)))
-
-
-def _jsonl_documents(path: Path, key: str) -> Iterator[bytes]:
-    with open(path, "rb") as lines:
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or key not in record:
-                raise DatasetError(f"{path}, line {lineno}: no {key!r} field")
-            if not isinstance(record[key], str):
-                kind = type(record[key]).__name__
-                raise DatasetError(f"{path}, line {lineno}: field {key!r} is {kind}, not a string")
-            yield record[key].encode("utf-8")
-
-
-def build_from_python_sources(
-    prefix: str | Path, per: str = "package", max_documents: int | None = None
-) -> TokenDataset:
-    """The running interpreter's Python sources (stdlib, then site-packages), one document per `.py`
-    file (`per="file"`) or per top-level package directory, its files concatenated in sorted order
-    (`per="package"`: repository-level samples, the long tail). Same machine, same order."""
-    if per not in ("file", "package"):
-        raise ValueError(f"per must be 'file' or 'package', got {per!r}")
-    roots = _python_source_roots()
-    documents = (doc for root in roots for doc in _source_documents(root, per) if doc)
-    if max_documents is not None:
-        documents = itertools.islice(documents, max_documents)
-    source = f"python sources, one document per {per}: " + ", ".join(map(str, roots))
-    return write_dataset(prefix, documents, source)
-
-
 def python_source_files(max_bytes: int | None = None) -> list[Path]:
     """The running interpreter's `.py` files (stdlib, then site-packages, each in sorted order), stopping
     before the file that would pass `max_bytes` in all: a corpus every machine has, bounded for demos."""
@@ -380,17 +333,6 @@ def _python_source_roots() -> list[Path]:
     paths = sysconfig.get_paths()
     roots = dict.fromkeys(Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib"))
     return [root for root in roots if root.is_dir()]
-
-
-def _source_documents(root: Path, per: str) -> Iterator[bytes]:
-    if per == "file":
-        yield from (path.read_bytes() for path in _python_files(root))
-        return
-    for entry in sorted(root.iterdir()):
-        if entry.is_dir() and entry.name not in _SKIPPED_DIRS:
-            yield b"".join(path.read_bytes() for path in _python_files(entry))
-        elif entry.suffix == ".py" and entry.is_file():
-            yield entry.read_bytes()
 
 
 def _python_files(directory: Path) -> list[Path]:

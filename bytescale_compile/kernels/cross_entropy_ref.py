@@ -17,12 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "ChunkGrad", "chunk_rows", "linear_cross_entropy_chunked", "run_chunks"]
-
-# CPU fwd+bwd at T=4096, H=1024, V=32000, fp32, 2 cores (best of 4): chunk 256 5.4 s, 512 4.9 s,
-# 1024 4.7 s, 2048 4.7 s (eager 6.7 s). Small chunks give the grad_weight matmul a short inner
-# dimension; 2048 is no faster and doubles the [chunk, V] buffer (125 MiB at 1024, fp32).
-DEFAULT_CHUNK_SIZE = 1024
+__all__ = ["ChunkGrad", "chunk_rows", "linear_cross_entropy_chunked", "run_chunks"]
 
 CPU_CHUNK_BUDGET_BYTES = 256 * 2**20
 """The [chunk, V] buffers of one chunk on the CPU (1024 rows of V = 32K in fp32 take 125 MiB)."""

@@ -1,10 +1,11 @@
-"""Choose the Triton kernels or the torch references per call, and remember which ran.
+"""Choose the Triton kernels or the torch references per call.
 
 The custom ops and the ring import their kernels from here, under the references' names and
 signatures. CUDA tensors with Triton importable run the Triton kernels; everything else runs the
 references. `BYTESCALE_KERNELS=reference|triton` (read at every call) overrides the choice;
 `triton` with CPU tensors runs the kernels in Triton's interpreter, which needs `TRITON_INTERPRET=1`
-set when the process starts (see `triton_mode`).
+set when the process starts (see `triton_mode`). The compile report records `choose`'s answer for the
+device of each compiled graph's inputs (`capture/backend.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ __all__ = [
     "ENV_VAR",
     "KernelUnavailableError",
     "choose",
-    "last_used",
     "causal_attention_fwd",
     "causal_attention_bwd",
     "segment_causal_attention_fwd",
@@ -36,16 +36,10 @@ __all__ = [
 
 ENV_VAR = "BYTESCALE_KERNELS"
 _CHOICES = ("auto", "reference", "triton")
-_last_used: dict[str, str] = {}
 
 
 class KernelUnavailableError(RuntimeError):
     """The Triton kernels were asked for but cannot run on these tensors in this process."""
-
-
-def last_used() -> dict[str, str]:
-    """Entry point name -> "triton" or "reference", for the latest call of each in this process."""
-    return dict(_last_used)
 
 
 def choose(device: torch.device) -> str:
@@ -87,12 +81,9 @@ def _kernels(name: str, device: torch.device) -> ModuleType:
     return module
 
 
-def _pick(entry: str, device: torch.device, kernels: str) -> ModuleType | None:
-    """The Triton module to use for `entry`, or None for the reference; records the choice."""
-    impl = choose(device)
-    module = _kernels(kernels, device) if impl == "triton" else None
-    _last_used[entry] = impl
-    return module
+def _pick(device: torch.device, kernels: str) -> ModuleType | None:
+    """The Triton kernel module `kernels` when Triton is chosen for `device`, else None (the reference)."""
+    return _kernels(kernels, device) if choose(device) == "triton" else None
 
 
 # --- attention ------------------------------------------------------------------------------------
@@ -102,7 +93,7 @@ def causal_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, scale: float, *, window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`attention_ref.causal_attention_fwd`, on the chosen implementation."""
-    triton_ = _pick("causal_attention_fwd", q.device, "attention_triton")
+    triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
         return attention_ref.causal_attention_fwd(q, k, v, scale, window=window, softcap=softcap)
     return triton_.attention_fwd(q, k, v, scale, causal=True, window=window, softcap=softcap)
@@ -113,7 +104,7 @@ def causal_attention_bwd(
     window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.causal_attention_bwd`, on the chosen implementation."""
-    triton_ = _pick("causal_attention_bwd", q.device, "attention_triton")
+    triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
         return attention_ref.causal_attention_bwd(grad_out, q, k, v, out, lse, scale, window=window, softcap=softcap)
     return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=True, window=window, softcap=softcap)
@@ -124,7 +115,7 @@ def segment_causal_attention_fwd(
     window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`attention_ref.segment_causal_attention_fwd`, on the chosen implementation."""
-    triton_ = _pick("segment_causal_attention_fwd", q.device, "attention_triton")
+    triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
         return attention_ref.segment_causal_attention_fwd(q, k, v, cu_seqlens, scale, window=window, softcap=softcap)
     attention_ref._check_single_row(q)
@@ -137,7 +128,7 @@ def segment_causal_attention_bwd(
     cu_seqlens: Tensor | Sequence[int], scale: float, *, window: int | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.segment_causal_attention_bwd`, on the chosen implementation."""
-    triton_ = _pick("segment_causal_attention_bwd", q.device, "attention_triton")
+    triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
         return attention_ref.segment_causal_attention_bwd(grad_out, q, k, v, out, lse, cu_seqlens, scale,
                                                           window=window, softcap=softcap)
@@ -151,7 +142,7 @@ def block_attention_fwd(
     window: int | None = None, softcap: float | None = None, offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """`attention_ref.block_attention_fwd`, on the chosen implementation."""
-    triton_ = _pick("block_attention_fwd", q.device, "attention_triton")
+    triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
         return attention_ref.block_attention_fwd(q, k, v, scale, causal, window=window, softcap=softcap, offset=offset)
     return triton_.attention_fwd(q, k, v, scale, causal=causal, window=window, softcap=softcap, offset=offset)
@@ -162,7 +153,7 @@ def block_attention_bwd(
     window: int | None = None, softcap: float | None = None, offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.block_attention_bwd`, on the chosen implementation."""
-    triton_ = _pick("block_attention_bwd", q.device, "attention_triton")
+    triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
         return attention_ref.block_attention_bwd(grad_out, q, k, v, out, lse, scale, causal,
                                                  window=window, softcap=softcap, offset=offset)
@@ -186,6 +177,6 @@ def linear_cross_entropy_chunked(
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """`cross_entropy_ref.linear_cross_entropy_chunked`, on the chosen implementation."""
-    triton_ = _pick("linear_cross_entropy_chunked", hidden.device, "cross_entropy_triton")
+    triton_ = _pick(hidden.device, "cross_entropy_triton")
     impl = cross_entropy_ref.linear_cross_entropy_chunked if triton_ is None else triton_.linear_cross_entropy_chunked_triton
     return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap)

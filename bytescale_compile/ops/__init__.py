@@ -2,4 +2,8 @@
 
 from . import attention, loss
 
-__all__ = ["attention", "loss"]
+__all__ = ["KERNEL_OPS", "attention", "loss"]
+
+KERNEL_OPS = ("bytescale::attention", "bytescale::fused_linear_cross_entropy")
+"""Our ops whose kernels `kernels.dispatch` chooses per device (Triton or the torch reference): what the compile
+report names the choice of."""

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from bytescale_compile.kernels.cross_entropy_ref import DEFAULT_CHUNK_SIZE
+from bytescale_compile.config import DEFAULT_CHUNK_SIZE
 from bytescale_compile.kernels.dispatch import linear_cross_entropy_chunked
 from bytescale_compile.ops.autocast import register_autocast_rule, to_autocast_dtype
 

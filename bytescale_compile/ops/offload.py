@@ -95,8 +95,8 @@ def _reload_saved(layer: int, handles: list[Tensor], device: torch.device) -> Te
     ctx = current_act_ctx()
     if ctx is None:
         raise ContextError(
-            f"the backward needs the saved activations of layer {layer}, which the forward left in act_ctx "
-            f"#{held.uid} (micro-batch {held.micro_batch_id}); run the backward inside `with act_ctx:` after "
+            f"the backward needs the saved activations of layer {layer}, which the forward left in an act_ctx "
+            f"(micro-batch {held.micro_batch_id}); run the backward inside `with act_ctx:` after "
             f"act_ctx.update_micro_batch_id({held.micro_batch_id})")
     full = ctx.reload(layer, held)
     del _held[ref]

@@ -6,11 +6,10 @@ import operator
 import re
 from typing import Any
 
-import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["ATTENTION_SITE", "NotEquivalent", "arg", "value", "source_module", "layer_index", "same_size", "is_call", "is_float_upcast",
+__all__ = ["ATTENTION_SITE", "NotEquivalent", "arg", "value", "source_module", "layer_index", "same_size", "is_call",
            "replace_with_op", "has_side_effects", "eliminate_dead_code"]
 
 ATTENTION_SITE = "bytescale_attention_site"
@@ -94,13 +93,6 @@ def replace_with_op(graph: fx.Graph, old: fx.Node, op: Any, args: tuple, output_
     old.replace_all_uses_with(new)
     graph.erase_node(old)
     return new
-
-
-def is_float_upcast(node: fx.Node) -> bool:
-    """`x.float()` or `x.to(torch.float32)`."""
-    if is_call(node, methods=("float",)):
-        return True
-    return is_call(node, methods=("to",)) and torch.float32 in (*node.args[1:], *node.kwargs.values())
 
 
 _INPLACE_OPERATORS = frozenset({

@@ -6,8 +6,6 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..kernels.dispatch import last_used
-
 __all__ = ["Rewrite", "Skipped", "PassResult", "SavedActivation", "GeneratedKernel", "GeneratedCode", "GraphReport",
            "CompileReport", "ATTENTION_PASS", "TOKEN_MIXERS_PASS"]
 
@@ -98,6 +96,9 @@ class GraphReport:
     backward_graph: str = ""
     generated: list[GeneratedCode] = field(default_factory=list)
     """Inductor's code for the partitioned graphs; empty with `Config(codegen="none")`."""
+    kernels: dict[str, str] = field(default_factory=dict)
+    """Our op in the graph -> "triton" or "reference": the kernels `kernels.dispatch` chose for the device of the
+    graph's example inputs when it was compiled."""
 
 
 @dataclass
@@ -105,13 +106,11 @@ class CompileReport:
     """The report of the latest compilation: every graph compiled by that call."""
 
     graphs: list[GraphReport] = field(default_factory=list)
-    kernels: dict[str, str] | None = None
-    """Kernel entry point -> "triton" or "reference" (`kernels.dispatch.last_used()`), as the compiling
-    call left it: what ran for the example inputs' device. Taken when the report is made from graphs."""
 
-    def __post_init__(self) -> None:
-        if self.kernels is None:
-            self.kernels = last_used() if self.graphs else {}
+    @property
+    def kernels(self) -> dict[str, str]:
+        """Our op -> "triton" or "reference" over every graph (`GraphReport.kernels`)."""
+        return {op: impl for g in self.graphs for op, impl in g.kernels.items()}
 
     def pass_results(self, name: str) -> list[PassResult]:
         return [p for g in self.graphs for p in g.passes if p.name == name]
@@ -159,7 +158,7 @@ class CompileReport:
         return found
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "kernels": self.kernels}
 
     def to_markdown(self, graphs: bool = False) -> str:
         """Human-readable report; `graphs=True` appends the graphs before/after as text."""

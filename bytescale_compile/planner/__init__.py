@@ -8,19 +8,19 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .auto import AUTO, plan_auto
+from .auto import StepTime, plan_auto
 from .balance import plan_balance
 from .common import check_lengths
 from .cost_model import CostModel, Hardware, ModelShape
-from .topology import Topology
 from .hdp import plan_naive
 from .plan import MicroBatch, Plan, PlanError
 from .static import plan_static
+from .strategies import AUTO, BALANCE, NAIVE, RUNTIME_STRATEGIES, STATIC, STRATEGIES, STRATEGY_SPECS
+from .topology import Topology
 from .unsharded import plan_unsharded
 
-__all__ = ["plan", "AUTO", "CostModel", "Hardware", "ModelShape", "Plan", "MicroBatch", "PlanError", "STRATEGIES", "Topology"]
-
-STRATEGIES = ("balance", "naive", "static")
+__all__ = ["plan", "AUTO", "BALANCE", "NAIVE", "STATIC", "CostModel", "Hardware", "ModelShape", "Plan", "MicroBatch",
+           "PlanError", "RUNTIME_STRATEGIES", "STRATEGIES", "STRATEGY_SPECS", "StepTime", "Topology"]
 
 
 @contextmanager
@@ -38,32 +38,37 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 
 def plan(lengths: Sequence[int] | np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
-         strategy: str = "balance", pp_size: int = 1, context_length: int | None = None,
-         offload: bool = True, shard_blocker: str | None = None) -> Plan:
+         strategy: str = BALANCE, pp_size: int = 1, context_length: int | None = None,
+         offload: bool = True, shard_blocker: str | None = None, step_time: StepTime | None = None) -> Plan:
     """Plan one global batch of sequence `lengths` over `world_size` HDP ranks of `capacity` tokens.
 
     `offload` applies to "naive" (the ablation without offloading); "balance" always offloads and
     "static" never does. "auto" (`AUTO`) plans balance with and without offloading, and static,
-    simulates each and returns the fastest, with `meta["auto"]` saying which won and by how much.
+    ranks each by `step_time(plan, cost_model)`, which it needs (the caller's simulator, `sim.simulator.step_time`:
+    the planner sits below the simulator), and returns the fastest, with `meta["auto"]` saying which won and by
+    how much.
     `context_length` is the static mesh's row length (default: longest sequence), for "auto"'s static too.
     `shard_blocker` says why the model cannot run a sequence over several ranks (an attention the ring
     cannot run): every sequence is then its own micro-batch on one rank (`unsharded.py`), and one longer
     than `capacity` raises `PlanError` with that reason.
     """
-    if strategy not in (*STRATEGIES, AUTO):
-        raise ValueError(f"strategy must be one of {(*STRATEGIES, AUTO)}, got {strategy!r}")
+    if strategy not in RUNTIME_STRATEGIES:
+        raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
     for name, value in (("world_size", world_size), ("capacity", capacity), ("pp_size", pp_size)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     lens = check_lengths(lengths)
     with _no_cyclic_gc():
         if shard_blocker is not None:  # one plan for every strategy: "auto" has nothing to choose, and a plan
-            named = "balance" if strategy == AUTO else strategy  # names a planner strategy
+            named = BALANCE if strategy == AUTO else strategy  # names a planner strategy
             return plan_unsharded(lens, world_size, capacity, cost_model, named, pp_size, shard_blocker)
-        if strategy == "static":
+        if strategy == STATIC:
             return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length)
-        if strategy == "naive":
+        if strategy == NAIVE:
             return plan_naive(lens, world_size, capacity, cost_model, pp_size, offload)
         if strategy == AUTO:
-            return plan_auto(lens, world_size, capacity, cost_model, pp_size, context_length)
+            if step_time is None:
+                raise ValueError(f"strategy {AUTO!r} ranks its candidates by simulated step time: pass "
+                                 f"step_time=bytescale_compile.sim.simulator.step_time (or another StepTime)")
+            return plan_auto(lens, world_size, capacity, cost_model, step_time, pp_size, context_length)
         return plan_balance(lens, world_size, capacity, cost_model, pp_size)

@@ -1,4 +1,4 @@
-"""strategy="auto": plan every candidate, simulate each on the cost model, keep the fastest.
+"""strategy="auto": plan every candidate, time each with the caller's simulator, keep the fastest.
 
 Candidates are balance with and without offloading, and static. Balance at other δ (0 and 5x the
 default) was a candidate too, but over 20 seeds of Byted-like and GitHub-like 32M-token batches at
@@ -9,9 +9,12 @@ candidate's simulated step time, and the winner's speedup over static (None wher
 the batch) and over the runner-up.
 
 The candidates share one `SharedWork`: balance's sort, FLOP buckets and per-sequence work are computed
-once for both offload settings, a plan is simulated once, and where offloading changes no sequence's
+once for both offload settings, a plan is timed once, and where offloading changes no sequence's
 D(s) or r, balance without it is the very plan balance with it built. Plans and step times are those
 of each candidate planned alone (tests/test_planner.py pins this).
+
+The step time is a `StepTime` the caller passes in (`sim.simulator.step_time`): the simulator sits above
+the planner, which never imports it.
 """
 
 from __future__ import annotations
@@ -25,25 +28,26 @@ import numpy as np
 from .balance import BalanceInputs, balance_inputs, balance_ranks, schedule_balance
 from .plan import Plan, PlanError
 from .static import plan_static
+from .strategies import BALANCE, STATIC
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["AUTO", "Candidate", "CANDIDATES", "SharedWork", "plan_auto"]
+__all__ = ["Candidate", "CANDIDATES", "SharedWork", "StepTime", "plan_auto"]
 
-AUTO = "auto"
+StepTime = Callable[[Plan, "CostModel"], float]
+"""Seconds one step of a plan takes under a cost model: how "auto" ranks its candidates."""
 
 
 class SharedWork:
     """What one `plan_auto` call's candidates have in common, computed once: balance's offload-independent
-    inputs (`BalanceInputs`); each balance plan with the D(s) and r it was scheduled from, as a candidate
-    whose D(s) and r equal an earlier one's would be scheduled the same; and each plan's simulated step."""
+    inputs (`BalanceInputs`), and each balance plan with the D(s) and r it was scheduled from, as a candidate
+    whose D(s) and r equal an earlier one's would be scheduled the same."""
 
     def __init__(self, lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int) -> None:
         self._batch = (lens, world_size, capacity, cost_model, pp_size)
         self._inputs: BalanceInputs | None = None
         self._balance: list[tuple[np.ndarray, np.ndarray, Plan]] = []
-        self._steps: list[tuple[Plan, float]] = []
 
     def balance(self, offload: bool) -> Plan:
         """Balance's plan with or without offloading. Where no sequence's D(s) or r changes with
@@ -57,17 +61,6 @@ class SharedWork:
         built = schedule_balance(self._inputs, ranks, ratio, offload)
         self._balance.append((ranks, ratio, built))
         return built
-
-    def step_time(self, candidate: Plan) -> float:
-        """The simulated step of `candidate`, simulated once however many candidates it stands for."""
-        from ..sim.simulator import step_time  # the simulator imports the planner
-
-        for seen, step in self._steps:
-            if seen is candidate:
-                return step
-        step = step_time(candidate, self._batch[3])
-        self._steps.append((candidate, step))
-        return step
 
 
 @dataclass(frozen=True)
@@ -95,29 +88,30 @@ def _static(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostMo
 
 
 CANDIDATES = (
-    Candidate("balance", _balance(True)),
+    Candidate(BALANCE, _balance(True)),
     Candidate("balance-nooffload", _balance(False)),
-    Candidate("static", _static),
+    Candidate(STATIC, _static),
 )
 
 
-def plan_auto(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
-              context_length: int | None = None) -> Plan:
-    """The candidate plan with the shortest simulated step. A candidate that cannot plan the batch
-    (balance without offloading and a sequence only offloading fits) is left out; if none can, the
-    first one's PlanError is raised."""
+def plan_auto(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, step_time: StepTime,
+              pp_size: int = 1, context_length: int | None = None) -> Plan:
+    """The candidate plan with the shortest `step_time`, each plan timed once however many candidates it
+    stands for. A candidate that cannot plan the batch (balance without offloading and a sequence only
+    offloading fits) is left out; if none can, the first one's PlanError is raised."""
     shared = SharedWork(lens, world_size, capacity, cost_model, pp_size)
     steps: dict[str, float] = {}
     plans: dict[str, Plan] = {}
     errors: list[PlanError] = []
     for candidate in CANDIDATES:
         try:
-            plans[candidate.name] = candidate.build(lens, world_size, capacity, cost_model, pp_size, context_length,
-                                                    shared)
+            built = candidate.build(lens, world_size, capacity, cost_model, pp_size, context_length, shared)
         except PlanError as e:
             errors.append(e)
             continue
-        steps[candidate.name] = shared.step_time(plans[candidate.name])
+        same = next((name for name, other in plans.items() if other is built), None)
+        steps[candidate.name] = steps[same] if same is not None else step_time(built, cost_model)
+        plans[candidate.name] = built
     if not plans:
         raise errors[0]
     ranked = sorted(steps, key=steps.__getitem__)
@@ -126,7 +120,7 @@ def plan_auto(lens: np.ndarray, world_size: int, capacity: int, cost_model: Cost
     best.meta["auto"] = {
         "chosen": ranked[0],
         "step_time": steps,
-        "speedup_over_static": steps["static"] / steps[ranked[0]] if "static" in steps else None,
+        "speedup_over_static": steps[STATIC] / steps[ranked[0]] if STATIC in steps else None,
         "speedup_over_runner_up": runner_up / steps[ranked[0]],
     }
     return best

@@ -23,6 +23,7 @@ import numpy as np
 from .common import PlanBuilder, best_fit_pack
 from .cost_model import CEIL_RTOL
 from .plan import Plan, PlanError
+from .strategies import NAIVE
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -68,7 +69,7 @@ def plan_naive(lens: np.ndarray, world_size: int, capacity: int, cost_model: Cos
         ranks, ratio = naive_ranks(lens, world_size, capacity, cost_model, layers)
     else:
         ranks, ratio = ranks_needed(lens, world_size, capacity, cost_model, layers, offload)
-    builder = PlanBuilder("naive", lens, world_size, capacity, cost_model, pp_size, layers if offload else 0)
+    builder = PlanBuilder(NAIVE, lens, world_size, capacity, cost_model, pp_size, layers if offload else 0)
     long_ids = np.flatnonzero(ranks > 0)
     long_ids = long_ids[np.argsort(-ranks[long_ids], kind="stable")]
     bins = best_fit_pack(lens, np.flatnonzero(ranks == 0), capacity)

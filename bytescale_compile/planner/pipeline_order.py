@@ -20,15 +20,31 @@ The simulator (`sim/pipeline.py`), the plan check and the pipeline executor use 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .plan import Plan
-
-__all__ = ["Op", "chained_micro_batches", "stage_order"]
+__all__ = ["Op", "Scheduled", "chained_micro_batches", "stage_order"]
 
 Op = tuple[str, int]
 """("F" or "B", index of the micro-batch in the pipeline's schedule)."""
+
+
+class _ScheduledMicroBatch(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def shared(self) -> bool: ...
+
+
+class Scheduled(Protocol):
+    """What `chained_micro_batches` reads of a plan (`plan.Plan` is one): described here rather than imported,
+    as the plan's deadlock check imports this module."""
+
+    @property
+    def micro_batches(self) -> Sequence[_ScheduledMicroBatch]: ...
+    @property
+    def schedule(self) -> Sequence[Sequence[int]]: ...
 
 
 def stage_order(stage: int, pp: int, shared: Sequence[bool], chained: Sequence[bool] | None = None) -> list[Op]:
@@ -52,7 +68,7 @@ def stage_order(stage: int, pp: int, shared: Sequence[bool], chained: Sequence[b
     return order
 
 
-def chained_micro_batches(plan: Plan) -> set[int]:
+def chained_micro_batches(plan: Scheduled) -> set[int]:
     """Ids of the shared micro-batches that, on every pipeline holding them, come right after one same
     shared micro-batch of the same ranks."""
     by_id = {m.id: m for m in plan.micro_batches}

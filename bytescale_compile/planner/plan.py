@@ -17,10 +17,9 @@ import networkx as nx
 import numpy as np
 
 from .pipeline_order import chained_micro_batches, stage_order
+from .strategies import STRATEGIES
 
 __all__ = ["MicroBatch", "Plan", "PlanError", "local_tokens", "capacity_for_ratio"]
-
-STRATEGIES = ("balance", "naive", "static")
 
 
 class PlanError(ValueError):

@@ -201,7 +201,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _input_maker(model: nn.Module, hidden: int, device: torch.device, dtype: torch.dtype) -> Callable[[int], LayerInputs]:
-    """Layer inputs for the decoders we know: examples/models/llama.py (`layer(x, cos, sin)`, rotary at
+    """Layer inputs for the decoders we know: `bytescale_compile/models/llama.py` (`layer(x, cos, sin)`, rotary at
     `model.rotary`), Hugging Face (`layer(x, position_embeddings=(cos, sin), position_ids=...)`, rotary at
     `model.model.rotary_emb`), else `layer(x)`."""
     hf_rotary = getattr(getattr(model, "model", None), "rotary_emb", None)

@@ -15,6 +15,7 @@ import numpy as np
 
 from .common import PlanBuilder, best_fit_pack
 from .plan import Plan, PlanError
+from .strategies import STATIC
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -38,7 +39,7 @@ def plan_static(lens: np.ndarray, world_size: int, capacity: int, cost_model: Co
         i = int(lens.argmax())
         raise PlanError(f"sequence {i} has {int(lens[i])} tokens, longer than the static mesh's context length {context}")
     cp = cp_degree(world_size, capacity, context)
-    builder = PlanBuilder("static", lens, world_size, capacity, cost_model, pp_size)
+    builder = PlanBuilder(STATIC, lens, world_size, capacity, cost_model, pp_size)
     tokens = [(0, g) for g in range(world_size // cp)]  # heap of (tokens, DP group)
     for row in best_fit_pack(lens, np.arange(lens.size), context):
         t, g = heapq.heappop(tokens)

@@ -1,8 +1,10 @@
-"""The one ambient object the custom ops read: the current micro-batch.
+"""The one ambient state the custom ops read: the current micro-batch (and the step's act_ctx, on the same stack).
 
 The compiled graph never changes between micro-batches; what changes (how sequences are packed
-into the row, later the ring group and offload ratio) is read from here at run time. Forward and
-backward of a micro-batch must run under the same context, as in the paper's Listing 1.
+into the row, the ring group, the offload ratio) is read from here at run time. Forward and
+backward of a micro-batch must run under the same context, as in the paper's Listing 1. `enter`,
+`leave` and `innermost` are the only ambient-state helper of the package: the act_ctx of
+`runtime/offload.py` goes on this stack too rather than on one of its own.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from .dist_attn import DEFAULT_TIMEOUT_S, RingStats
 from .layout import ZigzagLayout
 
-__all__ = ["MicroBatchContext", "current_context", "micro_batch", "ContextError"]
+__all__ = ["MicroBatchContext", "current_context", "micro_batch", "ContextError", "enter", "innermost", "leave"]
+
+_T = TypeVar("_T")
 
 
 class ContextError(RuntimeError):
@@ -101,13 +106,30 @@ class MicroBatchContext:
 
 # Process-wide, not thread-local: autograd runs the backward of accelerator tensors on its own
 # device threads, and `with ctx: loss.backward()` must still reach the ops there.
-_stack: list[MicroBatchContext] = []
+_stack: list[object] = []
 _lock = threading.Lock()
+
+
+def enter(state: object) -> None:
+    """Make `state` ambient until `leave(state)`: the innermost of its type for `innermost`."""
+    with _lock:
+        _stack.append(state)
+
+
+def leave(state: object) -> None:
+    """End what `enter(state)` began (contexts may end out of order: each removes itself)."""
+    with _lock:
+        _stack.remove(state)
+
+
+def innermost(kind: type[_T]) -> _T | None:
+    """The innermost ambient state of type `kind`, or None."""
+    return next((state for state in reversed(_stack) if isinstance(state, kind)), None)
 
 
 def current_context() -> MicroBatchContext | None:
     """The innermost active context, or None (plain causal attention)."""
-    return _stack[-1] if _stack else None
+    return innermost(MicroBatchContext)
 
 
 @contextlib.contextmanager
@@ -129,10 +151,8 @@ def micro_batch(
         if isinstance(cu_seqlens, list):
             cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
         ctx = MicroBatchContext(cu_seqlens=cu_seqlens, group=group, layout=layout, micro_batch_id=micro_batch_id)
-    with _lock:
-        _stack.append(ctx)
+    enter(ctx)
     try:
         yield ctx
     finally:
-        with _lock:
-            _stack.remove(ctx)
+        leave(ctx)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,8 @@ __all__ = ["packed_ring_attention", "ring_attention_fwd", "ring_attention_bwd", 
            "RingTimeoutError", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 300.0
+_CLOCK_SLACK_S = 1e-3
+"""Backends count a wait's timeout in whole milliseconds: a wait that fails this close to it has timed out."""
 
 
 class RingError(RuntimeError):
@@ -125,30 +128,40 @@ class _Ring:
         try:
             return dist.batch_isend_irecv(ops)
         except RuntimeError as e:
-            raise self.fault(e, what, peers) from e
+            raise self.fault(e, what, peers, timed_out=False, stream_ordered=False) from e
 
     def wait(self, works: list[Any], what: str, peers: tuple[int, ...]) -> None:
-        """Wait for posted P2P; a timeout raises `RingTimeoutError`, a lost peer `RingError`, on any backend.
+        """Wait for posted P2P; a timeout raises `RingTimeoutError`, a lost peer `RingError`.
 
-        On NCCL the wait is stream-ordered (the CPU goes on queueing compute) and the timeout is the
-        process group's, enforced by NCCL's watchdog: `wait(timeout=...)` there would block the CPU for
-        the whole transfer. NCCL reports both faults as `DistBackendError` (a RuntimeError) whose text
-        names the timeout.
+        Off NCCL each wait is bounded by the ring's timeout. A backend reports a wait that timed out and one
+        whose peer is gone alike (gloo: a RuntimeError either way), so the ring tells them apart by its own
+        deadline, never by the words of the message: a wait that failed once its timeout had passed timed out.
+        On NCCL the wait is stream-ordered (the CPU goes on queueing compute): `wait(timeout=...)` there would
+        block the CPU for the whole transfer, so the timeout is the process group's, enforced by NCCL's
+        watchdog, and whatever NCCL reports (a timeout or a lost peer) is a `RingError` quoting it.
         """
         stream_ordered = dist.is_initialized() and dist.get_backend() == "nccl"
         for work in works:
+            began = time.monotonic()
             try:
                 work.wait() if stream_ordered else work.wait(timeout=self.timeout)
             except RuntimeError as e:
-                raise self.fault(e, what, peers) from e
+                waited = time.monotonic() - began
+                timed_out = not stream_ordered and waited >= self.timeout.total_seconds() - _CLOCK_SLACK_S
+                raise self.fault(e, what, peers, timed_out, stream_ordered) from e
 
-    def fault(self, error: RuntimeError, what: str, peers: tuple[int, ...]) -> RingError:
-        """The ring error of a backend error: `RingTimeoutError` when its text names a timeout."""
+    def fault(self, error: RuntimeError, what: str, peers: tuple[int, ...], timed_out: bool,
+              stream_ordered: bool) -> RingError:
+        """The ring error of a backend error: `RingTimeoutError` when the ring's own timeout ran out."""
         where = f"ring group {list(self.group)}: rank {self.me}"
-        if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+        if timed_out:
             return RingTimeoutError(f"{where} waited {self.timeout.total_seconds():.0f}s for {what} (peers "
                                     f"{list(peers)}); a peer never joined this ring step or is stuck elsewhere")
-        return RingError(f"{where} lost a peer while exchanging {what}: {str(error).splitlines()[0]}")
+        reported = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if stream_ordered:
+            return RingError(f"{where}: NCCL failed exchanging {what} with peers {list(peers)} (a lost peer, or the "
+                             f"process group's timeout): {reported}")
+        return RingError(f"{where} lost a peer while exchanging {what}: {reported}")
 
 
 def _make_ring(layout: ZigzagLayout, group: list[int] | tuple[int, ...], timeout_s: float, stats: RingStats | None,

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from .context import ContextError
+from .context import ContextError, enter, innermost, leave
 
 __all__ = [
     "ActivationContext",
@@ -67,7 +67,8 @@ class OffloadStats:
 class SavedKey:
     """Where the act_ctx keeps one saved storage: what the forward's handles carry to the backward."""
 
-    uid: int
+    owner: weakref.ref[ActivationContext] = field(repr=False)
+    """The act_ctx that holds the storage; weak, so that a key left behind keeps no step's activations alive."""
     micro_batch_id: int
     call: int
 
@@ -145,8 +146,9 @@ class _Streams:
 
 
 _pool = _HostPool()
+"""Process-wide: pinned host buffers outlive the per-step act_ctx, as pinning anew every step is slow."""
 _streams = _Streams()
-_uids = itertools.count(1)
+"""Process-wide: the copy streams every act_ctx of the process orders its copies on."""
 
 
 class ActivationContext:
@@ -159,7 +161,6 @@ class ActivationContext:
         bad = [r for r in ratios if not 0.0 <= r <= 1.0]
         if bad:
             raise ValueError(f"offload ratios must lie in [0, 1], got {bad}")
-        self.uid = next(_uids)
         self.offload_ratios = ratios
         self.micro_batch_id = 0
         self.stats = [OffloadStats(i, r) for i, r in enumerate(ratios)]
@@ -176,13 +177,11 @@ class ActivationContext:
         self.micro_batch_id = micro_batch_id
 
     def __enter__(self) -> ActivationContext:
-        with _lock:
-            _stack.append(self)
+        enter(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with _lock:
-            _stack.remove(self)
+        leave(self)
 
     def waiting(self, micro_batch_id: int) -> int:
         """Saved storages of a micro-batch that its backward has not taken back yet."""
@@ -204,7 +203,7 @@ class ActivationContext:
         stats.add_resident(saved.rest_bytes)
         call = next(self._calls)
         self._waiting[mb][call] = saved
-        return SavedKey(self.uid, mb, call)
+        return SavedKey(weakref.ref(self), mb, call)
 
     def _to_host(self, saved: _Saved, flat: Tensor) -> None:
         streams = _streams.for_device(flat.device)
@@ -225,12 +224,14 @@ class ActivationContext:
     # --- backward -------------------------------------------------------------------------------
     def reload(self, layer: int, key: SavedKey) -> Tensor:
         """The whole storage again, flat, from the key the forward returned; prefetches the next layer down."""
-        uid, mb, call = key.uid, key.micro_batch_id, key.call
-        if uid != self.uid or mb != self.micro_batch_id:
+        mb, call = key.micro_batch_id, key.call
+        owner = key.owner()
+        if owner is not self or mb != self.micro_batch_id:
+            whose = "this act_ctx" if owner is self else "another act_ctx"
             raise ContextError(
-                f"saved activations of layer {layer} belong to micro-batch {mb} of act_ctx #{uid}, but the backward "
-                f"runs under micro-batch {self.micro_batch_id} of act_ctx #{self.uid}: call "
-                f"update_micro_batch_id({mb}) on the act_ctx of the forward before the backward")
+                f"saved activations of layer {layer} belong to micro-batch {mb} of {whose}, but the backward "
+                f"runs under micro-batch {self.micro_batch_id} of this one: call update_micro_batch_id({mb}) on the "
+                f"act_ctx of the forward before the backward, inside `with` that act_ctx")
         saved = self._waiting[mb].pop(call, None)
         if saved is None:
             raise ContextError(f"saved activations of layer {layer}, micro-batch {mb}, were already reloaded: "
@@ -308,12 +309,9 @@ def token_major_storage(t: Tensor, token_dim: int) -> tuple[Tensor, int]:
     return flat, per_token if token_major else 0
 
 
-_stack: list[ActivationContext] = []
-_lock = threading.Lock()
-
-
 def current_act_ctx() -> ActivationContext | None:
-    return _stack[-1] if _stack else None
+    """The innermost act_ctx entered with `with act_ctx:`, or None (nothing is offloaded)."""
+    return innermost(ActivationContext)
 
 
 def get_act_ctx(num_micro_batch: int, offload_ratios: Sequence[float]) -> ActivationContext:

@@ -7,21 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planner import CostModel, Plan, plan
-from .simulator import busy_times, simulate, throughput
+from ..planner import STRATEGY_SPECS, CostModel, Plan, plan
+from .simulator import busy_times, simulate, step_time, throughput
 from .timeline import Timeline
 
-__all__ = ["STRATEGY_SPECS", "Outcome", "run_strategy", "parse_size"]
-
-STRATEGY_SPECS: dict[str, tuple[str, bool]] = {
-    "static": ("static", False),
-    "naive-nooffload": ("naive", False),
-    "naive": ("naive", True),
-    "balance": ("balance", True),
-    "auto": ("auto", True),
-}
-"""CLI name -> (planner strategy, offload). "naive-nooffload" is the paper's communication-only ablation;
-"auto" the fastest of balance and static candidates under the simulator (`planner/auto.py`)."""
+__all__ = ["Outcome", "run_strategy"]
 
 
 @dataclass
@@ -43,7 +33,7 @@ def run_strategy(name: str, lens: np.ndarray, world_size: int, capacity: int, co
     strategy, offload = STRATEGY_SPECS[name]
     start = time.perf_counter()
     result = plan(lens, world_size, capacity, cost_model, strategy=strategy, pp_size=pp_size,
-                  context_length=context_length, offload=offload)
+                  context_length=context_length, offload=offload, step_time=step_time)
     seconds = time.perf_counter() - start
     timeline = simulate(result, cost_model)
     timeline.strategy = name  # "naive" and "naive-nooffload" share a planner but not a label
@@ -52,14 +42,3 @@ def run_strategy(name: str, lens: np.ndarray, world_size: int, capacity: int, co
     spread = float(busy.max() / busy.min()) if busy.size else 1.0
     return Outcome(name, result, timeline, seconds, timeline.step_time, throughput(result, timeline), spread)
 
-
-def parse_size(text: str) -> int:
-    """'32M' -> 33554432, '8K' -> 8192, '1000' -> 1000 (binary K/M/G, as context lengths are)."""
-    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
-    text = text.strip().upper()
-    try:
-        if text and text[-1] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError as e:
-        raise ValueError(f"expected a size like 8K, 32M or 1000, got {text!r}") from e

@@ -20,12 +20,11 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from ..planner import PlanError
+from ..planner import RUNTIME_STRATEGIES, PlanError
 from ..planner.model_shape import ModelConfigError
 from .checkpoint import CheckpointError
 from .compare import comparison, summarize
 from .config import ALL_STRATEGIES, DTYPES, LOADERS, SIZES, TrainConfig, load_config
-from .engine import RUNTIME_STRATEGIES
 from .launch import init_distributed, local_device
 from .metrics import METRICS_FILE, echo
 from .projection import project_run

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..planner import STATIC
 from ..planner.auto import CANDIDATES
 from .metrics import StepRecord
 
@@ -43,7 +44,7 @@ class StrategySummary:
         """The strategy, for auto with the candidates it chose (and static, to show when it never was)."""
         if not self.auto_choices:
             return self.strategy
-        shown = [c.name for c in CANDIDATES if self.auto_choices.get(c.name) or c.name == "static"]
+        shown = [c.name for c in CANDIDATES if self.auto_choices.get(c.name) or c.name == STATIC]
         return f"{self.strategy} ({'/'.join(f'{name} {self.auto_choices.get(name, 0)}' for name in shown)})"
 
 
@@ -82,8 +83,8 @@ def comparison(summaries: Sequence[StrategySummary]) -> str:
     if summaries:
         lines.append(f"(means over steps {summaries[0].first_step}..{summaries[0].last_step}; the first step of a "
                      f"run compiles)")
-    static = next((s for s in summaries if s.strategy == "static"), None)
-    others = [s for s in summaries if s.strategy != "static"]
+    static = next((s for s in summaries if s.strategy == STATIC), None)
+    others = [s for s in summaries if s.strategy != STATIC]
     if static is not None and others:
         lines.append("speedup over static: " + ", ".join(
             f"{s.strategy} {s.tokens_per_second / static.tokens_per_second:.2f}x measured, "

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..sim.experiments import parse_size
-from .engine import RUNTIME_STRATEGIES
+from ..planner import BALANCE, RUNTIME_STRATEGIES
+from ..units import parse_size
 
 __all__ = ["ALL_STRATEGIES", "ConfigError", "DTYPES", "LOADERS", "NEVER_CHANGED", "NOT_COMPARED", "SIZES", "TrainConfig",
            "check_resume_config", "config_changes", "load_config", "to_toml"]
@@ -53,7 +53,7 @@ class TrainConfig:
     required; the rest have defaults."""
 
     model: str = _setting("", "a directory with a Hugging Face config.json (weights loaded if present, else random "
-                                "init), a preset of examples/models/llama.py (tiny, small), or MODULE:FACTORY")
+                                "init), a preset of bytescale_compile/models/llama.py (tiny, small), or MODULE:FACTORY")
     data: str = _setting("", "prefix of a dataset from `bytescale-compile data prepare`; PREFIX_eval is the held-out "
                              "split")
     out: str = _setting("runs/train", "output directory: metrics.jsonl, config.toml, checkpoints/, final/")
@@ -62,7 +62,7 @@ class TrainConfig:
     global_tokens: int = _setting(32768, "tokens per optimizer step over all ranks (K/M suffixes allowed)")
     capacity: int = _setting(4096, "tokens per rank per micro-batch, C")
     max_len: int = _setting(8192, "context length: longer sequences are truncated; the static strategy's row")
-    strategy: str = _setting("balance", "HDP plan: balance, naive, static, auto (the fastest candidate under the "
+    strategy: str = _setting(BALANCE, "HDP plan: balance, naive, static, auto (the fastest candidate under the "
                                         "cost model, per step), or all (each of them from the same weights on the "
                                         "same batches, then a comparison)")
     dtype: str = _setting("fp32", "fp32, or bf16: autocast forward, fp32 master weights, optimizer and loss")

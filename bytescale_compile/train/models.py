@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..models.factory import FactoryError, load_factory
+
 __all__ = ["PRESETS", "LoadedModel", "ModelSourceError", "load_model"]
 
-PRESETS = {"tiny": "examples.models.llama:tiny", "small": "examples.models.llama:small"}
-"""Our LLaMA (examples/models/llama.py), importable from the repository root."""
+PRESETS = {"tiny": "bytescale_compile.models.llama:tiny", "small": "bytescale_compile.models.llama:small"}
+"""Our LLaMA (`bytescale_compile/models/llama.py`), shipped in the package."""
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 
@@ -47,13 +49,10 @@ def load_model(spec: str, seed: int) -> LoadedModel:
 
 
 def _from_factory(spec: str) -> LoadedModel:
-    from ..cli import CLIError, load_factory
-
     try:
         module = load_factory(PRESETS.get(spec, spec))
-    except CLIError as e:
-        raise ModelSourceError(f"model {spec!r}: {e} (run from the repository root for the presets "
-                               f"{sorted(PRESETS)})") from e
+    except FactoryError as e:
+        raise ModelSourceError(f"model {spec!r}: {e}") from e
     return LoadedModel(module.float(), spec, _vocab_size(module, spec), None, False)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import nn
 
-from ..planner import CostModel, Hardware, ModelShape
+from ..planner import AUTO, BALANCE, NAIVE, STATIC, CostModel, Hardware, ModelShape
 from ..planner.model_shape import model_shape
 from ..sim.experiments import run_strategy
 from .config import TrainConfig
@@ -25,7 +25,8 @@ __all__ = ["PROJECTED_STRATEGIES", "ProjectedStep", "Projection", "project", "pr
 
 RANKS, TP_SIZE, HARDWARE = 512, 2, "l20"
 """The paper's cluster (benchmarks/paper.py): 512 HDP ranks of TP 2, 1024 L20 GPUs."""
-PROJECTED_STRATEGIES = ("static", "naive", "balance", "auto")
+PROJECTED_STRATEGIES = (STATIC, NAIVE, BALANCE, AUTO)
+"""The planner's strategies in the order the projection lists them: static first, as the speedups are over it."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def project(shape: ModelShape, lengths: Sequence[int] | np.ndarray, tokens: int,
     cost_model = CostModel.analytic(shape, Hardware.preset(HARDWARE, tp_size=TP_SIZE))
     lens = resample_lengths(np.minimum(np.asarray(lengths, dtype=np.int64), context_length), tokens, seed)
     outcomes = [run_strategy(s, lens, RANKS, capacity, cost_model, context_length) for s in strategies]
-    static = next((o.step_time for o in outcomes if o.name == "static"), None)
+    static = next((o.step_time for o in outcomes if o.name == STATIC), None)
     if static is None:
         raise ValueError(f"strategies {list(strategies)} must include static: the speedups are over it")
     steps = [ProjectedStep(o.name, o.step_time, static / o.step_time, o.plan.meta.get("auto", {}).get("chosen"))

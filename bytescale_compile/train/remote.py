@@ -19,6 +19,7 @@ every rank a `DataServerError` naming it, never a hang.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ import torch
 
 from ..data import GlobalBatchSampler, TokenDataset
 from ..planner import CostModel, Plan, plan
+from ..sim.simulator import step_time
 from .config import ConfigError
 from .engine import BatchError
 
@@ -161,20 +163,14 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
     return True
 
 
+@functools.cache
 def _remote_classes() -> tuple[Any, Any]:
-    """The actor classes, made when first needed so that importing this module does not need Ray."""
-    global _CLASSES
-    if _CLASSES is None:
-        import ray
+    """The actor classes, made once when first needed so that importing this module does not need Ray."""
+    import ray
 
-        server = ray.remote(num_cpus=0, max_restarts=SERVER_MAX_RESTARTS, max_task_retries=SERVER_MAX_RESTARTS)(
-            DataServer)
-        scheduler = ray.remote(num_cpus=0, max_concurrency=16)(Scheduler)
-        _CLASSES = server, scheduler
-    return _CLASSES
-
-
-_CLASSES: tuple[Any, Any] | None = None
+    server = ray.remote(num_cpus=0, max_restarts=SERVER_MAX_RESTARTS, max_task_retries=SERVER_MAX_RESTARTS)(DataServer)
+    scheduler = ray.remote(num_cpus=0, max_concurrency=16)(Scheduler)
+    return server, scheduler
 
 
 class DataServer:
@@ -268,7 +264,8 @@ class Scheduler:
         began = time.perf_counter()
         s = self.settings
         step_plan = plan(batch.lengths, s.world_size, s.capacity, s.cost_model, strategy=s.strategy,
-                         pp_size=s.pp_size, context_length=s.context_length, shard_blocker=s.shard_blocker)
+                         pp_size=s.pp_size, context_length=s.context_length, shard_blocker=s.shard_blocker,
+                         step_time=step_time)
         step_plan.validate()
         return PlannedStep(step, batch.indices, batch.lengths, step_plan, time.perf_counter() - began,
                            self.sampler.state_dict())

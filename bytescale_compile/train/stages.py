@@ -23,7 +23,7 @@ windows are read from it); the base model's config is a copy whose `num_hidden_l
 describe the slice, because the forward looks layer types up by position in the slice. Tied embeddings
 are refused: stage 0 and the last stage would both own the matrix.
 
-Other models are split as our LLaMA (examples/models/llama.py): `embed_tokens`, `rotary(position_ids)`,
+Other models are split as our LLaMA (`bytescale_compile/models/llama.py`): `embed_tokens`, `rotary(position_ids)`,
 `layers` called as `layer(x, cos, sin)`, `norm`, `lm_head`, and its summed cross-entropy over
 `num_items_in_batch`.
 """
@@ -31,6 +31,7 @@ Other models are split as our LLaMA (examples/models/llama.py): `embed_tokens`, 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -207,7 +208,7 @@ def _shallow(module: nn.Module) -> nn.Module:
 
 
 class _LlamaStage(nn.Module):
-    """A stage of our LLaMA (examples/models/llama.py): its forward, cut at `spec`'s layers.
+    """A stage of our LLaMA (`bytescale_compile/models/llama.py`): its forward, cut at `spec`'s layers.
 
     Submodules keep the model's names (`embed_tokens`, `layers`, `norm`, `lm_head`), the layers renumbered
     from 0 within the stage.
@@ -273,15 +274,11 @@ class _HFStageForward:
         return out.last_hidden_state
 
 
-_stage_classes: dict[type, type] = {}
-
-
+@functools.cache
 def _stage_class(cls: type) -> type:
     """`cls` with the stage protocol's forward, made once per class (`isinstance(stage, cls)` holds)."""
-    if cls not in _stage_classes:
-        namespace = {"__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}Stage", "__doc__": cls.__doc__}
-        _stage_classes[cls] = type(f"{cls.__name__}Stage", (_HFStageForward, cls), namespace)
-    return _stage_classes[cls]
+    namespace = {"__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}Stage", "__doc__": cls.__doc__}
+    return type(f"{cls.__name__}Stage", (_HFStageForward, cls), namespace)
 
 
 def _hf_stage(model: nn.Module, spec: StageSpec) -> nn.Module:

@@ -42,7 +42,7 @@ from ..data import (
     eval_prefix,
     load_tokenizer,
 )
-from ..planner import AUTO, CostModel
+from ..planner import AUTO, STATIC, CostModel
 from .batch import num_targets
 from .calibrate import calibrate
 from .checkpoint import CheckpointError, latest_checkpoint, remove_stale_tmp, resume_latest, save_checkpoint
@@ -277,7 +277,7 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunR
     schedule = LRSchedule(config.lr, config.warmup, config.schedule_steps, config.min_lr_ratio)
     runtime = Runtime(optimized, optimizer, cost_model=inputs.cost_model, strategy=strategy, capacity=config.capacity,
                       max_grad_norm=config.max_grad_norm,
-                      context_length=config.max_len if strategy in ("static", AUTO) else None,
+                      context_length=config.max_len if strategy in (STATIC, AUTO) else None,
                       mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None)
     sampler = GlobalBatchSampler(inputs.train_data, config.global_tokens, seed=config.seed, max_len=config.max_len)
     """The local loader's, and in either case what a checkpoint's batch position is checked against."""

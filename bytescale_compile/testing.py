@@ -1,6 +1,7 @@
-"""Run a function on N gloo ranks on localhost (spawned processes): for tests and CPU benchmarks.
+"""Run a function on N gloo ranks on localhost (spawned processes): for the tests and the CPU benchmarks.
 
-Training runs use `torchrun`; this is for code that needs a few ranks inside one command.
+Training runs use `torchrun`; this is for code that needs a few ranks inside one command. It stands outside
+the layers: nothing in the package imports it.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_distributed", "free_port"]
-
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+__all__ = ["run_distributed", "free_port"]
+
 
 def free_port() -> int:
+    """A TCP port free on localhost now, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,0 +1,21 @@
+"""Sizes written as people write them ("32M", "8K"): read by the CLI, the training config and the benchmarks.
+
+A module of its own at the bottom of the layers, beside `config`, so that the command line and the
+training config read sizes alike without importing the simulator or the planner."""
+
+from __future__ import annotations
+
+__all__ = ["parse_size"]
+
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+
+
+def parse_size(text: str) -> int:
+    """'32M' -> 33554432, '8K' -> 8192, '1000' -> 1000 (binary K/M/G, as context lengths are)."""
+    text = text.strip().upper()
+    try:
+        if text and text[-1] in _UNITS:
+            return int(float(text[:-1]) * _UNITS[text[-1]])
+        return int(text)
+    except ValueError as e:
+        raise ValueError(f"expected a size like 8K, 32M or 1000, got {text!r}") from e
