@@ -160,7 +160,7 @@ def _inspect_stages(model: nn.Module, config: Any, inputs: dict[str, Any], args:
     """Each pipeline stage compiled alone through optimize(), as `--pp` training runs it, fed the previous
     stage's hidden states; one report per stage."""
     from .api import optimize
-    from .train.stages import UnsupportedModelError, split_stages, stage_inputs
+    from .train.stages import UnsupportedModelError, split_stages, stage_inputs, stage_spec
 
     try:
         stages = split_stages(model, args.pp)
@@ -169,10 +169,12 @@ def _inspect_stages(model: nn.Module, config: Any, inputs: dict[str, Any], args:
     kwargs = {name: value for name, value in inputs.items() if name != "use_cache"}
     hidden, reports = None, []
     for stage in stages:
+        spec = stage_spec(stage)
+        assert spec is not None  # every stage of a split into more than one has its spec
         optimized = optimize(stage, config)
-        out = optimized(**stage_inputs(stage.spec, kwargs, hidden))
-        hidden = out.detach() if not stage.spec.is_last else None
-        reports.append((stage.spec, optimized.report))
+        out = optimized(**stage_inputs(spec, kwargs, hidden))
+        hidden = out.detach() if not spec.is_last else None
+        reports.append((spec, optimized.report))
     if args.json:
         print(json.dumps([{"stage": spec.index, "pp_size": spec.pp_size, "layers": [spec.layers.start, spec.layers.stop],
                            "report": report.to_dict()} for spec, report in reports], indent=2))

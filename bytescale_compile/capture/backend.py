@@ -178,7 +178,8 @@ def _refuse_unshardable(report: GraphReport) -> None:
         return
     blockers = CompileReport(graphs=[report]).shard_blockers()
     if blockers:
-        what = f"shared by ranks {list(ctx.group)}" if ctx.is_ring else f"a row of {len(ctx.seq_lens)} packed sequences"
+        what = (f"shared by ranks {list(ctx.group)}" if ctx.is_ring and ctx.group is not None
+                else f"a row of {len(ctx.seq_lens)} packed sequences")
         raise ShardingError(f"micro-batch {ctx.micro_batch_id} is {what}, but a graph compiled for it cannot run "
                             f"it: {'; '.join(blockers)}")
 

@@ -23,7 +23,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -72,8 +72,9 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: list[Any], config:
     if config.offload != "off":
         patches |= {"allow_buffer_reuse": False, "inplace_buffers": False}
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=_inner_compile(report, config.keep_graph_text),
-                          config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile(report, config.keep_graph_text),
+                              config_patches=patches)
+    return cast(Callable, compiled)  # source text and weights come back only from AOTInductor
 
 
 def _inner_compile(report: GraphReport, keep_text: bool) -> Callable:

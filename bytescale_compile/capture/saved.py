@@ -9,7 +9,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..passes.graph import layer_index, source_module
+from ..passes.graph import flat_outputs, input_node, layer_index, source_module
 from ..passes.report import SavedActivation
 
 __all__ = ["saved_activations"]
@@ -23,12 +23,11 @@ def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: torc
     sizes times the element size. Saved weights (and their transposes) carry no tokens,
     cannot be offloaded per token and are not listed.
     """
-    outputs = fw.graph.output_node().args[0]
+    outputs = flat_outputs(fw.graph)
     table = []
     owners: dict[StorageWeakRef, str] = {}
     for node in outputs[num_fwd_outputs:]:
-        val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        if not isinstance(val, torch.Tensor):
+        if not isinstance(node, fx.Node) or not isinstance(val := node.meta.get("val"), torch.Tensor):
             continue
         if not _has_token_dim(val, token_size):
             continue
@@ -55,7 +54,7 @@ _ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.o
 def _producer(node: fx.Node) -> fx.Node:
     """Aliases made by AOTAutograd carry no module; look through them to the op that made the tensor."""
     while "nn_module_stack" not in node.meta and node.target in _ALIASES:
-        node = node.args[0]
+        node = input_node(node)
     return node
 
 

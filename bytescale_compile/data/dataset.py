@@ -337,7 +337,7 @@ def _python_source_roots() -> list[Path]:
 
 def _python_files(directory: Path) -> list[Path]:
     """`.py` files under `directory`, sorted by relative path parts (a stable, platform-free order)."""
-    found = []
+    found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(directory):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
         found.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))

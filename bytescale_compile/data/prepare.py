@@ -18,7 +18,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from multiprocessing.pool import Pool
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -99,7 +99,7 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
             for doc, is_eval in zip(docs, rng.random(len(docs)) < eval_fraction):
                 long_documents += max_len is not None and len(doc) > max_len
                 for piece in _pieces(doc, max_len, long_docs):
-                    (held_out if is_eval else train).append(piece)
+                    (cast(DatasetWriter, held_out) if is_eval else train).append(piece)  # is_eval: a fraction > 0
             text_bytes += nbytes
             bar.update(nbytes)
         _check_filled(train, held_out, stats, eval_fraction)
@@ -199,6 +199,7 @@ def _start_worker(encoder: _Encoder) -> None:
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[list[np.ndarray], int]:
+    assert _worker_encoder is not None  # the pool's initializer set it
     return _worker_encoder(texts)
 
 

@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .dataset import TokenizerInfo
 from .sources import SourceError, SourceStats, read_documents, resolve_inputs
@@ -78,7 +78,7 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out: str | Pa
     if stats.documents == 0:
         raise SourceError(f"no documents to train on in {[str(p) for p in inputs]}:\n{stats.summary()}")
     PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN).save_pretrained(out)
-    specials = {token: bpe.token_to_id(token) for token in _SPECIAL_TOKENS}
+    specials = {token: cast(int, bpe.token_to_id(token)) for token in _SPECIAL_TOKENS}  # the trainer added each
     return TrainedTokenizer(out, bpe.get_vocab_size(), specials, stats)
 
 

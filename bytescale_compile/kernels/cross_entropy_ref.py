@@ -160,7 +160,7 @@ def run_chunks(
         loss.to(torch.float32 if upcast else hidden.dtype),
         grad_hidden,
         grad_weight.to(weight.dtype),
-        None if grad_bias is None else grad_bias.to(bias.dtype),
+        None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
     )
 
 
@@ -202,7 +202,7 @@ def linear_cross_entropy_chunked(
 
     def chunk_grad(logits: torch.Tensor, rows_of: slice) -> torch.Tensor:
         rows = logits.shape[0]
-        work = work_buf[:rows].copy_(logits) if upcast_buffer else logits
+        work = work_buf[:rows].copy_(logits) if work_buf is not None else logits  # the buffer iff upcast_buffer
         derivative = _transform_logits_(work, scale, softcap, None if derivative_buf is None else derivative_buf[:rows])
         loss = _logits_to_dlogits(work, target[rows_of], valid[rows_of], row_weight[rows_of])
         if softcap is not None or scale != 1.0:

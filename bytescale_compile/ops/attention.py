@@ -58,6 +58,16 @@ def _ring_context(q: Tensor) -> MicroBatchContext | None:
     return ctx
 
 
+def _to_ring(x: Tensor) -> Tensor:
+    """The single row `[1, H, T, D]` of a shared micro-batch as the ring takes it, `[T, H, D]`."""
+    return x[0].transpose(0, 1)
+
+
+def _from_ring(x: Tensor, like: Tensor) -> Tensor:
+    """The ring's `[T, H, D]` back as a row `[1, H, T, D]` laid out like `like`."""
+    return layout_like(x.transpose(0, 1).unsqueeze(0), like)
+
+
 def _row_packing(q: Tensor, position_ids: Tensor | None) -> list[Tensor] | None:
     """cu_seqlens of every row, or None when every row is one causal sequence.
 
@@ -129,11 +139,12 @@ def attention(
     _check_args(q, k, v, window, softcap)
     ring = _ring_context(q)
     if ring is not None:
+        assert ring.layout is not None and ring.group is not None  # a ring context has both
         check = ring.first_use((tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, window, softcap))
-        out, lse = ring_attention_fwd(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), ring.layout,
+        out, lse = ring_attention_fwd(_to_ring(q), _to_ring(k), _to_ring(v), ring.layout,
                                       ring.group, scale, stats=ring.ring_stats, check=check,
                                       timeout_s=ring.ring_timeout_s, window=window, softcap=softcap)
-        return layout_like(out.transpose(0, 1).unsqueeze(0), q), lse.unsqueeze(0)
+        return _from_ring(out, q), lse.unsqueeze(0)
     packing = _row_packing(q, position_ids)
     if packing is None:
         return causal_attention_fwd(q, k, v, scale, window=window, softcap=softcap)
@@ -167,10 +178,11 @@ def attention_backward(
     _check_args(q, k, v, window, softcap)
     ring = _ring_context(q)
     if ring is not None:
-        dq, dk, dv = ring_attention_bwd(*(x[0].transpose(0, 1) for x in (grad_out, q, k, v, out)), lse[0], ring.layout,
-                                        ring.group, scale, stats=ring.ring_stats, timeout_s=ring.ring_timeout_s,
-                                        window=window, softcap=softcap)
-        return tuple(layout_like(d.transpose(0, 1).unsqueeze(0), x) for d, x in ((dq, q), (dk, k), (dv, v)))
+        assert ring.layout is not None and ring.group is not None  # a ring context has both
+        dq, dk, dv = ring_attention_bwd(_to_ring(grad_out), _to_ring(q), _to_ring(k), _to_ring(v), _to_ring(out),
+                                        lse[0], ring.layout, ring.group, scale, stats=ring.ring_stats,
+                                        timeout_s=ring.ring_timeout_s, window=window, softcap=softcap)
+        return _from_ring(dq, q), _from_ring(dk, k), _from_ring(dv, v)
     packing = _row_packing(q, position_ids)
     if packing is None:
         return causal_attention_bwd(grad_out, q, k, v, out, lse, scale, window=window, softcap=softcap)

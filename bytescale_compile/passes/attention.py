@@ -21,13 +21,25 @@ import logging
 import math
 import operator
 from dataclasses import dataclass
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.node import Argument
 
 from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
-from .graph import ATTENTION_SITE, NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
+from .graph import (
+    ATTENTION_SITE,
+    NotEquivalent,
+    arg,
+    input_node,
+    is_call,
+    replace_with_op,
+    same_size,
+    source_module,
+    value,
+)
 from .manager import PassContext
 from .masks import CausalMask, prove_causal_mask, strip_additive_mask
 from .regions import Region, find_regions
@@ -188,8 +200,9 @@ def _softmax_behind(node: fx.Node) -> fx.Node | None:
 
 
 def _match_explicit(node: fx.Node, scope: _Scope) -> _Match:
-    probs, v = node.args[:2]
+    probs, v = cast("tuple[fx.Node, fx.Node]", node.args[:2])  # `probs @ v`: both tensors
     softmax = _softmax_behind(node)
+    assert softmax is not None  # _rewrite_graph sends here only a matmul with a softmax behind it
     _name_known_variants(softmax)
     _check_probabilities(probs, softmax)
     _single_use(softmax, "softmax output")
@@ -197,7 +210,7 @@ def _match_explicit(node: fx.Node, scope: _Scope) -> _Match:
         raise NotEquivalent(f"softmax over dim {arg(softmax, 1, 'dim')}, not the key dimension")
     if arg(softmax, 2, "dtype") not in (None, torch.float32):
         raise NotEquivalent(f"softmax in {arg(softmax, 2, 'dtype')}, not float32")
-    masked = _strip_casts(softmax.args[0])
+    masked = _strip_casts(input_node(softmax))
     masked, outer_scale = _unscale(masked)
     _single_use(masked, "masked scores")
     capped, mask = _unmask_causal(_strip_casts(masked), scope)
@@ -211,7 +224,7 @@ def _match_explicit(node: fx.Node, scope: _Scope) -> _Match:
 def _strip_casts(node: fx.Node) -> fx.Node:
     while is_call(node, methods=_CASTS):
         _single_use(node, "masked scores")
-        node = node.args[0]
+        node = input_node(node)
     return node
 
 
@@ -228,7 +241,7 @@ def _unscale(node: fx.Node) -> tuple[fx.Node, float]:
     return node, 1.0
 
 
-def _applies_mask(node: object) -> bool:
+def _applies_mask(node: object) -> TypeGuard[fx.Node]:
     """Whether `node` applies a mask (so a scale above it is the outer one, not the scores' own)."""
     return is_call(node, operator.add, torch.add, torch.masked_fill, torch.where, methods=("masked_fill",))
 
@@ -272,7 +285,7 @@ def _check_probabilities(probs: fx.Node, softmax: fx.Node) -> None:
             raise NotEquivalent(f"the probabilities pass through `{node.name}` ({_target_name(node)}) before the "
                                 f"value matmul: a layout the op does not take (e.g. 3-D bmm over B·H heads)")
         _single_use(node, "attention probabilities")
-        node = node.args[0]
+        node = input_node(node)
 
 
 def _single_use(node: fx.Node, what: str) -> None:
@@ -283,14 +296,14 @@ def _single_use(node: fx.Node, what: str) -> None:
 def _unmask_causal(masked: fx.Node, scope: _Scope) -> tuple[fx.Node, CausalMask]:
     """The unmasked scores and what the mask computes, if `masked` applies a provably causal mask; else raise."""
     if is_call(masked, torch.masked_fill, methods=("masked_fill",)):
-        scores, mask, fill = masked.args[0], arg(masked, 1, "mask"), arg(masked, 2, "value")
+        scores, mask, fill = input_node(masked), arg(masked, 1, "mask"), arg(masked, 2, "value")
         if not isinstance(fill, float) or fill > -1e30:
             raise NotEquivalent(f"masked_fill with {fill}, not -inf (or the dtype's minimum)")
         if not _is_strict_upper_triangle(mask, value(scores)):
             raise NotEquivalent(f"mask `{getattr(mask, 'name', mask)}` is not built in the graph as triu(ones(T, T), 1)")
         return scores, CausalMask(None, None)
     if is_call(masked, operator.add, torch.add):
-        scores, mask = masked.args[0], scope.outer(masked.args[1])
+        scores, mask = input_node(masked), scope.outer(masked.args[1])
         _refuse_buffer_mask(scores)
         if _is_additive_causal(mask, value(scores)):
             return scores, CausalMask(None, None)
@@ -321,7 +334,7 @@ def _unsoftcap(scores: fx.Node) -> tuple[fx.Node, float | None]:
         raise NotEquivalent(f"scores pass through tanh (`{scores.name}`) but not as a soft-cap tanh(s / c) * c with one constant c")
     _single_use(inner, "soft-capped scores")
     _single_use(scores.args[0], "soft-capped scores")
-    return inner.args[0], float(cap)
+    return input_node(inner), float(cap)
 
 
 def _is_strict_upper_triangle(mask: object, scores_val: torch.Tensor) -> bool:
@@ -361,10 +374,10 @@ def _unscale_scores(scores: fx.Node) -> tuple[fx.Node, fx.Node, float]:
             raise NotEquivalent("scores are scaled by a tensor, not a constant")
     if not is_call(scores, *_MATMUL, methods=("matmul",)):
         raise NotEquivalent("scores are not q @ k^T")
-    q, kt = scores.args[:2]
-    if not is_call(kt, torch.transpose, methods=("transpose",)) or {d % 4 for d in kt.args[1:3]} != {2, 3}:
+    q, kt = cast("tuple[fx.Node, Argument]", scores.args[:2])  # q is a tensor
+    if not is_call(kt, torch.transpose, methods=("transpose",)) or {cast(int, d) % 4 for d in kt.args[1:3]} != {2, 3}:
         raise NotEquivalent("scores are not q @ k.transpose(-2, -1)")
-    return q, kt.args[0], scale
+    return q, input_node(kt), scale
 
 
 def _resolve_scale(scale: object, q: fx.Node) -> float:
@@ -395,18 +408,18 @@ def _check_heads(q: fx.Node, k: fx.Node, v: fx.Node, gqa: bool) -> tuple[fx.Node
         heads_q, heads_kv = qv.shape[1], kv.shape[1]
         if heads_q != heads_kv and not gqa and heads_kv != 1:
             raise NotEquivalent(f"{heads_q} query heads vs {heads_kv} key heads without enable_gqa")
-        heads = (f"multi-query: 1 kv head" if heads_kv == 1 else f"GQA {heads_q}/{heads_kv} heads") if heads_q != heads_kv else ""
+        heads = ("multi-query: 1 kv head" if heads_kv == 1 else f"GQA {heads_q}/{heads_kv} heads") if heads_q != heads_kv else ""
     return k_inner, v_inner, ", ".join(filter(None, [heads, v_dim]))
 
 
 def _unrepeat_kv(node: fx.Node) -> fx.Node | None:
     """The un-expanded K/V if `node` is `repeat_interleave(x, n, dim=1)` or HF's expand+reshape repeat_kv."""
     if is_call(node, torch.repeat_interleave, methods=("repeat_interleave",)) and arg(node, 2, "dim") == 1:
-        return node.args[0]
+        return input_node(node)
     if is_call(node, methods=("reshape",)) and is_call(node.args[0], methods=("expand",)):
         indexed = node.args[0].args[0]
         if is_call(indexed, operator.getitem) and _inserts_dim_2(indexed.args[1]):
-            return indexed.args[0]
+            return input_node(indexed)
     return None
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeGuard, cast
 
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.node import Argument
 
-__all__ = ["ATTENTION_SITE", "NotEquivalent", "arg", "value", "source_module", "layer_index", "same_size", "is_call",
-           "replace_with_op", "has_side_effects", "eliminate_dead_code"]
+__all__ = ["ATTENTION_SITE", "NotEquivalent", "arg", "input_node", "flat_outputs", "value", "source_module",
+           "layer_index", "same_size", "is_call", "replace_with_op", "has_side_effects", "eliminate_dead_code"]
 
 ATTENTION_SITE = "bytescale_attention_site"
 """`node.meta` key the attention pass sets on a site it left alone, so later analyses report it there once."""
@@ -29,6 +31,16 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def input_node(node: fx.Node, index: int = 0) -> fx.Node:
+    """`node.args[index]` where the call takes a tensor: a graph passes tensors as nodes, never as literals."""
+    return cast(fx.Node, node.args[index])
+
+
+def flat_outputs(graph: fx.Graph) -> Sequence[Argument]:
+    """What a graph returning a flat tuple or list returns (AOTAutograd's partitioned forward and backward)."""
+    return cast("Sequence[Argument]", graph.output_node().args[0])
 
 
 def value(node: Any) -> Any:
@@ -60,7 +72,7 @@ def same_size(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
 
-def is_call(node: Any, *targets: Any, methods: tuple[str, ...] = ()) -> bool:
+def is_call(node: object, *targets: Any, methods: tuple[str, ...] = ()) -> TypeGuard[fx.Node]:
     """A call_function to one of `targets`, or a call_method named in `methods` or the dunder method of an
     `operator` target: Dynamo of torch 2.11 records `a == b` on tensors as `call_method __eq__`, where 2.13
     records `call_function operator.eq`."""
@@ -68,7 +80,7 @@ def is_call(node: Any, *targets: Any, methods: tuple[str, ...] = ()) -> bool:
         return False
     if node.op == "call_function":
         return node.target in targets
-    return node.op == "call_method" and (node.target in methods or node.target in map(_dunder, targets))
+    return node.op == "call_method" and (node.target in methods or node.target in tuple(map(_dunder, targets)))
 
 
 def _dunder(target: Any) -> str | None:

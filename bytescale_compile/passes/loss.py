@@ -23,10 +23,12 @@ import math
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import SupportsFloat
 
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.node import Argument
 
 from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
 from .graph import NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
@@ -57,8 +59,8 @@ class _Step:
     """One node between the lm_head and the cross-entropy, as the fold sees it."""
 
     node: fx.Node
-    source: fx.Node
-    """Its logits operand: the next node toward the lm_head."""
+    source: Argument
+    """Its logits operand: the next node toward the lm_head (`_step` refuses one that is a constant)."""
     factor: Fraction = Fraction(1)
     """Constant the logits are multiplied by here (× c, ÷ c as 1/c, negation as -1), exact: Gemma2's
     ÷ c then × c folds to a scale of exactly 1."""
@@ -156,7 +158,7 @@ def _check_cross_entropy(ce: fx.Node) -> tuple[str, int]:
     return reduction, ignore_index
 
 
-def _walk_to_linear(logits: fx.Node, previous_break: str | None) -> tuple[fx.Node, list[_Step]]:
+def _walk_to_linear(logits: Argument, previous_break: str | None) -> tuple[fx.Node, list[_Step]]:
     """The lm_head linear and the steps from the cross-entropy's input back to it (input first)."""
     node, steps = logits, []
     while not is_call(node, *_LINEAR):
@@ -166,7 +168,7 @@ def _walk_to_linear(logits: fx.Node, previous_break: str | None) -> tuple[fx.Nod
     return node, steps
 
 
-def _step(node: fx.Node, previous_break: str | None) -> _Step:
+def _step(node: Argument, previous_break: str | None) -> _Step:
     """What `node` does to the logits; NotEquivalent naming it when it is none of the foldable steps."""
     if not isinstance(node, fx.Node):
         raise NotEquivalent(f"the cross-entropy's input derives from the constant {node!r}, not from an lm_head")
@@ -259,7 +261,7 @@ def _fold(steps: list[_Step]) -> tuple[float, float | None]:
     return _finite(before * after), _finite(abs(after))
 
 
-def _finite(factor: Fraction) -> float:
+def _finite(factor: SupportsFloat) -> float:
     """The float nearest `factor`; NotEquivalent when it overflows (the fraction of two finite floats can)."""
     try:
         return float(factor)

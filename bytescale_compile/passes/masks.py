@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 from torch import fx
@@ -128,7 +129,8 @@ def _segment_ids_source(seq: object) -> fx.Node | None:
         return None
     positions, prepend = diff.args[0], arg(diff, 3, "prepend")
     first = prepend.args[0] if is_call(prepend, operator.sub, torch.sub) and prepend.args[1] == 1 else None
-    if not (is_call(first, operator.getitem) and first.args[0] is positions and first.args[1] == (_FULL, slice(None, 1, None))):
+    if not (isinstance(positions, fx.Node) and is_call(first, operator.getitem) and first.args[0] is positions
+            and first.args[1] == (_FULL, slice(None, 1, None))):
         return None
     return positions
 
@@ -184,18 +186,19 @@ def _describe(term: object, positions: fx.Node | None) -> str:
         return f"{name} (a padding mask: keys switched off per row by `{getattr(term.args[0], 'name', term.args[0])}`)"
     pair = _comparison(term, strict=False) or _comparison(term, strict=True)
     if is_call(term, operator.eq, torch.eq, methods=("eq",)):
-        pair = tuple(_strip(x, "to") for x in term.args[:2])
+        lhs, rhs = term.args[:2]  # two operands: `_segment_equality` unpacked this term already
+        pair = _strip(lhs, "to"), _strip(rhs, "to")
     if pair is not None and any(is_call(x, operator.floordiv, torch.floor_divide, methods=("__floordiv__",)) for x in pair):
         return f"{name} (chunked attention: positions compared after integer division)"
     if is_call(term, operator.eq, torch.eq, methods=("eq",)):
         return f"{name} (an equality that is not HF's packed-sequence segment test)"
-    if _comparison(term, strict=False) is not None and positions is None and any(
-            _gather(x, w) for x, w in zip(_comparison(term, strict=False), ("kv", "q"))):
+    if (loose := _comparison(term, strict=False)) is not None and positions is None and any(
+            _gather(x, w) for x, w in zip(loose, ("kv", "q"))):
         return f"{name} (causal on positions without packed-sequence segments)"
     return name
 
 
-def _gather(node: object, which: str) -> bool:
+def _gather(node: object, which: str) -> TypeGuard[fx.Node]:
     """`x[batch_index, q_index]` or `x[batch_index, kv_index]`."""
     if not is_call(node, operator.getitem) or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2:
         return False

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
+from typing import cast
 
 import sympy
 import torch
@@ -33,7 +35,7 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..ops.offload import offload_saved, reload_saved
-from .graph import layer_index
+from .graph import flat_outputs, layer_index
 from .report import PassResult, Rewrite, SavedActivation, Skipped
 
 __all__ = ["NAME", "KEPT_LAYERS", "apply_offload"]
@@ -70,7 +72,7 @@ def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
 
     `contiguous_only` (Inductor compiles the graphs) leaves non-contiguous storages resident: Inductor
     may lay such a tensor out its own way before the op, and the backward reads the traced layout."""
-    outputs = list(fw.graph.output_node().args[0])
+    outputs = list(flat_outputs(fw.graph))
     groups = _groups(fw, outputs, num_fwd_outputs, table)
     num_layers = 1 + max((r.layer for r in table if r.layer is not None), default=-1)
     bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
@@ -232,8 +234,13 @@ def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, outputs: list, num_fwd_outp
         views = [_view_like(bw.graph, reload, placeholder) for placeholder in inputs]
     for placeholder, view, handle_val in zip(inputs, views, handle_vals):
         reads_handle = {reload, *_layout_nodes(view)}
-        placeholder.replace_all_uses_with(view, delete_user_cb=lambda user: user not in reads_handle)
+        placeholder.replace_all_uses_with(view, delete_user_cb=_not_in(reads_handle))
         placeholder.meta["val"] = handle_val
+
+
+def _not_in(nodes: set[fx.Node]) -> Callable[[fx.Node], bool]:
+    """A `delete_user_cb` that leaves the uses by `nodes` alone."""
+    return lambda user: user not in nodes
 
 
 def _view_like(graph: fx.Graph, storage: fx.Node, handle: fx.Node) -> fx.Node:
@@ -259,7 +266,7 @@ def _sym(graph: fx.Graph, op: torch._ops.OpOverload, handle: fx.Node, dim: int |
 
 def _layout_nodes(view: fx.Node) -> set[fx.Node]:
     """The sym_size/sym_stride nodes `_view_like` made for `view`: they read the handle, not the member."""
-    sizes, strides, offset = view.args[1:]
+    sizes, strides, offset = cast("tuple[list[int | fx.Node], list[int | fx.Node], int | fx.Node]", view.args[1:])
     return {n for n in (*sizes, *strides, offset) if isinstance(n, fx.Node)}
 
 

@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
 
 from .graph import ATTENTION_SITE, source_module, value
 from .manager import PassContext
-from .regions import find_regions
-from .report import TOKEN_MIXERS_PASS as NAME, PassResult, Skipped
+from .regions import Region, find_regions
+from .report import TOKEN_MIXERS_PASS as NAME
+from .report import PassResult, Skipped
 
 __all__ = ["find_token_mixers", "NAME"]
 
@@ -65,9 +66,8 @@ def find_token_mixers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if tokens is None:
         return result
     reported: set[tuple[str, str]] = set()
-    graphs = [(gm.graph, lambda source: [source])]
-    graphs += [(r.body.graph, lambda source, r=r: [r.site_source(call, source) for call in r.calls])
-               for r in find_regions(gm)]
+    graphs: list[tuple[fx.Graph, Callable[[str], list[str]]]] = [(gm.graph, lambda source: [source])]
+    graphs += [(r.body.graph, _layer_sources(r)) for r in find_regions(gm)]
     for graph, sources in graphs:
         attention_sites = {source_module(n) for n in graph.nodes if n.meta.get(ATTENTION_SITE)}
         for node, found in _mixers(graph, tokens):
@@ -79,6 +79,11 @@ def find_token_mixers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     reported.add((source, what))
                     result.skipped.append(Skipped(node.name, _op_name(node) or str(node.target), source, what))
     return result
+
+
+def _layer_sources(region: Region) -> Callable[[str], list[str]]:
+    """A site's sources in a shared layer body: its module path once per layer that runs the body."""
+    return lambda source: [region.site_source(call, source) for call in region.calls]
 
 
 class _TokenDims:
@@ -160,7 +165,7 @@ def _classify(node: fx.Node, tokens: _TokenDims) -> _Found | None:
         return _contraction(name, node, args, tokens)
     if name in _CAT:
         return _cat(node, args, tokens)
-    if not dims:
+    if not dims or not isinstance(x, torch.Tensor):  # `dims` finds token dims on a tensor only
         return None
     if name in _CONVS:
         w = value(_arg(node, args, 1, "weight"))
@@ -288,7 +293,7 @@ def _dim_arg(node: fx.Node, args: list, x: torch.Tensor, *, key: str = "dim", de
 
 def _op_name(node: fx.Node) -> str | None:
     if node.op == "call_method":
-        return node.target
+        return cast(str, node.target)  # a method's name
     target = node.target
     if isinstance(target, torch._ops.HigherOrderOperator):
         return target.name()

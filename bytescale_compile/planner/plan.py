@@ -227,7 +227,8 @@ def _one_f_one_b_edges(plan: Plan, by_id: dict[int, MicroBatch]) -> set[tuple[in
     """Stage-order and stage-to-stage edges of the pipelines holding a shared micro-batch: the others
     each form a 1F1B pipeline of their own, which never waits on itself. A set: pipelines sharing
     micro-batches repeat many edges, and networkx adds each edge several times slower than a set."""
-    pp, edges, seen, chained = plan.pp_size, set(), set(), chained_micro_batches(plan)
+    pp, seen, chained = plan.pp_size, set(), chained_micro_batches(plan)
+    edges: set[tuple[int, int]] = set()
     for ids in plan.schedule:
         if not any(by_id[i].shared for i in ids):
             continue

@@ -195,8 +195,9 @@ def _build(spec: str) -> nn.Module:
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     for owner in (model, getattr(model, "model", None)):
-        if isinstance(getattr(owner, "layers", None), nn.ModuleList):
-            return owner.layers
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
     raise ValueError(f"{type(model).__name__} has neither .layers nor .model.layers (a ModuleList of decoder layers)")
 
 
@@ -211,7 +212,8 @@ def _input_maker(model: nn.Module, hidden: int, device: torch.device, dtype: tor
         position_ids = torch.arange(s, device=device)[None]
         with torch.no_grad():
             if hasattr(model, "rotary"):
-                return (x, *model.rotary(position_ids, dtype)), {}
+                rotary: Any = model.rotary
+                return (x, *rotary(position_ids, dtype)), {}
             if hf_rotary is not None:
                 return (x,), {"position_embeddings": hf_rotary(x, position_ids), "position_ids": position_ids}
         return (x,), {}
@@ -245,7 +247,7 @@ def profile_model(
     if ranks_per_device > 1 and device.type != "cpu":
         raise ValueError(f"ranks_per_device applies to CPU profiling (ranks sharing its cores), not {device.type}")
     model.to(device=device, dtype=dtype)
-    cfg = model.config
+    cfg: Any = model.config
     heads = getattr(cfg, "num_attention_heads", None) or cfg.num_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -268,8 +270,9 @@ def profile_model(
 
 def _profile_first_layer(model: nn.Module, lengths: Sequence[int], device: torch.device, repeats: int) -> ProfileResult:
     param = next(model.parameters())
-    return profile_layer(_decoder_layers(model)[0], model.config.hidden_size, lengths, device, repeats,
-                         _input_maker(model, model.config.hidden_size, device, param.dtype))
+    config: Any = model.config
+    return profile_layer(_decoder_layers(model)[0], config.hidden_size, lengths, device, repeats,
+                         _input_maker(model, config.hidden_size, device, param.dtype))
 
 
 def _profile_worker(spec: str, lengths: list[int], repeats: int, dtype: torch.dtype | None, threads: int) -> ProfileResult:

@@ -243,10 +243,9 @@ class ActivationContext:
         if entering:
             self._layer[mb] = layer
             self._release_above(mb, layer)
-        self._fetch(saved, mb)
+        full = self._fetch(saved, mb)
         if entering:
             self._prefetch_below(mb, layer)
-        full = saved.full
         if saved.ready is not None:
             torch.cuda.current_stream(full.device).wait_event(saved.ready)
         self._in_use[mb].append(saved)
@@ -258,35 +257,40 @@ class ActivationContext:
         self._in_use[mb] = [s for s in self._in_use[mb] if s.layer <= layer]
         self.stats[mb].resident_bytes -= sum(s.nbytes for s in done)
 
-    def _fetch(self, saved: _Saved, mb: int) -> None:
-        """Reassemble `saved`'s storage: the host prefix copied back, the device rest moved in (once)."""
+    def _fetch(self, saved: _Saved, mb: int) -> Tensor:
+        """Reassemble `saved`'s storage: the host prefix copied back, the device rest moved in (once); return it."""
         if saved.full is not None:
-            return
+            return saved.full
+        rest, host = saved.rest, saved.host
+        assert rest is not None  # the device part stays until the storage is reassembled
         if not saved.offloaded:
-            saved.full, saved.rest = saved.rest, None
-            return
+            saved.full, saved.rest = rest, None
+            return rest
+        assert host is not None  # an offloaded prefix went to the host
         streams = _streams.for_device(saved.device)
         full = torch.empty(saved.numel, dtype=saved.dtype, device=saved.device)
         if streams is None:
-            full[: saved.offloaded].copy_(saved.host[: saved.offloaded])
-            full[saved.offloaded:].copy_(saved.rest)
-            _pool.put(saved.host, None)
+            full[: saved.offloaded].copy_(host[: saved.offloaded])
+            full[saved.offloaded:].copy_(rest)
+            _pool.put(host, None)
         else:
+            assert saved.copied is not None  # `_to_host` recorded it on the same CUDA device
             h2d = streams[1]
             h2d.wait_stream(torch.cuda.current_stream(saved.device))  # `full` may reuse memory compute just freed
             h2d.wait_event(saved.copied)
             with torch.cuda.stream(h2d):
-                full[: saved.offloaded].copy_(saved.host[: saved.offloaded], non_blocking=True)
-                full[saved.offloaded:].copy_(saved.rest, non_blocking=True)
+                full[: saved.offloaded].copy_(host[: saved.offloaded], non_blocking=True)
+                full[saved.offloaded:].copy_(rest, non_blocking=True)
                 saved.ready = torch.cuda.Event()
                 saved.ready.record(h2d)
-            saved.rest.record_stream(h2d)
-            _pool.put(saved.host, saved.ready)
+            rest.record_stream(h2d)
+            _pool.put(host, saved.ready)
         stats = self.stats[mb]
         stats.reloaded_bytes += saved.offloaded_bytes
         stats.add_resident(saved.nbytes)
         stats.resident_bytes -= saved.rest_bytes
         saved.host, saved.rest, saved.full = None, None, full
+        return full
 
     def _prefetch_below(self, mb: int, layer: int) -> None:
         """Fetch the storages of the next layer down, so their copy overlaps this layer's backward."""

@@ -16,8 +16,9 @@ over all ranks.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -165,11 +166,11 @@ class _LinkSharing:
     bandwidth_of: np.ndarray
 
     @classmethod
-    def of(cls, flows: dict[int, dict[Link, int]], topology: Topology) -> _LinkSharing:
+    def of(cls, flows: Mapping[int, Mapping[Link, int]], topology: Topology) -> _LinkSharing:
         users: dict[Link, list[int]] = defaultdict(list)
         for i, f in flows.items():
-            for link in f:
-                users[link].append(i)
+            for lk in f:
+                users[lk].append(i)
         shared = [(link, ids) for link, ids in users.items() if len(ids) > 1]
         link = np.array([k for k, (_, ids) in enumerate(shared) for _ in ids], np.int64)
         ring = np.array([i for _, ids in shared for i in ids], np.int64)
@@ -194,7 +195,8 @@ class _LinkSharing:
                 out[i] = bw
         return out
 
-    def _hops_below(self, keys: np.ndarray, limits: np.ndarray, offset: np.ndarray, side: str) -> np.ndarray:
+    def _hops_below(self, keys: np.ndarray, limits: np.ndarray, offset: np.ndarray,
+                    side: Literal["left", "right"]) -> np.ndarray:
         """Per pair: the hops of the pairs on the same link whose key is below its limit (or equal, "right")."""
         order = np.argsort(keys, kind="stable")
         cumulative = np.concatenate(([0.0], np.cumsum(self.hops[order])))

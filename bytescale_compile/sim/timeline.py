@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.colors import Colormap, Normalize
 
@@ -131,11 +132,12 @@ def plot_timelines(timelines: list[Timeline], path: str, max_ranks: int = 64, ti
     for ax, timeline in zip(axes, timelines):
         _draw_timeline(ax, timeline, max_ranks, cmap, norm)
     axes[-1].set_xlabel("time (s)")
-    handles = [Patch(color=c, label=k) for k, c in KIND_COLOURS.items()]
+    handles: list[Artist] = [Patch(color=c, label=k) for k, c in KIND_COLOURS.items()]
     handles.append(Line2D([], [], color=STEP_COLOUR, linestyle="--", label="step time"))
     fig.legend(handles=handles, loc="outside upper right", ncol=len(handles), fontsize=8, frameon=False)
     bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), pad=0.01, aspect=40)
     bar.set_label("shared: ring group size (ranks)")
+    assert norm.vmin is not None and norm.vmax is not None  # `_group_norm` sets both
     powers = [2**i for i in range(int(np.log2(norm.vmax)) + 1) if norm.vmin <= 2**i <= norm.vmax]
     bar.ax.yaxis.set_major_locator(FixedLocator(powers))
     bar.ax.set_yticklabels([str(p) for p in powers])

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            kind = str if f.name in SIZES else _ARG_TYPES[f.type]
+            kind = str if f.name in SIZES else _ARG_TYPES[cast(str, f.type)]  # annotations are strings there
             parser.add_argument(flag, type=kind, default=None, choices=_CHOICES.get(f.name), help=help_text)
     return parser
 

@@ -44,7 +44,8 @@ class BatchError(ValueError):
 class BatchLike(Protocol):
     """What `Runtime.step` reads: every length, and tokens only of this rank's micro-batches."""
 
-    lengths: np.ndarray
+    @property
+    def lengths(self) -> np.ndarray: ...
 
     def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor: ...
 

@@ -3,6 +3,8 @@ gradients over the ranks that hold the same parameters, and gathering per-rank f
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -35,11 +37,12 @@ def sync_gradients(params: list[nn.Parameter], group_size: int, group: dist.Proc
 
 
 def _all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> int:
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    grads = [cast(torch.Tensor, p.grad) for p in params]  # `sync_gradients` gave every parameter one
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+    for p, g in zip(params, grads):
+        g.copy_(flat[offset: offset + p.numel()].view_as(g))
         offset += p.numel()
     return flat.numel() * flat.element_size()
 

@@ -156,8 +156,8 @@ def _check_int(key: str, value: object, low: int) -> None:
 
 def _check_float(key: str, value: object, low: float, high: float, low_open: bool = False,
                  high_open: bool = False) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not (number and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)):
         if high == math.inf:
             bounds = f"{'>' if low_open else '>='} {low}"
         else:

@@ -33,6 +33,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -256,8 +257,7 @@ class Runtime:
     def step(self, batch: BatchLike | Sequence[torch.Tensor], plan: Plan | None = None) -> StepStats:
         """Plan `batch` (or run the ready-made `plan`, e.g. the remote scheduler's, checked against the batch)
         and train one step on it."""
-        if not hasattr(batch, "lengths"):
-            batch = ListBatch(batch, self.vocab_size)
+        batch = _as_batch(batch, self.vocab_size)
         start = time.perf_counter()
         step_plan = self.plan(np.asarray(batch.lengths)) if plan is None else self._given_plan(plan, batch.lengths)
         plan_time = time.perf_counter() - start
@@ -311,8 +311,7 @@ class Runtime:
     def evaluate(self, batch: BatchLike | Sequence[torch.Tensor]) -> float:
         """The token-level loss of `batch` (the same on every rank): planned and run like a step, in eval mode
         without gradients, so nothing is offloaded and no parameter or optimizer state changes."""
-        if not hasattr(batch, "lengths"):
-            batch = ListBatch(batch, self.vocab_size)
+        batch = _as_batch(batch, self.vocab_size)
         loss = self.executor.evaluate(self.plan(np.asarray(batch.lengths)), batch)
         return float(gather([loss], self.global_rank, self.global_world_size, self.device).sum())
 
@@ -332,6 +331,13 @@ class Runtime:
         if self.max_grad_norm is not None and math.isfinite(norm):
             torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, torch.tensor(norm, device=self.device))
         return norm
+
+
+def _as_batch(batch: BatchLike | Sequence[torch.Tensor], vocab_size: int | None) -> BatchLike:
+    """`batch` as given, or a list of token tensors as a `ListBatch`."""
+    if hasattr(batch, "lengths"):
+        return cast(BatchLike, batch)
+    return ListBatch(batch, vocab_size)
 
 
 def _check_int(name: str, value: object) -> None:

@@ -30,12 +30,12 @@ context; ByteScale's micro-batches differ in length and count per pipeline, and 
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -227,7 +227,8 @@ class PipelineExecutor(Executor):
     def grad_norm(self, params: list[nn.Parameter]) -> float:
         """The 2-norm of the whole model's gradient, over every stage, once each stage's gradients are summed
         over its HDP ranks (its ranks then hold equal ones: the first of them counts the stage)."""
-        squares = sum(float(p.grad.double().pow(2).sum()) for p in params) if self.hdp_rank == 0 else 0.0
+        grads = [p.grad for p in params if p.grad is not None]  # all of them, after `sync_gradients`
+        squares = sum(float(g.double().pow(2).sum()) for g in grads) if self.hdp_rank == 0 else 0.0
         total = torch.tensor(squares, dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return math.sqrt(float(total))
@@ -261,7 +262,8 @@ class PipelineExecutor(Executor):
 
     def _run(self, order: list[Op], mine: list[MicroBatch], batch: BatchLike, act_ctx: ActivationContext) -> _Tally:
         num_items = num_targets(batch.lengths)
-        tally, in_flight, sends = _Tally(), {}, []
+        tally, in_flight = _Tally(), {}
+        sends: _Sends = []
         for kind, k in order:
             began = time.perf_counter()
             act_ctx.update_micro_batch_id(k)
@@ -308,7 +310,8 @@ class PipelineExecutor(Executor):
                 grad, waited = self._receive(self.rank + self.hdp, mb, "gradient", tuple(state.output.shape))
                 torch.autograd.backward(state.output, grad)
         if state.received is not None:
-            tally.stage_bytes += self._send(state.received.grad, self.rank - self.hdp, mb, sends)
+            input_grad = cast(torch.Tensor, state.received.grad)  # the backward above reached the stage's input
+            tally.stage_bytes += self._send(input_grad, self.rank - self.hdp, mb, sends)
         tally.ring_bytes += state.context.ring_stats.bytes_sent - sent_before
         return waited
 

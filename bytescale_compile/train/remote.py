@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -169,7 +169,8 @@ def _remote_classes() -> tuple[Any, Any]:
     import ray
 
     server = ray.remote(num_cpus=0, max_restarts=SERVER_MAX_RESTARTS, max_task_retries=SERVER_MAX_RESTARTS)(DataServer)
-    scheduler = ray.remote(num_cpus=0, max_concurrency=16)(Scheduler)
+    # ray's overloads of remote() omit the actor options (max_concurrency) that it takes
+    scheduler = ray.remote(num_cpus=0, max_concurrency=16)(Scheduler)  # type: ignore[call-overload]
     return server, scheduler
 
 
@@ -215,12 +216,14 @@ class Scheduler:
         self.servers = [server_class.options(name=f"{name}-server-{i}").remote(prefix, int(lo), int(hi))
                         for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
         lengths = np.concatenate(ray.get([s.lengths.remote() for s in self.servers], timeout=GET_TIMEOUT_S))
-        self.sampler = GlobalBatchSampler(_Metadata(Path(prefix), lengths), global_tokens, seed=seed, max_len=max_len)
+        metadata = cast(TokenDataset, _Metadata(Path(prefix), lengths))  # no batch's tokens are read here
+        self.sampler = GlobalBatchSampler(metadata, global_tokens, seed=seed, max_len=max_len)
         self.sampler.load_state_dict(sampler_state)
         self.settings, self.prefetch_steps = settings, prefetch_steps
         self._batches = iter(self.sampler)
         self._planned: dict[int, Any] = {}
-        self._next, self._wanted, self._error = first_step, first_step, None
+        self._next, self._wanted = first_step, first_step
+        self._error: Exception | None = None
         self._ready = threading.Condition()
         threading.Thread(target=self._plan_ahead, daemon=True, name="scheduler-planner").start()
 
@@ -235,6 +238,7 @@ class Scheduler:
             self._ready.notify_all()
             self._ready.wait_for(lambda: step in self._planned or self._error is not None)
             if step not in self._planned:
+                assert self._error is not None  # what the wait ended on
                 raise self._error
             for old in [s for s in self._planned if s < step - 4]:
                 del self._planned[old]

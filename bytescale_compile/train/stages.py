@@ -35,7 +35,7 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import nn
@@ -173,7 +173,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.layers
 
 
-def _require(module: nn.Module, names: tuple[str, ...], where: str) -> None:
+def _require(module: object, names: tuple[str, ...], where: str) -> None:
     missing = [n for n in names if not isinstance(getattr(module, n, None), nn.Module)]
     if missing:
         raise UnsupportedModelError(
@@ -207,6 +207,17 @@ def _shallow(module: nn.Module) -> nn.Module:
     return clone
 
 
+class _LlamaLayout(Protocol):
+    """A model laid out as our LLaMA, as `_decoder_layers` checks it."""
+
+    config: Any
+    embed_tokens: nn.Module
+    rotary: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Module
+
+
 class _LlamaStage(nn.Module):
     """A stage of our LLaMA (`bytescale_compile/models/llama.py`): its forward, cut at `spec`'s layers.
 
@@ -216,20 +227,21 @@ class _LlamaStage(nn.Module):
 
     def __init__(self, model: nn.Module, spec: StageSpec) -> None:
         super().__init__()
+        llama = cast(_LlamaLayout, model)  # what `_decoder_layers` checked
         self.spec = spec
-        self.config = model.config
+        self.config = llama.config
         if spec.is_first:
-            self.embed_tokens = model.embed_tokens
-        self.rotary = model.rotary
-        self.layers = nn.ModuleList(model.layers[i] for i in spec.layers)
+            self.embed_tokens = llama.embed_tokens
+        self.rotary = llama.rotary
+        self.layers = nn.ModuleList(llama.layers[i] for i in spec.layers)
         if spec.is_last:
-            self.norm = model.norm
-            self.lm_head = model.lm_head
+            self.norm = llama.norm
+            self.lm_head = llama.lm_head
 
     def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
                 num_items_in_batch: torch.Tensor | None = None) -> Any:
-        x = self.embed_tokens(input_ids) if self.spec.is_first else hidden_states
+        x = self.embed_tokens(input_ids) if self.spec.is_first else cast(torch.Tensor, hidden_states)
         if position_ids is None:
             position_ids = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[:2])
         cos, sin = self.rotary(position_ids, x.dtype)
@@ -255,12 +267,20 @@ class _LlamaStage(nn.Module):
         return StageOutput(loss, logits)
 
 
-class _HFStageForward:
+if TYPE_CHECKING:  # the checker sees the Hugging Face model class `_HFStageForward` is mixed into
+    _ModelMixin = nn.Module
+else:
+    _ModelMixin = object
+
+
+class _HFStageForward(_ModelMixin):
     """The stage protocol on a Hugging Face causal LM: mixed into a subclass of the model's own class, so a
     stage is the model (cut to its layers) and its parameter names and compile report read like the model's
     (`model.layers.0...`, `lm_head.weight`; the layers renumbered from 0 within the stage)."""
 
     spec: StageSpec
+    model: nn.Module
+    lm_head: nn.Module | None
 
     def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, **loss_kwargs: Any) -> Any:
@@ -284,10 +304,12 @@ def _stage_class(cls: type) -> type:
 def _hf_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
     """Cut a shallow copy of the Hugging Face model to `spec`: its layers, embedding on stage 0 only, final
     norm and lm_head on the last stage only."""
+    model_class: type = type(model)  # plain `type`: mypy takes a type[Module] for unhashable
     stage = _shallow(model)
-    stage.__class__ = _stage_class(type(model))
+    stage.__class__ = _stage_class(model_class)
+    assert isinstance(stage, _HFStageForward)
     stage.spec = spec
-    stage.model = _hf_base(model.model, spec.layers, first=spec.is_first, last=spec.is_last)
+    stage.model = _hf_base(stage.model, spec.layers, first=spec.is_first, last=spec.is_last)
     if not spec.is_last:
         stage.lm_head = None
     return stage
@@ -299,11 +321,12 @@ def _hf_base(base: nn.Module, layers: range, first: bool, last: bool) -> nn.Modu
     the first stage applied them already."""
     cut = _shallow(base)
     cut.config = _sliced_config(base.config, layers)
-    cut.layers = nn.ModuleList(base.layers[i] for i in layers)
+    cut.layers = nn.ModuleList(cast(nn.ModuleList, base.layers)[i] for i in layers)  # checked by `_decoder_layers`
     if not first:
-        cut.embed_tokens = None
+        # torch types Module.__setattr__'s value as Tensor | Module; it takes None and plain values too
+        cut.embed_tokens = None  # type: ignore[assignment]
         if hasattr(base, "embedding_multiplier"):
-            cut.embedding_multiplier = 1.0
+            cut.embedding_multiplier = 1.0  # type: ignore[assignment]
         if isinstance(getattr(base, "embed_dropout", None), nn.Module):
             cut.embed_dropout = nn.Identity()
     if not last:
@@ -321,8 +344,9 @@ def _check_embeds_pass_through(model: nn.Module) -> None:
     param = next(model.parameters())
     if param.device.type == "meta":
         return
-    probe = _hf_base(model.model, range(0), first=False, last=False)
-    x = torch.randn(1, 4, model.config.hidden_size, dtype=param.dtype, device=param.device)
+    probe = _hf_base(model.get_submodule("model"), range(0), first=False, last=False)
+    config: Any = model.config
+    x = torch.randn(1, 4, config.hidden_size, dtype=param.dtype, device=param.device)
     with torch.no_grad():
         out = probe(inputs_embeds=x, position_ids=torch.arange(4, device=x.device)[None], use_cache=False)
     if not torch.equal(out.last_hidden_state, x):

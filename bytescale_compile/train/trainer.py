@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from ..data import (
     LoadedTokenizer,
     TokenDataset,
     TokenizerError,
+    TokenizerInfo,
     eval_batches,
     eval_prefix,
     load_tokenizer,
@@ -184,7 +186,7 @@ def _final_tokenizer(config: TrainConfig, data: TokenDataset, model: LoadedModel
     """The tokenizer final/ gets: --tokenizer or the dataset's, which must be the one the data was made with."""
     if model.hf_directory is None or (config.tokenizer is None and data.tokenizer is None):
         return None
-    path = config.tokenizer or data.tokenizer.name_or_path
+    path = config.tokenizer or cast(TokenizerInfo, data.tokenizer).name_or_path
     try:
         loaded = load_tokenizer(path)
     except TokenizerError as e:
@@ -371,7 +373,7 @@ def evaluate(runtime: Runtime, batches: list[GlobalBatch]) -> float:
 def _save_final(optimized: OptimizedModule, inputs: RunInputs, path: Path) -> Path:
     """`save_pretrained` of the trained weights (fp32) and the tokenizer, on rank 0 (pipelines: every stage's
     weights gathered into its whole model first); every rank waits for it."""
-    model = inputs.model.module
+    model: Any = inputs.model.module  # from a Hugging Face directory: it has save_pretrained
     gather_stage_weights(model, optimized)
     if _is_rank0():
         if stage_spec(optimized) is None:
