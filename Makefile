@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo inspect test test-all bench clean
+.PHONY: setup demo inspect lint test test-all bench clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,12 @@ demo: $(DEMO_DATA) $(DEMO_COST)
 
 inspect: $(STAMP)
 	$(VENV)/bin/bytescale-compile inspect bytescale_compile.models.llama:small --seq-len 2048
+
+# make lint: ruff (lint and format) and mypy, as CI runs them before the tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15

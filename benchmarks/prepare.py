@@ -23,6 +23,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 from bytescale_compile.data import prepare, train_tokenizer  # noqa: E402
 from bytescale_compile.data.dataset import python_source_files  # noqa: E402
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=30.0, help="MB of Python sources (default 30)")

@@ -17,6 +17,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A trainer workspace (tokenizer, prepared data, a Qwen2 config directory) shared by a module's runs."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tests.trainer_runs import make_workspace
+
+    return make_workspace(tmp_path_factory.mktemp("train"))
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Every test compiles from scratch, so compile counts and reports are its own."""

@@ -10,6 +10,7 @@ from torch import nn
 import bytescale_compile as bsc
 from bytescale_compile.cli import main
 from bytescale_compile.models.llama import LlamaForCausalLM, tiny
+from tests.conftest import rel_err
 
 
 def test_optimize_rejects_non_modules():
@@ -72,7 +73,12 @@ def test_decorator_forms():
 def test_many_optimized_instances_of_one_class():
     """Every optimize() compiles anew; more than Dynamo's default limit of 8 must still work."""
     for _ in range(9):
-        bsc.optimize(tiny())(torch.randint(0, 128, (1, 9)))
+        model = tiny()
+        optimized = bsc.optimize(model)
+        ids = torch.randint(0, 128, (1, 9))
+        logits = optimized(ids).logits
+        assert optimized.compilations == 1 and logits.shape == (1, 9, 128)
+        assert rel_err(logits, model(ids).logits) <= 1e-5
 
 
 def test_cli_inspect_prints_report(capsys):

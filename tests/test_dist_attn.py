@@ -202,7 +202,7 @@ def _check_case(rank: int, case: Case) -> tuple[RingStats, RingStats]:
     (q, k, v, weight), (ref_out, ref_dq, ref_dk, ref_dv) = _reference(lens, case, case.seed + which)
     idx = layout.rank(group.index(rank)).token_index
     ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
-    fwd, bwd = RingStats(), RingStats()
+    fwd = RingStats()
     out = packed_ring_attention(ql, kl, vl, layout, group, stats=fwd, window=case.window, softcap=case.softcap)
     forward = RingStats(**vars(fwd))
     (out * weight[idx]).sum().backward()

@@ -12,7 +12,7 @@ import bytescale_compile as bsc
 from bytescale_compile.models.llama import tiny
 from tests.conftest import rel_err
 from tests.helpers import assert_matches_eager, hf_llama, loss_and_grads, protocol_batch
-from tests.test_train import _args, _losses, _run, _torchrun, workspace  # noqa: F401  (workspace: a fixture)
+from tests.trainer_runs import run_losses, run_trainer, torchrun_command, train_args
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -58,6 +58,6 @@ def test_bf16_autocast_matches_eager():
 def test_training_on_nccl_matches_the_cpu(workspace, tmp_path):  # noqa: F811
     """The trainer on one GPU rank (NCCL, model and batches on cuda:0) gives the losses of the CPU run (gloo)."""
     gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
-    _run(_torchrun(1, _args(workspace, gpu)))
-    _run(_torchrun(1, _args(workspace, cpu)), CUDA_VISIBLE_DEVICES="")
-    torch.testing.assert_close(_losses(gpu), _losses(cpu), rtol=1e-3, atol=0)
+    run_trainer(torchrun_command(1, train_args(workspace, gpu)))
+    run_trainer(torchrun_command(1, train_args(workspace, cpu)), CUDA_VISIBLE_DEVICES="")
+    torch.testing.assert_close(run_losses(gpu), run_losses(cpu), rtol=1e-3, atol=0)

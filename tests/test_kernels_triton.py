@@ -223,8 +223,8 @@ def test_linear_cross_entropy_softcap_matches_formula(dtype, use_triton, triton_
     want = F.cross_entropy(logits.view(-1, 50), target.view(-1))
     want.backward()
     _close(loss, want.detach(), 1e-6 if dtype == torch.float32 else TOL[dtype], "loss")  # fp16 rounds z
-    for name, got, ref in zip(("grad_hidden", "grad_weight", "grad_bias"), leaves, exact):
-        _close(got.grad, ref.grad.to(dtype), TOL[dtype], name)
+    for name, got, want_leaf in zip(("grad_hidden", "grad_weight", "grad_bias"), leaves, exact):
+        _close(got.grad, want_leaf.grad.to(dtype), TOL[dtype], name)
 
 
 # --- attention ------------------------------------------------------------------------------------

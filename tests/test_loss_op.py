@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bytescale_compile.kernels.cross_entropy_ref import CPU_CHUNK_BUDGET_BYTES, chunk_rows, linear_cross_entropy_chunked
-
 from bytescale_compile.ops.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_op
 from tests.conftest import rel_err
 

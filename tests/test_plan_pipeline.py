@@ -13,9 +13,9 @@ from collections.abc import Callable
 import pytest
 
 from bytescale_compile.planner import CostModel, plan
+from bytescale_compile.planner.pipeline_order import Op, chained_micro_batches, stage_order
 from bytescale_compile.planner.plan import MicroBatch, Plan, PlanError, local_tokens
 from bytescale_compile.sim.lengths import sample_global_batch
-from bytescale_compile.planner.pipeline_order import Op, chained_micro_batches, stage_order
 
 COST = CostModel.preset("llama-7b")
 CAPACITY = 8192

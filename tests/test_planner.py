@@ -15,8 +15,8 @@ from bytescale_compile.planner.auto import SharedWork
 from bytescale_compile.planner.balance import plan_balance
 from bytescale_compile.planner.common import best_fit_pack
 from bytescale_compile.planner.plan import local_tokens
-from bytescale_compile.runtime.layout import zigzag_layout
 from bytescale_compile.planner.static import plan_static
+from bytescale_compile.runtime.layout import zigzag_layout
 from bytescale_compile.sim.lengths import sample_global_batch
 from bytescale_compile.sim.simulator import lower_bound, simulate, step_time
 

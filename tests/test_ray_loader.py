@@ -20,7 +20,15 @@ from bytescale_compile.train import remote
 from bytescale_compile.train.__main__ import main
 from bytescale_compile.train.engine import BatchError
 from bytescale_compile.train.remote import DataServerError, PlanSettings, RemoteBatches, scheduler_for
-from tests.test_train import GLOBAL_TOKENS, MAX_LEN, _args, _losses, _metrics, _run, _torchrun, workspace  # noqa: F401
+from tests.trainer_runs import (
+    GLOBAL_TOKENS,
+    MAX_LEN,
+    run_losses,
+    run_metrics,
+    run_trainer,
+    torchrun_command,
+    train_args,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -39,8 +47,8 @@ def ray_session():
 @pytest.fixture(scope="module")
 def local_losses(workspace, tmp_path_factory) -> list[float]:
     out = tmp_path_factory.mktemp("local") / "run"
-    assert main(_args(workspace, out)) == 0
-    return _losses(out)
+    assert main(train_args(workspace, out)) == 0
+    return run_losses(out)
 
 
 def _scheduler(dataset: TokenDataset, tmp_path, world_size: int, servers: int = 2, prefetch: int = 2,
@@ -121,9 +129,9 @@ def test_a_plan_error_of_the_scheduler_reaches_the_rank_as_itself(workspace, ray
 @pytest.mark.slow
 def test_ray_equals_local_in_one_process(workspace, ray_session, local_losses, tmp_path):
     out = tmp_path / "ray"
-    assert main(_args(workspace, out, "--loader", "ray")) == 0
-    np.testing.assert_allclose(_losses(out), local_losses, rtol=1e-6, atol=0)
-    for record in _metrics(out):
+    assert main(train_args(workspace, out, "--loader", "ray")) == 0
+    np.testing.assert_allclose(run_losses(out), local_losses, rtol=1e-6, atol=0)
+    for record in run_metrics(out):
         assert record["data_wait_s"] >= 0 and record["plan_time_s"] > 0
 
 
@@ -141,33 +149,33 @@ def test_killed_server_is_restarted_and_losses_do_not_change(workspace, ray_sess
 
     monkeypatch.setattr(RemoteBatches, "__next__", kill_after_step_1)
     out = tmp_path / "killed"
-    assert main(_args(workspace, out, "--loader", "ray", "--prefetch-steps", "0")) == 0
-    np.testing.assert_allclose(_losses(out), local_losses, rtol=1e-6, atol=0)
+    assert main(train_args(workspace, out, "--loader", "ray", "--prefetch-steps", "0")) == 0
+    np.testing.assert_allclose(run_losses(out), local_losses, rtol=1e-6, atol=0)
 
 
 def test_without_ray_the_error_says_how_to_install(workspace, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
-    assert main(_args(workspace, tmp_path / "out", "--loader", "ray")) == 2
+    assert main(train_args(workspace, tmp_path / "out", "--loader", "ray")) == 2
     assert "pip install 'bytescale_compile[ray]'" in capsys.readouterr().err
 
 
 def test_unreachable_ray_address_is_named(workspace, tmp_path, capsys):
-    assert main(_args(workspace, tmp_path / "out", "--loader", "ray", "--ray-address", "127.0.0.1:9")) == 2
+    assert main(train_args(workspace, tmp_path / "out", "--loader", "ray", "--ray-address", "127.0.0.1:9")) == 2
     err = capsys.readouterr().err.strip()
     assert "--ray-address 127.0.0.1:9" in err and "\n" not in err
 
 
 def test_missing_dataset_with_ray_is_the_usual_error(workspace, tmp_path, capsys):
-    assert main(_args(workspace, tmp_path / "out", "--loader", "ray", "--data", str(tmp_path / "nothing"))) == 2
+    assert main(train_args(workspace, tmp_path / "out", "--loader", "ray", "--data", str(tmp_path / "nothing"))) == 2
     err = capsys.readouterr().err
     assert "nothing.json not found" in err and "data prepare" in err
 
 
 @pytest.mark.slow
 def test_two_ranks_ray_equals_local(workspace, tmp_path):
-    _run(_torchrun(2, _args(workspace, tmp_path / "local", "--capacity", "512")))
-    _run(_torchrun(2, _args(workspace, tmp_path / "ray", "--capacity", "512", "--loader", "ray", "--ray-cpus", "2")))
-    local, remote_run = _metrics(tmp_path / "local"), _metrics(tmp_path / "ray")
+    run_trainer(torchrun_command(2, train_args(workspace, tmp_path / "local", "--capacity", "512")))
+    run_trainer(torchrun_command(2, train_args(workspace, tmp_path / "ray", "--capacity", "512", "--loader", "ray", "--ray-cpus", "2")))
+    local, remote_run = run_metrics(tmp_path / "local"), run_metrics(tmp_path / "ray")
     np.testing.assert_allclose([r["loss"] for r in remote_run], [r["loss"] for r in local], rtol=1e-6, atol=0)
     for key in ("micro_batches", "predicted_time", "predicted_busy_spread", "predicted_p2p_bytes", "tokens"):
         assert [r[key] for r in remote_run] == [r[key] for r in local], key
@@ -176,9 +184,9 @@ def test_two_ranks_ray_equals_local(workspace, tmp_path):
 @pytest.mark.slow
 def test_resume_with_ray_equals_an_uninterrupted_run(workspace, tmp_path):
     common = ("--capacity", "512", "--decay-steps", "5", "--loader", "ray", "--ray-cpus", "2")
-    _run(_torchrun(2, _args(workspace, tmp_path / "full", "--steps", "5", *common)))
-    _run(_torchrun(2, _args(workspace, tmp_path / "cut", "--steps", "2", "--checkpoint-every", "2", *common)))
-    output = _run(_torchrun(2, _args(workspace, tmp_path / "cut", "--steps", "5", "--resume", *common)))
+    run_trainer(torchrun_command(2, train_args(workspace, tmp_path / "full", "--steps", "5", *common)))
+    run_trainer(torchrun_command(2, train_args(workspace, tmp_path / "cut", "--steps", "2", "--checkpoint-every", "2", *common)))
+    output = run_trainer(torchrun_command(2, train_args(workspace, tmp_path / "cut", "--steps", "5", "--resume", *common)))
     assert "resumed from" in output
-    assert [r["step"] for r in _metrics(tmp_path / "cut")] == [1, 2, 3, 4, 5]
-    np.testing.assert_allclose(_losses(tmp_path / "cut"), _losses(tmp_path / "full"), rtol=1e-6, atol=0)
+    assert [r["step"] for r in run_metrics(tmp_path / "cut")] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(run_losses(tmp_path / "cut"), run_losses(tmp_path / "full"), rtol=1e-6, atol=0)

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, Topology
+from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan
 from bytescale_compile.sim.simulator import simulate
 
 L20 = Hardware.preset("l20", tp_size=2)

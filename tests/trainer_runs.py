@@ -1,0 +1,74 @@
+"""Runs of the trainer (`python -m bytescale_compile.train`) as a user starts them, shared by the trainer,
+Ray-loader and GPU tests: a small workspace (tokenizer, prepared data, a Qwen2 config directory), the
+command lines, and the metrics a run writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bytescale_compile.testing import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+WORDS = "def class return import self value none true false for while with yield lambda".split()
+GLOBAL_TOKENS, MAX_LEN = 2048, 1024
+
+
+@dataclass(frozen=True)
+class Workspace:
+    data: Path
+    model: Path
+    tokenizer: Path
+    vocab_size: int
+
+
+def make_workspace(root: Path) -> Workspace:
+    """A BPE trained on a skewed synthetic corpus, the corpus prepared with it (10% held out), and a Qwen2
+    config directory (no weights: random init) whose vocabulary holds the tokenizer's."""
+    import transformers
+
+    from bytescale_compile.data import prepare, train_tokenizer
+
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(5, 80, 200), rng.integers(400, 1200, 8)])
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS, n))}) + "\n" for n in lengths))
+    train_tokenizer([corpus], 300, root / "tok")
+    report = prepare([corpus], root / "tok", root / "data", eval_fraction=0.1, max_len=MAX_LEN)
+    transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
+                             tie_word_embeddings=False).save_pretrained(root / "qwen2")
+    return Workspace(root / "data", root / "qwen2", root / "tok", report.train.vocab_size)
+
+
+def train_args(ws: Workspace, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(ws.model), "--data", str(ws.data), "--out", str(out), "--steps", "3",
+            "--global-tokens", str(GLOBAL_TOKENS), "--capacity", "1K", "--max-len", str(MAX_LEN), "--lr", "1e-3",
+            "--warmup", "1", *extra]
+
+
+def torchrun_command(nproc: int, args: list[str], *torchrun_args: str) -> list[str]:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return [str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *torchrun_args,
+            "-m", "bytescale_compile.train", *args]
+
+
+def run_trainer(command: list[str], **env: str) -> str:
+    result = subprocess.run(command, cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def run_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in run_metrics(run_dir)]
