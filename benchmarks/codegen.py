@@ -31,9 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def qwen2(layers: int = 4) -> torch.nn.Module:
     import transformers
 
-    cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                   use_cache=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        use_cache=False,
+    )
     return transformers.Qwen2ForCausalLM(cfg)
 
 
@@ -43,12 +50,20 @@ def llama_small() -> torch.nn.Module:
     return small()
 
 
-MODELS: dict[str, tuple[Callable[[], torch.nn.Module], bool]] = {"qwen2": (qwen2, True),
-                                                                  "qwen2-8": (lambda: qwen2(layers=8), True),
-                                                                  "llama-small": (llama_small, False)}
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], bool]] = {
+    "qwen2": (qwen2, True),
+    "qwen2-8": (lambda: qwen2(layers=8), True),
+    "llama-small": (llama_small, False),
+}
 """name -> (factory, whether it is a Hugging Face model taking `labels`)."""
-PATHS = ("eager", "torch.compile", "bsc codegen=none", "bsc codegen=inductor", "bsc codegen=none layers-once",
-         "bsc codegen=inductor layers-once")
+PATHS = (
+    "eager",
+    "torch.compile",
+    "bsc codegen=none",
+    "bsc codegen=inductor",
+    "bsc codegen=none layers-once",
+    "bsc codegen=inductor layers-once",
+)
 """The last two: `Config(compile_layers_once=True)` (issue 17, regional compilation)."""
 
 
@@ -58,8 +73,12 @@ def packed_row(tokens: int, sequences: int, vocab: int, hf: bool) -> dict[str, t
     n = tokens // sequences
     ids = torch.randint(0, vocab, (sequences, n + 1), generator=g)
     labels = torch.cat([ids[:, 1:-1], torch.full((sequences, 1), -100)], dim=1).reshape(1, -1)
-    batch = {"input_ids": ids[:, :-1].reshape(1, -1), "position_ids": torch.arange(n).repeat(sequences)[None],
-             "shift_labels": labels, "num_items_in_batch": torch.tensor(sequences * (n - 1))}
+    batch = {
+        "input_ids": ids[:, :-1].reshape(1, -1),
+        "position_ids": torch.arange(n).repeat(sequences)[None],
+        "shift_labels": labels,
+        "num_items_in_batch": torch.tensor(sequences * (n - 1)),
+    }
     if hf:
         batch["labels"] = labels
     return batch
@@ -76,8 +95,10 @@ def kernels_line(model: torch.nn.Module) -> str:
     parts = []
     for code in (c for g in model.report.graphs for c in g.generated):
         fused = [len(k.fused_nodes) for k in code.kernels]
-        parts.append(f"{code.graph}: {len(code.kernels)} kernels ({sum(fused)} nodes, max {max(fused, default=0)}"
-                     f" per kernel), {len(code.extern_calls)} extern calls{', cache hit' if code.cache_hit else ''}")
+        parts.append(
+            f"{code.graph}: {len(code.kernels)} kernels ({sum(fused)} nodes, max {max(fused, default=0)}"
+            f" per kernel), {len(code.extern_calls)} extern calls{', cache hit' if code.cache_hit else ''}"
+        )
     return "; ".join(parts)
 
 
@@ -98,8 +119,10 @@ def run_model(name: str, tokens: int, sequences: int, repeats: int, labels: list
     eager = factory().train()
     batch = packed_row(tokens, sequences, eager.config.vocab_size, hf)
     paths = {label: build_path(label, eager) for label in ["eager", *labels]}
-    print(f"\n## {name}: {sum(p.numel() for p in eager.parameters()) / 1e6:.1f}M parameters, 1 row of {tokens} tokens "
-          f"in {sequences} sequences")
+    print(
+        f"\n## {name}: {sum(p.numel() for p in eager.parameters()) / 1e6:.1f}M parameters, 1 row of {tokens} tokens "
+        f"in {sequences} sequences"
+    )
     first = {label: fwd_bwd(model, batch) for label, model in paths.items()}
     times: dict[str, list[float]] = {label: [] for label in paths}
     for _ in range(repeats):
@@ -123,10 +146,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--paths", default=",".join(PATHS[1:4]),
-                        help=f"compiled paths to run besides eager, of {PATHS[1:]}; one per process for cold first calls")
-    parser.add_argument("--cache-dir", default=None,
-                        help="Inductor cache directory (TORCHINDUCTOR_CACHE_DIR); default: a fresh one (cold)")
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS[1:4]),
+        help=f"compiled paths to run besides eager, of {PATHS[1:]}; one per process for cold first calls",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="Inductor cache directory (TORCHINDUCTOR_CACHE_DIR); default: a fresh one (cold)",
+    )
     args = parser.parse_args()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="inductor-cache-")
     warm = Path(cache).exists() and any(Path(cache).iterdir())

@@ -29,8 +29,12 @@ from bytescale_compile.models.llama import small  # noqa: E402
 
 def batch(n: int, vocab: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, vocab, (1, n + 1))
-    return {"input_ids": ids[:, :-1], "position_ids": torch.arange(n)[None],
-            "shift_labels": ids[:, 1:], "num_items_in_batch": torch.tensor(n)}
+    return {
+        "input_ids": ids[:, :-1],
+        "position_ids": torch.arange(n)[None],
+        "shift_labels": ids[:, 1:],
+        "num_items_in_batch": torch.tensor(n),
+    }
 
 
 def fwd_bwd(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float:
@@ -53,7 +57,9 @@ def compile_figures(lengths: list[int]) -> None:
     unique = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     print(f"lengths: {len(lengths)} calls, {min(lengths)}..{max(lengths)} tokens")
     print(f"compilations: dynamo unique_graphs={unique}, bytescale backend={model.compilations}")
-    print(f"first call {first:.2f} s, steady call at the same length {steady:.3f} s -> compile time ~{first - steady:.2f} s")
+    print(
+        f"first call {first:.2f} s, steady call at the same length {steady:.3f} s -> compile time ~{first - steady:.2f} s"
+    )
     print(f"the other {len(lengths) - 1} calls (fwd+bwd, no recompilation expected): {total:.2f} s")
 
 

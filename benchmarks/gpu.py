@@ -77,12 +77,26 @@ def llama(layers: int, smoke: bool) -> Any:
     import transformers
 
     if smoke:
-        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                       num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        cfg = transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_cache=False,
+        )
     else:
-        cfg = transformers.LlamaConfig(vocab_size=32_000, hidden_size=2048, intermediate_size=5632,
-                                       num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
-                                       max_position_embeddings=65_536, use_cache=False)
+        cfg = transformers.LlamaConfig(
+            vocab_size=32_000,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=layers,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            max_position_embeddings=65_536,
+            use_cache=False,
+        )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -104,8 +118,11 @@ def wrap(model: Any, variant: str) -> Any:
 
     import bytescale_compile as bsc
 
-    options = {"optimize": {}, "optimize_default_partitioner": {"partitioner": "default"},
-               "optimize_no_fused_loss": {"fused_loss": False}}
+    options = {
+        "optimize": {},
+        "optimize_default_partitioner": {"partitioner": "default"},
+        "optimize_no_fused_loss": {"fused_loss": False},
+    }
     if variant in options:
         return bsc.optimize(model, **options[variant])
     return torch.compile(model) if variant == "torch_compile" else model
@@ -168,8 +185,11 @@ def e2e_tables(smoke: bool, repeats: int, tokens_only: int | None) -> None:
         print(f"\n## End to end: Llama, {tokens} tokens in {N_SEQUENCES} sequences, {layers} layers, fwd+bwd\n")
         print("| path | ms | peak GiB | first call |\n|---|---|---|---|")
         for variant in variants:
-            row = (e2e_variant(variant, tokens, layers, smoke, repeats) if smoke
-                   else e2e_in_subprocess(variant, tokens, layers, repeats))
+            row = (
+                e2e_variant(variant, tokens, layers, smoke, repeats)
+                if smoke
+                else e2e_in_subprocess(variant, tokens, layers, repeats)
+            )
             print(f"| {VARIANT_NAMES[variant]} | {_cells(row, first=True)} |")
 
 
@@ -192,8 +212,11 @@ def stage_variant(pp: int, index: int, tokens: int, layers: int, smoke: bool, re
     kwargs = {**batch, "shift_labels": batch["labels"], "num_items_in_batch": torch.tensor(tokens - N_SEQUENCES)}
     last = pp == 1 or stage.spec.is_last
     if pp > 1:
-        hidden = (None if stage.spec.is_first else
-                  torch.randn(1, tokens, model.config.hidden_size, device=device, dtype=dtype, requires_grad=True))
+        hidden = (
+            None
+            if stage.spec.is_first
+            else torch.randn(1, tokens, model.config.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        )
         kwargs = stage_inputs(stage.spec, kwargs, hidden)
     wrapped = bsc.optimize(stage)
     grad = None if last else torch.randn(1, tokens, model.config.hidden_size, device=device, dtype=dtype)
@@ -210,29 +233,45 @@ def stage_variant(pp: int, index: int, tokens: int, layers: int, smoke: bool, re
         figures = asdict(timed_steps(step, repeats, device))
     except torch.OutOfMemoryError:
         figures = asdict(Figures(error="out of memory"))
-    return {**figures, "attention": len(wrapped.report.rewrites("attention")),
-            "fused_loss": bool(wrapped.report.rewrites("fused_loss"))}
+    return {
+        **figures,
+        "attention": len(wrapped.report.rewrites("attention")),
+        "fused_loss": bool(wrapped.report.rewrites("fused_loss")),
+    }
 
 
 def stage_table(smoke: bool, repeats: int) -> None:
     tokens, layers, sizes = (SMOKE_E2E[0], 4, (1, 2)) if smoke else STAGE_RUN
-    print(f"\n## Pipeline stages: Llama, {layers} layers, {tokens} tokens in {N_SEQUENCES} sequences, fwd+bwd, "
-          f"each stage alone\n")
-    print("| pp | stage | ms | peak GiB | first call | attention sites rewritten | loss fused |\n|---|---|---|---|---|---|---|")
+    print(
+        f"\n## Pipeline stages: Llama, {layers} layers, {tokens} tokens in {N_SEQUENCES} sequences, fwd+bwd, "
+        f"each stage alone\n"
+    )
+    print(
+        "| pp | stage | ms | peak GiB | first call | attention sites rewritten | loss fused |\n|---|---|---|---|---|---|---|"
+    )
     for pp in sizes:
         for index in range(pp):
             if smoke:
                 row = stage_variant(pp, index, tokens, layers, True, repeats)
             else:
-                cmd = [sys.executable, __file__, "--stage-worker", f"{pp}:{index}:{tokens}:{layers}",
-                       "--repeats", str(repeats)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--stage-worker",
+                    f"{pp}:{index}:{tokens}:{layers}",
+                    "--repeats",
+                    str(repeats),
+                ]
                 done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
                 row = json.loads(lines[-1]) if lines else {"error": f"failed: {tail[0][:120]}"}
             extra = {k: row.pop(k) for k in ("attention", "fused_loss") if k in row}
-            print(f"| {pp} | {index} | {_cells(Figures(**row), first=True)} | {extra.get('attention', '–')} | "
-                  f"{extra.get('fused_loss', '–')} |", flush=True)
+            print(
+                f"| {pp} | {index} | {_cells(Figures(**row), first=True)} | {extra.get('attention', '–')} | "
+                f"{extra.get('fused_loss', '–')} |",
+                flush=True,
+            )
 
 
 # --- fused loss -----------------------------------------------------------------------------------
@@ -270,7 +309,7 @@ def loss_figures(fn: Callable[[Any, Any, Any], Any], tokens: int, hidden: int, v
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     h = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
-    w = (torch.randn(vocab, hidden, device=device, dtype=dtype) * hidden ** -0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device, dtype=dtype) * hidden**-0.5).requires_grad_()
     t = torch.randint(0, vocab, (tokens,), device=device)
 
     def step() -> None:
@@ -334,10 +373,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (tables 1, 2 and 5 only)")
     parser.add_argument("--repeats", type=int, default=5, help="measured steps per end-to-end variant")
-    parser.add_argument("--only", choices=("e2e", "loss", "kernels", "offload", "stages"), action="append",
-                        help="run only these tables (repeatable)")
-    parser.add_argument("--e2e-tokens", type=int, choices=[run[0] for run in E2E_RUNS],
-                        help="only this end-to-end table (each takes minutes)")
+    parser.add_argument(
+        "--only",
+        choices=("e2e", "loss", "kernels", "offload", "stages"),
+        action="append",
+        help="run only these tables (repeatable)",
+    )
+    parser.add_argument(
+        "--e2e-tokens",
+        type=int,
+        choices=[run[0] for run in E2E_RUNS],
+        help="only this end-to-end table (each takes minutes)",
+    )
     parser.add_argument("--worker", help="internal: VARIANT:TOKENS:LAYERS, measured here, printed as JSON")
     parser.add_argument("--stage-worker", help="internal: PP:STAGE:TOKENS:LAYERS, measured here, printed as JSON")
     args = parser.parse_args(argv)

@@ -136,8 +136,13 @@ def sdpa_per_sequence(q, k, v, grad, cu: list[int], scale: float, device: str) -
         for x in leaves:
             x.grad = None
         with sdpa_kernel(backends):
-            out = torch.cat([F.scaled_dot_product_attention(*(x[:, :, s:e] for x in leaves), is_causal=True, scale=scale)
-                             for s, e in itertools.pairwise(cu)], dim=2)
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(*(x[:, :, s:e] for x in leaves), is_causal=True, scale=scale)
+                    for s, e in itertools.pairwise(cu)
+                ],
+                dim=2,
+            )
         out.backward(grad)
         return out.detach()
 
@@ -157,7 +162,7 @@ def bench_attention(tokens: int, heads: tuple[int, int, int], dtype, device: str
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, h, tokens, d, generator=gen, device=device, dtype=dtype) for h in (hq, hkv, hkv))
     grad = torch.randn_like(q)
-    scale = d ** -0.5
+    scale = d**-0.5
     flops = 3.5 * sum(4 * n * n / 2 * d * hq for n in lengths)
     sdpa_ms, sdpa_mib, want = sdpa_per_sequence(q, k, v, grad, cu, scale, device)
 
@@ -168,8 +173,10 @@ def bench_attention(tokens: int, heads: tuple[int, int, int], dtype, device: str
     triton_ms, triton_mib = measure(fused, device)
     err = max(max_err(a, b) for a, b in zip(fused(), want))
     tflops = [flops / (ms * 1e-3) / 1e12 for ms in (sdpa_ms, triton_ms)]
-    return [("sdpa (flash, per sequence)", sdpa_ms, sdpa_mib, tflops[0], float("nan")),
-            ("triton (packed)", triton_ms, triton_mib, tflops[1], err)]
+    return [
+        ("sdpa (flash, per sequence)", sdpa_ms, sdpa_mib, tflops[0], float("nan")),
+        ("triton (packed)", triton_ms, triton_mib, tflops[1], err),
+    ]
 
 
 def bench_skew(skew: tuple[int, int, int], heads: tuple[int, int, int], dtype, device: str) -> list[tuple]:
@@ -188,8 +195,8 @@ def bench_skew(skew: tuple[int, int, int], heads: tuple[int, int, int], dtype, d
         grad = torch.randn_like(q)
 
         def fused(q=q, k=k, v=v, grad=grad, cu=cu):
-            out, lse = attention_fwd(q, k, v, d ** -0.5, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
-            attention_bwd(grad, q, k, v, out, lse, d ** -0.5, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+            out, lse = attention_fwd(q, k, v, d**-0.5, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+            attention_bwd(grad, q, k, v, out, lse, d**-0.5, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
         rows.append((name, measure(fused, device)[0]))
     return rows
@@ -200,8 +207,11 @@ def bench_skew(skew: tuple[int, int, int], heads: tuple[int, int, int], dtype, d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny shapes in Triton's interpreter on CPU: checks the script, times nothing")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny shapes in Triton's interpreter on CPU: checks the script, times nothing",
+    )
     args = parser.parse_args()
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before torch, which imports triton
@@ -220,13 +230,17 @@ def main() -> None:
         return
 
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (interpreter)'}, {dtype}")
-    print(f"\ncross-entropy forward+backward, reduction sum\n{'T':>6} {'V':>7} {'variant':<22} {'ms':>9} "
-          f"{'peak MiB':>9} {'max err':>9}")
+    print(
+        f"\ncross-entropy forward+backward, reduction sum\n{'T':>6} {'V':>7} {'variant':<22} {'ms':>9} "
+        f"{'peak MiB':>9} {'max err':>9}"
+    )
     for tokens, vocab in ce_shapes:
         for name, ms, mib, err in bench_cross_entropy(tokens, vocab, dtype, device):
             print(f"{tokens:>6} {vocab:>7} {name:<22} {ms:>9.3f} {mib:>9.0f} {err:>9.2e}")
-    print(f"\nattention forward+backward, Hq={heads[0]} Hkv={heads[1]} D={heads[2]}, causal within each sequence\n"
-          f"{'T':>6} {'variant':<27} {'ms':>9} {'peak MiB':>9} {'TFLOP/s':>8} {'max err':>9}")
+    print(
+        f"\nattention forward+backward, Hq={heads[0]} Hkv={heads[1]} D={heads[2]}, causal within each sequence\n"
+        f"{'T':>6} {'variant':<27} {'ms':>9} {'peak MiB':>9} {'TFLOP/s':>8} {'max err':>9}"
+    )
     for tokens in attn_tokens:
         for name, ms, mib, tflops, err in bench_attention(tokens, heads, dtype, device, smallest):
             print(f"{tokens:>6} {name:<27} {ms:>9.3f} {mib:>9.0f} {tflops:>8.1f} {err:>9.2e}")

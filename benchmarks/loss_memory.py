@@ -81,14 +81,25 @@ def run_variant(variant: str, tokens: int, hidden_size: int, vocab: int, repeats
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"variant": variant, "peak_extra_mib": peak_extra, "time_s": statistics.median(times),
-            "loss": loss}
+    return {"variant": variant, "peak_extra_mib": peak_extra, "time_s": statistics.median(times), "loss": loss}
 
 
 def measure_in_subprocess(variant: str, args: argparse.Namespace) -> dict:
     """Run this script with --variant in a fresh interpreter and parse its JSON line."""
-    cmd = [sys.executable, __file__, "--variant", variant, "--tokens", str(args.tokens),
-           "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--repeats", str(args.repeats)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--variant",
+        variant,
+        "--tokens",
+        str(args.tokens),
+        "--hidden",
+        str(args.hidden),
+        "--vocab",
+        str(args.vocab),
+        "--repeats",
+        str(args.repeats),
+    ]
     python_path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path}
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
@@ -103,13 +114,11 @@ def report(results: dict[str, dict]) -> None:
     """Print the table and the fused/eager ratios against the goals."""
     print(f"{'variant':<8} {'peak extra MiB':>15} {'time s':>8} {'loss':>10}")
     for r in results.values():
-        print(f"{r['variant']:<8} {r['peak_extra_mib']:>15.1f} {r['time_s']:>8.3f} "
-              f"{r['loss']:>10.5f}")
+        print(f"{r['variant']:<8} {r['peak_extra_mib']:>15.1f} {r['time_s']:>8.3f} {r['loss']:>10.5f}")
     eager, fused = results["eager"], results["fused"]
     mem = fused["peak_extra_mib"] / eager["peak_extra_mib"]
     speed = fused["time_s"] / eager["time_s"]
-    print(f"memory fused/eager: {mem:.1%} (goal <= {MEMORY_GOAL:.0%}): "
-          f"{_verdict(mem, MEMORY_GOAL)}")
+    print(f"memory fused/eager: {mem:.1%} (goal <= {MEMORY_GOAL:.0%}): {_verdict(mem, MEMORY_GOAL)}")
     print(f"time   fused/eager: {speed:.2f}x (goal <= {TIME_GOAL}x): {_verdict(speed, TIME_GOAL)}")
 
 
@@ -125,8 +134,7 @@ def main() -> None:
         figures = run_variant(args.variant, args.tokens, args.hidden, args.vocab, args.repeats)
         print(json.dumps(figures))
         return
-    print(f"T={args.tokens} H={args.hidden} V={args.vocab} fp32 CPU, forward+backward, "
-          f"median of {args.repeats}")
+    print(f"T={args.tokens} H={args.hidden} V={args.vocab} fp32 CPU, forward+backward, median of {args.repeats}")
     report({v: measure_in_subprocess(v, args) for v in VARIANTS})
 
 

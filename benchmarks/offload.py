@@ -59,11 +59,19 @@ OFF = "off"
 COUNTED = ("offload", "resident (last", "resident (outside", "resident (read by")
 """Report decisions of the saved storages that go through the act_ctx (and so are in its counters)."""
 MIB, GIB = 2**20, 2**30
-PAPER = ("paper (§4.2, Fig. 13): r = 0.5 saves 32% memory at 64K tokens with no throughput loss; "
-         "r = 1.0 costs nothing at 256K tokens")
+PAPER = (
+    "paper (§4.2, Fig. 13): r = 0.5 saves 32% memory at 64K tokens with no throughput loss; "
+    "r = 1.0 costs nothing at 256K tokens"
+)
 
-MODEL_1B = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22,
-            "num_heads": 32, "num_kv_heads": 4}
+MODEL_1B = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_layers": 22,
+    "num_heads": 32,
+    "num_kv_heads": 4,
+}
 """A TinyLlama-1.1B-shaped config for the CUDA mode."""
 
 
@@ -83,6 +91,7 @@ class Setup:
 
 # --- parsing ------------------------------------------------------------------------------------
 
+
 def parse_sizes(text: str) -> list[int]:
     """'2048', '16K,64K', '1M' -> tokens (K = 1024), as the CLI reads sizes."""
     try:
@@ -96,6 +105,7 @@ def size_label(tokens: int) -> str:
 
 
 # --- one variant, in this process ---------------------------------------------------------------
+
 
 def build_model(setup: Setup):
     """The model under test on its device, in its dtype, seeded so every variant starts alike."""
@@ -115,9 +125,12 @@ def make_batch(tokens: int, vocab: int, device: str) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(0)
     seq = torch.randint(0, vocab, (tokens + 1,), generator=gen)
-    batch = {"input_ids": seq[:-1][None], "position_ids": torch.arange(tokens)[None],
-             "shift_labels": torch.cat([seq[1:-1], torch.tensor([-100])])[None],
-             "num_items_in_batch": torch.tensor(tokens - 1)}
+    batch = {
+        "input_ids": seq[:-1][None],
+        "position_ids": torch.arange(tokens)[None],
+        "shift_labels": torch.cat([seq[1:-1], torch.tensor([-100])])[None],
+        "num_items_in_batch": torch.tensor(tokens - 1),
+    }
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -166,8 +179,12 @@ def step(opt, batch: dict[str, Any], ratio: float | None):
 def eq2_prediction(report, num_layers: int, tokens: int, ratio: float | None) -> dict[str, float] | None:
     """Eq. 2's peak of saved bytes on the device, from the report's rows: kept + (1-r)(l-2)·Act, where kept
     is everything that never leaves (the last 2 layers, ~2·Act, and what lives outside the layers)."""
-    rows = [r for g in report.graphs for r in g.saved_activations
-            if r.alias_of is None and r.decision.startswith(COUNTED) and r.bytes_per_token is not None]
+    rows = [
+        r
+        for g in report.graphs
+        for r in g.saved_activations
+        if r.alias_of is None and r.decision.startswith(COUNTED) and r.bytes_per_token is not None
+    ]
     if ratio is None or not rows:
         return None
     middle = max(1, (num_layers - 2) // 2)  # an offloaded layer away from layer 0's extras
@@ -208,14 +225,23 @@ def measure(setup: Setup) -> dict[str, Any]:
         if rss_ok:
             rss_rise.append((_rss_kib()[1] - rss_before) * 1024)
     figures: dict[str, Any] = {
-        **asdict(setup), "ratio": ratio, "time_s": statistics.median(times), "times_s": times,
-        "loss": loss.float().item(), "device_peak_bytes": max(peaks) if cuda else None,
-        "weights_bytes": weights if cuda else None, "rss_rise_bytes": max(rss_rise) if rss_rise else None,
-        "compilations": opt.compilations, "num_layers": model.config.num_layers,
+        **asdict(setup),
+        "ratio": ratio,
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "loss": loss.float().item(),
+        "device_peak_bytes": max(peaks) if cuda else None,
+        "weights_bytes": weights if cuda else None,
+        "rss_rise_bytes": max(rss_rise) if rss_rise else None,
+        "compilations": opt.compilations,
+        "num_layers": model.config.num_layers,
     }
     if stats is not None:
-        figures.update(offloaded_bytes=stats.offloaded_bytes, reloaded_bytes=stats.reloaded_bytes,
-                       peak_resident_bytes=stats.peak_resident_bytes)
+        figures.update(
+            offloaded_bytes=stats.offloaded_bytes,
+            reloaded_bytes=stats.reloaded_bytes,
+            peak_resident_bytes=stats.peak_resident_bytes,
+        )
     figures["eq2"] = eq2_prediction(opt.report, model.config.num_layers, setup.tokens, ratio)
     return figures
 
@@ -257,6 +283,7 @@ def bandwidth_probe(device: str, nbytes: int = GIB, repeats: int = 5) -> dict[st
 
 # --- the parent: run every variant, derive, print ------------------------------------------------
 
+
 def run_worker(payload: dict[str, Any], subprocess_per_variant: bool) -> dict[str, Any]:
     """A worker's figures: in a fresh interpreter (its last stdout line is JSON), or in this process."""
     if not subprocess_per_variant:
@@ -264,8 +291,13 @@ def run_worker(payload: dict[str, Any], subprocess_per_variant: bool) -> dict[st
             return bandwidth_probe(payload["device"])
         return measure_guarded(Setup(**payload))
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(payload)], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": python_path}, check=False)
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(payload)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": python_path},
+        check=False,
+    )
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no stderr)"])[-1]
         return {**payload, "failed": f"rc={done.returncode}: {tail}"}
@@ -283,8 +315,10 @@ def add_derived(rows: list[dict[str, Any]], bandwidth: dict[str, float] | None) 
         if row.get("device_peak_bytes") and ref.get("device_peak_bytes"):
             row["memory_saved"] = 1 - row["device_peak_bytes"] / ref["device_peak_bytes"]
         if bandwidth and row.get("offloaded_bytes"):
-            copy_s = (row["offloaded_bytes"] / bandwidth["d2h_bytes_per_s"]
-                      + row["reloaded_bytes"] / bandwidth["h2d_bytes_per_s"])
+            copy_s = (
+                row["offloaded_bytes"] / bandwidth["d2h_bytes_per_s"]
+                + row["reloaded_bytes"] / bandwidth["h2d_bytes_per_s"]
+            )
             row["copy_s"] = copy_s
             row["overlap"] = min(1.0, max(0.0, 1 - (row["time_s"] - ref["time_s"]) / copy_s))
 
@@ -313,31 +347,39 @@ def _print_rows(rows: list[dict[str, Any]], body: Callable[[dict[str, Any], floa
 
 def print_cpu_table(rows: list[dict[str, Any]]) -> None:
     """CPU mode: the act_ctx's counted peak next to Eq. 2's, offloaded bytes, time, RSS rise."""
-    print(f"{'tokens':>7} {'variant':>7} {'time s':>7} {'min s':>6} {'vs r=0':>7} {'peak saved MiB':>14} "
-          f"{'Eq.2 MiB':>9} {'meas/pred':>9} {'offloaded MiB':>13} {'reloaded MiB':>12} {'RSS rise MiB':>12} {'loss':>9}")
+    print(
+        f"{'tokens':>7} {'variant':>7} {'time s':>7} {'min s':>6} {'vs r=0':>7} {'peak saved MiB':>14} "
+        f"{'Eq.2 MiB':>9} {'meas/pred':>9} {'offloaded MiB':>13} {'reloaded MiB':>12} {'RSS rise MiB':>12} {'loss':>9}"
+    )
 
     def body(row: dict[str, Any], eq2: float | None) -> str:
         peak = row.get("peak_resident_bytes")
         ratio = f"{peak / eq2:.4f}" if peak is not None and eq2 else "-"
-        return (f"{row['time_s']:>7.3f} {min(row['times_s']):>6.3f} {_fmt(row.get('overhead'), '+7.1%')} "
-                f"{_fmt(peak, '14.2f', MIB)} {_fmt(eq2, '9.2f', MIB)} {ratio:>9} "
-                f"{_fmt(row.get('offloaded_bytes'), '13.2f', MIB)} {_fmt(row.get('reloaded_bytes'), '12.2f', MIB)} "
-                f"{_fmt(row.get('rss_rise_bytes'), '12.1f', MIB)} {row['loss']:>9.5f}")
+        return (
+            f"{row['time_s']:>7.3f} {min(row['times_s']):>6.3f} {_fmt(row.get('overhead'), '+7.1%')} "
+            f"{_fmt(peak, '14.2f', MIB)} {_fmt(eq2, '9.2f', MIB)} {ratio:>9} "
+            f"{_fmt(row.get('offloaded_bytes'), '13.2f', MIB)} {_fmt(row.get('reloaded_bytes'), '12.2f', MIB)} "
+            f"{_fmt(row.get('rss_rise_bytes'), '12.1f', MIB)} {row['loss']:>9.5f}"
+        )
 
     _print_rows(rows, body)
 
 
 def print_cuda_table(rows: list[dict[str, Any]]) -> None:
     """CUDA mode: device peak, saving and overhead vs r = 0, offloaded GiB, copy time and its hidden share."""
-    print(f"{'tokens':>7} {'variant':>7} {'peak GiB':>9} {'saved':>7} {'time s':>7} {'overhead':>8} "
-          f"{'offl GiB':>8} {'copy s':>7} {'overlap':>7} {'saved GiB (ctx)':>15} {'Eq.2 GiB':>8}")
+    print(
+        f"{'tokens':>7} {'variant':>7} {'peak GiB':>9} {'saved':>7} {'time s':>7} {'overhead':>8} "
+        f"{'offl GiB':>8} {'copy s':>7} {'overlap':>7} {'saved GiB (ctx)':>15} {'Eq.2 GiB':>8}"
+    )
 
     def body(row: dict[str, Any], eq2: float | None) -> str:
-        return (f"{_fmt(row.get('device_peak_bytes'), '9.2f', GIB)} {_fmt(row.get('memory_saved'), '7.1%')} "
-                f"{row['time_s']:>7.3f} {_fmt(row.get('overhead'), '+8.1%')} "
-                f"{_fmt(row.get('offloaded_bytes'), '8.2f', GIB)} {_fmt(row.get('copy_s'), '7.3f')} "
-                f"{_fmt(row.get('overlap'), '7.0%')} {_fmt(row.get('peak_resident_bytes'), '15.2f', GIB)} "
-                f"{_fmt(eq2, '8.2f', GIB)}")
+        return (
+            f"{_fmt(row.get('device_peak_bytes'), '9.2f', GIB)} {_fmt(row.get('memory_saved'), '7.1%')} "
+            f"{row['time_s']:>7.3f} {_fmt(row.get('overhead'), '+8.1%')} "
+            f"{_fmt(row.get('offloaded_bytes'), '8.2f', GIB)} {_fmt(row.get('copy_s'), '7.3f')} "
+            f"{_fmt(row.get('overlap'), '7.0%')} {_fmt(row.get('peak_resident_bytes'), '15.2f', GIB)} "
+            f"{_fmt(eq2, '8.2f', GIB)}"
+        )
 
     _print_rows(rows, body)
 
@@ -349,8 +391,10 @@ def print_eq2_inputs(rows: list[dict[str, Any]]) -> None:
         if row.get("eq2") and row["tokens"] not in shown:
             shown.add(row["tokens"])
             eq2 = row["eq2"]
-            print(f"Eq. 2 inputs at {size_label(row['tokens'])}: l={row['num_layers']}, Act (one middle layer) "
-                  f"{eq2['act_bytes'] / MIB:.2f} MiB, kept (last 2 layers and outside them) {eq2['kept_bytes'] / MIB:.2f} MiB")
+            print(
+                f"Eq. 2 inputs at {size_label(row['tokens'])}: l={row['num_layers']}, Act (one middle layer) "
+                f"{eq2['act_bytes'] / MIB:.2f} MiB, kept (last 2 layers and outside them) {eq2['kept_bytes'] / MIB:.2f} MiB"
+            )
 
 
 def check_counters(rows: list[dict[str, Any]]) -> list[str]:
@@ -380,13 +424,24 @@ def _cuda_available() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda when available (the 1B model, bf16), else cpu (the small model, fp32)")
-    parser.add_argument("--tokens", type=parse_sizes, help="comma-separated sizes, e.g. 2048 or 16K,64K "
-                        "(default: 2048 on CPU, 16K,64K on CUDA)")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda when available (the 1B model, bf16), else cpu (the small model, fp32)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=parse_sizes,
+        help="comma-separated sizes, e.g. 2048 or 16K,64K (default: 2048 on CPU, 16K,64K on CUDA)",
+    )
     parser.add_argument("--ratios", default=",".join(map(str, RATIOS)), help="comma-separated offload ratios")
-    parser.add_argument("--off", action=argparse.BooleanOptionalAction, default=None,
-                        help="also run the variant with the pass switched off (default: on CPU only)")
+    parser.add_argument(
+        "--off",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the variant with the pass switched off (default: on CPU only)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="measured steps (default: 5 CPU, 3 CUDA)")
     parser.add_argument("--in-process", action="store_true", help="run every variant in this process")
     parser.add_argument("--json", type=Path, help="write every figure to this file")
@@ -405,14 +460,19 @@ def main() -> None:
     repeats = args.repeats or (3 if cuda else 5)
     with_off = args.off if args.off is not None else not cuda
     variants = [str(float(r)) for r in args.ratios.split(",")] + ([OFF] if with_off else [])
-    print(f"{device.upper()} mode: model {model} ({dtype}), one sequence per step, fwd+bwd, warm-up then median of "
-          f"{repeats}, {'one process per variant' if not args.in_process else 'all variants in one process'}",
-          flush=True)
+    print(
+        f"{device.upper()} mode: model {model} ({dtype}), one sequence per step, fwd+bwd, warm-up then median of "
+        f"{repeats}, {'one process per variant' if not args.in_process else 'all variants in one process'}",
+        flush=True,
+    )
 
     bandwidth = run_worker({"probe": True, "device": device}, not args.in_process) if cuda else None
     if bandwidth:
-        print(f"pinned copy probe: D2H {bandwidth['d2h_bytes_per_s'] / GIB:.1f} GiB/s, "
-              f"H2D {bandwidth['h2d_bytes_per_s'] / GIB:.1f} GiB/s", flush=True)
+        print(
+            f"pinned copy probe: D2H {bandwidth['d2h_bytes_per_s'] / GIB:.1f} GiB/s, "
+            f"H2D {bandwidth['h2d_bytes_per_s'] / GIB:.1f} GiB/s",
+            flush=True,
+        )
     rows = []
     for tokens in sizes:
         for variant in variants:
@@ -429,8 +489,20 @@ def main() -> None:
         print(f"note: {note}")
     print(PAPER)
     if args.json:
-        args.json.write_text(json.dumps({"device": device, "model": model, "dtype": dtype, "repeats": repeats,
-                                         "bandwidth": bandwidth, "rows": rows, "paper": PAPER}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "model": model,
+                    "dtype": dtype,
+                    "repeats": repeats,
+                    "bandwidth": bandwidth,
+                    "rows": rows,
+                    "paper": PAPER,
+                },
+                indent=2,
+            )
+        )
         print(f"figures written to {args.json}")
 
 

@@ -29,7 +29,7 @@ from bytescale_compile.planner import STRATEGY_SPECS, CostModel, Hardware  # noq
 from bytescale_compile.sim.experiments import run_strategy  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
 
-K, M = 2 ** 10, 2 ** 20
+K, M = 2**10, 2**20
 TOKENS, CAPACITY, RANKS, TP = 32 * M, 8 * K, 512, 2
 CHAIN = list(STRATEGY_SPECS)
 """The ablation chain, static first (every speedup is over it), in the order the planner lists the strategies."""
@@ -52,11 +52,16 @@ def clusters(model: str) -> dict[str, CostModel]:
     hw = Hardware.preset("l20", tp_size=TP)
     datasheet = CostModel.preset(model, hw)
     ring = paper_ring_bandwidth(datasheet)
-    topology = dataclasses.replace(hw.topology, switch_uplink=ring, nic_bandwidth=ring / TP * hw.topology.devices_per_node
-                                   / hw.topology.nics_per_node)
+    topology = dataclasses.replace(
+        hw.topology,
+        switch_uplink=ring,
+        nic_bandwidth=ring / TP * hw.topology.devices_per_node / hw.topology.nics_per_node,
+    )
     slowed = dataclasses.replace(hw, name=f"{hw.name}-paper-ring", topology=topology)
-    return {"L20 datasheet": datasheet,
-            f"L20, ring at the paper's implied {ring / 1e9:.1f} GB/s per rank": CostModel.preset(model, slowed)}
+    return {
+        "L20 datasheet": datasheet,
+        f"L20, ring at the paper's implied {ring / 1e9:.1f} GB/s per rank": CostModel.preset(model, slowed),
+    }
 
 
 def ablation(cost: CostModel, seeds: range) -> None:

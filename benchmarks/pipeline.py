@@ -40,8 +40,9 @@ PP, HDP = 2, 2
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
-                                        num_heads=4, num_kv_heads=2))
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2)
+    )
 
 
 def _worker(rank: int, world: int, tokens: int, capacity: int, repeats: int) -> None:
@@ -53,23 +54,35 @@ def _worker(rank: int, world: int, tokens: int, capacity: int, repeats: int) -> 
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, 512, (int(n),), generator=g) for n in lengths]
     stage = pipeline_stage(_model(), PP)
-    pipelines = bsc.Runtime(stage, torch.optim.SGD(stage.parameters(), lr=0.0), cost_model=cost,
-                            capacity=capacity * PP)
+    pipelines = bsc.Runtime(stage, torch.optim.SGD(stage.parameters(), lr=0.0), cost_model=cost, capacity=capacity * PP)
     balance = plan(lengths, HDP, capacity * PP, cost, strategy="balance", pp_size=PP)
-    plans = {"balance": balance, "unbalanced": deal_unbalanced(balance),
-             "static": plan(lengths, HDP, capacity * PP, cost, strategy="static", pp_size=PP,
-                            context_length=4 * capacity)}
+    plans = {
+        "balance": balance,
+        "unbalanced": deal_unbalanced(balance),
+        "static": plan(lengths, HDP, capacity * PP, cost, strategy="static", pp_size=PP, context_length=4 * capacity),
+    }
     rows = []
     for name, step_plan in plans.items():
         runs = [pipelines.step(batch, plan=step_plan) for _ in range(repeats + 1)][1:]
         measured = np.mean([s.bubbles for s in runs], axis=0).tolist()
-        rows.append((name, statistics.median(s.time for s in runs), step_time(step_plan, cost),
-                     measured, pipeline_bubbles(step_plan, cost),
-                     [len(ids) for ids in step_plan.schedule]))
+        rows.append(
+            (
+                name,
+                statistics.median(s.time for s in runs),
+                step_time(step_plan, cost),
+                measured,
+                pipeline_bubbles(step_plan, cost),
+                [len(ids) for ids in step_plan.schedule],
+            )
+        )
     if rank == 0:
-        print(f"{len(lengths)} sequences, {int(sum(lengths))} tokens; PP {PP} x HDP {HDP} on 4 CPU ranks, "
-              f"C = {capacity} per stage x {PP}, median of {repeats}")
-        print(f"{'plan':>10} {'step s':>7} {'sim s':>7}  {'micro-batches':>13}  bubble per pipeline: measured / simulated")
+        print(
+            f"{len(lengths)} sequences, {int(sum(lengths))} tokens; PP {PP} x HDP {HDP} on 4 CPU ranks, "
+            f"C = {capacity} per stage x {PP}, median of {repeats}"
+        )
+        print(
+            f"{'plan':>10} {'step s':>7} {'sim s':>7}  {'micro-batches':>13}  bubble per pipeline: measured / simulated"
+        )
         for name, seconds, simulated, measured, predicted, counts in rows:
             pairs = ", ".join(f"{m:.2f} / {p:.2f}" for m, p in zip(measured, predicted))
             print(f"{name:>10} {seconds:>7.2f} {simulated:>7.2f}  {str(counts):>13}  {pairs}")

@@ -33,7 +33,7 @@ from bytescale_compile.sim.experiments import run_strategy  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
 from bytescale_compile.sim.simulator import bubble_rates, lower_bound, step_time  # noqa: E402
 
-K, M = 2 ** 10, 2 ** 20
+K, M = 2**10, 2**20
 TOKENS, CAPACITY = 32 * M, 8 * K
 STRATEGIES = [name for name in STRATEGY_SPECS if name != AUTO]
 REPEATS = 3
@@ -62,8 +62,10 @@ def _spread(values: list[float], digits: int = 1) -> str:
 
 def planning_times(cost: CostModel, seeds: int) -> None:
     """Wall and CPU time (other processes share the 2 cores) over `seeds` batches of each dataset."""
-    print(f"1. planning time, 32M tokens, C=8K, {seeds} seeds per dataset, least of {REPEATS} runs each: "
-          "min / median / max (ms)")
+    print(
+        f"1. planning time, 32M tokens, C=8K, {seeds} seeds per dataset, least of {REPEATS} runs each: "
+        "min / median / max (ms)"
+    )
     print(f"{'ranks':>7} {'dataset':>8} {'strategy':>16} {'wall':>22} {'cpu':>22}  goal")
     for ranks in (1024, 12288):
         goal = 50 if ranks == 1024 else 500
@@ -75,8 +77,10 @@ def planning_times(cost: CostModel, seeds: int) -> None:
             for name in names:
                 ms = [t[name] for t in cpu]
                 verdict = f"<= {goal}: " + ("met" if max(ms) <= goal else "NOT met") if name == "balance" else ""
-                print(f"{ranks:>7} {dataset:>8} {name:>16} {_spread([t[name] for t in wall]):>22} {_spread(ms):>22}  "
-                      f"{verdict}")
+                print(
+                    f"{ranks:>7} {dataset:>8} {name:>16} {_spread([t[name] for t in wall]):>22} {_spread(ms):>22}  "
+                    f"{verdict}"
+                )
             if "auto" in names:
                 ratio = [t["auto"] / t["balance"] for t in cpu]
                 verdict = f"<= {AUTO_GOAL:g}: " + ("met" if max(ratio) <= AUTO_GOAL else "NOT met")
@@ -101,8 +105,10 @@ def case_study(cost: CostModel, figures: Path | None) -> None:
     paper = {"static": 1.0, "naive-nooffload": 1.59, "naive": 2.01, "balance": 3.69}
     print(f"{'strategy':>16} {'step s':>9} {'tokens/s':>12} {'speedup':>8} {'paper':>6} {'busy max/min':>13}")
     for o in outcomes:
-        print(f"{o.name:>16} {o.step_time:>9.2f} {o.tokens_per_second:>12,.0f} "
-              f"{outcomes[0].step_time / o.step_time:>7.2f}x {paper[o.name]:>5.2f}x {o.busy_spread:>13.2f}")
+        print(
+            f"{o.name:>16} {o.step_time:>9.2f} {o.tokens_per_second:>12,.0f} "
+            f"{outcomes[0].step_time / o.step_time:>7.2f}x {paper[o.name]:>5.2f}x {o.busy_spread:>13.2f}"
+        )
     if figures:
         from bytescale_compile.sim.timeline import plot_timelines
 
@@ -134,17 +140,30 @@ def github_scaling(cost: CostModel, figures: Path | None) -> None:
 
 def pipelines(cost: CostModel) -> None:
     print("\n5. pipelines: 8M tokens, 128K context, 32 pipelines, C = 8K x pp (seed 0)")
-    print(f"{'data':>7} {'pp':>3} {'strategy':>8} {'step s':>8} {'no sends':>9} {'bubble':>7} {'no sends':>9} {'1st order':>9}")
+    print(
+        f"{'data':>7} {'pp':>3} {'strategy':>8} {'step s':>8} {'no sends':>9} {'bubble':>7} {'no sends':>9} {'1st order':>9}"
+    )
     for dataset in ("github", "byted"):
         lens = sample_global_batch(dataset, 8 * M, seed=0, max_len=128 * K)
         for pp in (2, 4):
             for name in ("balance", "static", "naive", "auto"):
                 strategy, offload = STRATEGY_SPECS[name]
-                p = plan(lens, 32, CAPACITY * pp, cost, strategy=strategy, pp_size=pp, context_length=128 * K,
-                         offload=offload, step_time=step_time)
+                p = plan(
+                    lens,
+                    32,
+                    CAPACITY * pp,
+                    cost,
+                    strategy=strategy,
+                    pp_size=pp,
+                    context_length=128 * K,
+                    offload=offload,
+                    step_time=step_time,
+                )
                 (staged, first), (unsent, _) = bubble_rates(p, cost), bubble_rates(p, cost, sends=False)
-                print(f"{dataset:>7} {pp:>3} {name:>8} {step_time(p, cost):>8.2f} {step_time(p, cost, sends=False):>9.2f} "
-                      f"{staged:>7.3f} {unsent:>9.3f} {first:>9.3f}")
+                print(
+                    f"{dataset:>7} {pp:>3} {name:>8} {step_time(p, cost):>8.2f} {step_time(p, cost, sends=False):>9.2f} "
+                    f"{staged:>7.3f} {unsent:>9.3f} {first:>9.3f}"
+                )
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
 from bytescale_compile.sim.simulator import bubble_rates, step_time  # noqa: E402
 from bytescale_compile.units import parse_size  # noqa: E402
 
-K = 2 ** 10
+K = 2**10
 GPUS, TP, MODEL, HARDWARE = 1024, 8, "llama-70b", "h100-nvlink"
 CAPACITY_PER_STAGE = 8 * K
 """Tokens a rank holds with the whole model; a pipeline stage holds pp times as many."""
@@ -62,26 +62,37 @@ def deal_unbalanced(balanced: Plan) -> Plan:
     for m in micro_batches:
         for r in m.ranks:
             schedule[r].append(m.id)
-    return dataclasses.replace(balanced, micro_batches=micro_batches, schedule=schedule,
-                               meta={**balanced.meta, "dealt": "round-robin, unbalanced"})
+    return dataclasses.replace(
+        balanced,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        meta={**balanced.meta, "dealt": "round-robin, unbalanced"},
+    )
 
 
 def plans(lens, pipelines: int, capacity: int, cost: CostModel, pp: int, context: int) -> dict[str, Plan]:
     """The four plans of one setting, each validated."""
     balance = plan(lens, pipelines, capacity, cost, strategy="balance", pp_size=pp)
-    built = {"balance": balance, "unbalanced": deal_unbalanced(balance),
-             "static": plan(lens, pipelines, capacity, cost, strategy="static", pp_size=pp, context_length=context),
-             "naive": plan(lens, pipelines, capacity, cost, strategy="naive", pp_size=pp)}
+    built = {
+        "balance": balance,
+        "unbalanced": deal_unbalanced(balance),
+        "static": plan(lens, pipelines, capacity, cost, strategy="static", pp_size=pp, context_length=context),
+        "naive": plan(lens, pipelines, capacity, cost, strategy="naive", pp_size=pp),
+    }
     for p in built.values():
         p.validate()
     return built
 
 
 def report(cost: CostModel, pps: list[int], datasets: list[str], contexts: list[int], tokens: int, seed: int) -> None:
-    print(f"{MODEL}, {GPUS} GPUs = TP {TP} x {GPUS // TP} ranks (HDP x PP), {HARDWARE} preset, "
-          f"{tokens / 2 ** 20:g}M tokens per step, seed {seed}")
-    print(f"{'pp':>3} {'HDP':>4} {'C':>5} {'data':>7} {'context':>8} {'plan':>11} {'step s':>8} {'vs static':>9} "
-          f"{'bubble':>7} {'1st ord':>7} {'mbs':>5} {'shared':>6} {'chained':>7}")
+    print(
+        f"{MODEL}, {GPUS} GPUs = TP {TP} x {GPUS // TP} ranks (HDP x PP), {HARDWARE} preset, "
+        f"{tokens / 2**20:g}M tokens per step, seed {seed}"
+    )
+    print(
+        f"{'pp':>3} {'HDP':>4} {'C':>5} {'data':>7} {'context':>8} {'plan':>11} {'step s':>8} {'vs static':>9} "
+        f"{'bubble':>7} {'1st ord':>7} {'mbs':>5} {'shared':>6} {'chained':>7}"
+    )
     for pp in pps:
         pipelines, capacity = GPUS // TP // pp, CAPACITY_PER_STAGE * pp
         for dataset in datasets:
@@ -92,9 +103,11 @@ def report(cost: CostModel, pps: list[int], datasets: list[str], contexts: list[
                 for name, p in built.items():
                     bubble, first = bubble_rates(p, cost)
                     shared = sum(m.shared for m in p.micro_batches)
-                    print(f"{pp:>3} {pipelines:>4} {capacity // K:>4}K {dataset:>7} {context // K:>7}K {name:>11} "
-                          f"{steps[name]:>8.2f} {steps['static'] / steps[name]:>8.2f}x {bubble:>7.3f} {first:>7.3f} "
-                          f"{len(p.micro_batches):>5} {shared:>6} {len(chained_micro_batches(p)):>7}")
+                    print(
+                        f"{pp:>3} {pipelines:>4} {capacity // K:>4}K {dataset:>7} {context // K:>7}K {name:>11} "
+                        f"{steps[name]:>8.2f} {steps['static'] / steps[name]:>8.2f}x {bubble:>7.3f} {first:>7.3f} "
+                        f"{len(p.micro_batches):>5} {shared:>6} {len(chained_micro_batches(p)):>7}"
+                    )
 
 
 def main() -> None:

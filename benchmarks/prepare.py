@@ -32,8 +32,9 @@ def main() -> None:
     args = parser.parse_args()
     files = python_source_files(int(args.mb * 1e6))
     size = sum(p.stat().st_size for p in files) / 1e6
-    print(f"corpus: {len(files)} .py files of this interpreter (stdlib first), {size:.1f} MB; "
-          f"{os.cpu_count()} CPU cores")
+    print(
+        f"corpus: {len(files)} .py files of this interpreter (stdlib first), {size:.1f} MB; {os.cpu_count()} CPU cores"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         trained = train_tokenizer(files, args.vocab_size, Path(tmp, "tok"))
@@ -42,8 +43,10 @@ def main() -> None:
         for workers in map(int, args.workers.split(",")):
             report = prepare(files, trained.path, Path(tmp, f"ds{workers}"), workers=workers)
             tokens = int(report.train.lengths.sum() + report.eval.lengths.sum())
-            print(f"{workers:>7} {report.mb_per_second:>7.2f} {report.seconds:>8.1f} {tokens:>11,} "
-                  f"{report.text_bytes / tokens:>11.2f}")
+            print(
+                f"{workers:>7} {report.mb_per_second:>7.2f} {report.seconds:>8.1f} {tokens:>11,} "
+                f"{report.text_bytes / tokens:>11.2f}"
+            )
 
 
 if __name__ == "__main__":

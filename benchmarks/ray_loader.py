@@ -39,7 +39,7 @@ from bytescale_compile.planner import CostModel, MicroBatch, plan  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
 from bytescale_compile.train.remote import PlanSettings, RemoteBatches, connect_ray, scheduler_for  # noqa: E402
 
-M, K = 2 ** 20, 2 ** 10
+M, K = 2**20, 2**10
 DEMO_CONFIG = ROOT / "examples/configs/demo.toml"
 DEMO_DATA = ROOT / ".cache/demo/data"
 
@@ -73,15 +73,19 @@ def startup(out: Path) -> None:
 
 def scheduler_scale(seeds: int) -> None:
     print("\n2. scheduler scale: 32M Byted-like tokens, LLaMA-7B, C=8K; median over seeds")
-    print(f"{'clients':>8} {'plan ms':>8} {'put ms':>8} {'plan+put ms':>12} {'slice B (mean/max)':>20} "
-          f"{'full plan B':>12} {'its put ms':>10} {'every-rank-plans: ms/rank, B read/rank':>40}")
+    print(
+        f"{'clients':>8} {'plan ms':>8} {'put ms':>8} {'plan+put ms':>12} {'slice B (mean/max)':>20} "
+        f"{'full plan B':>12} {'its put ms':>10} {'every-rank-plans: ms/rank, B read/rank':>40}"
+    )
     cost = CostModel.preset("llama-7b")
     for clients in (1024, 12288):
         rows = [_scale_row(sample_global_batch("byted", 32 * M, seed=seed), clients, cost) for seed in range(seeds)]
         med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-        print(f"{clients:>8} {med['plan']:>8.1f} {med['put']:>8.1f} {med['plan'] + med['put']:>12.1f} "
-              f"{med['slice_mean']:>10.0f} / {med['slice_max']:<7.0f} {med['full']:>12.0f} {med['put_full']:>10.1f} "
-              f"{med['plan']:>25.1f} ms, {med['lengths']:.0f} B")
+        print(
+            f"{clients:>8} {med['plan']:>8.1f} {med['put']:>8.1f} {med['plan'] + med['put']:>12.1f} "
+            f"{med['slice_mean']:>10.0f} / {med['slice_max']:<7.0f} {med['full']:>12.0f} {med['put_full']:>10.1f} "
+            f"{med['plan']:>25.1f} ms, {med['lengths']:.0f} B"
+        )
 
 
 def _scale_row(lengths: np.ndarray, clients: int, cost: CostModel) -> dict[str, float]:
@@ -89,8 +93,10 @@ def _scale_row(lengths: np.ndarray, clients: int, cost: CostModel) -> dict[str, 
     step_plan = plan(lengths, clients, 8 * K, cost, strategy="balance")
     step_plan.validate()
     planned = time.perf_counter() - began
-    slices = [PlanSlice(r, mbs, {s: int(lengths[s]) for mb in mbs for s in mb.sequences})
-              for r, mbs in ((r, step_plan.micro_batches_of(r)) for r in range(clients))]
+    slices = [
+        PlanSlice(r, mbs, {s: int(lengths[s]) for mb in mbs for s in mb.sequences})
+        for r, mbs in ((r, step_plan.micro_batches_of(r)) for r in range(clients))
+    ]
     began = time.perf_counter()
     refs = [ray.put(s) for s in slices]
     put = time.perf_counter() - began
@@ -100,24 +106,52 @@ def _scale_row(lengths: np.ndarray, clients: int, cost: CostModel) -> dict[str, 
     put_full = time.perf_counter() - began
     del whole
     sizes = [len(pickle.dumps(s)) for s in slices]
-    return {"plan": planned * 1e3, "put": put * 1e3, "slice_mean": float(np.mean(sizes)), "slice_max": max(sizes),
-            "full": len(pickle.dumps(step_plan)), "put_full": put_full * 1e3, "lengths": lengths.nbytes}
+    return {
+        "plan": planned * 1e3,
+        "put": put * 1e3,
+        "slice_mean": float(np.mean(sizes)),
+        "slice_max": max(sizes),
+        "full": len(pickle.dumps(step_plan)),
+        "put_full": put_full * 1e3,
+        "lengths": lengths.nbytes,
+    }
 
 
 def demo_prefetch(out: Path, steps: int) -> None:
-    print(f"\n3. data_wait_s per step on the demo (4 CPU ranks, balance, {steps} steps; step 1 holds start-up "
-          f"and compilation)")
-    runs = {"ray, no prefetch": ("--loader", "ray", "--prefetch-steps", "0"),
-            "ray, prefetch 2": ("--loader", "ray", "--prefetch-steps", "2"),
-            "local": ("--loader", "local")}
+    print(
+        f"\n3. data_wait_s per step on the demo (4 CPU ranks, balance, {steps} steps; step 1 holds start-up "
+        f"and compilation)"
+    )
+    runs = {
+        "ray, no prefetch": ("--loader", "ray", "--prefetch-steps", "0"),
+        "ray, prefetch 2": ("--loader", "ray", "--prefetch-steps", "2"),
+        "local": ("--loader", "local"),
+    }
     for name, options in runs.items():
         directory = out / name.replace(", ", "-").replace(" ", "")
         torchrun = Path(sys.executable).with_name("torchrun")
-        command = [str(torchrun), "--nproc_per_node=4", "-m", "bytescale_compile.train", "--config",
-                   str(DEMO_CONFIG), "--strategy", "balance", "--steps", str(steps), "--eval-every", "0",
-                   "--out", str(directory), "--ray-cpus", "2", *options]
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        command = [
+            str(torchrun),
+            "--nproc_per_node=4",
+            "-m",
+            "bytescale_compile.train",
+            "--config",
+            str(DEMO_CONFIG),
+            "--strategy",
+            "balance",
+            "--steps",
+            str(steps),
+            "--eval-every",
+            "0",
+            "--out",
+            str(directory),
+            "--ray-cpus",
+            "2",
+            *options,
+        ]
+        result = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{name}: {result.stderr[-2000:]}")
         records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
@@ -126,8 +160,10 @@ def demo_prefetch(out: Path, steps: int) -> None:
         share = sum(r["data_wait_s"] for r in later) / sum(r["time"] + r["data_wait_s"] for r in later)
         plan_ms = statistics.median(r["plan_time_s"] * 1e3 for r in later)
         step_s = statistics.median(r["time"] for r in later)
-        print(f"   {name:<17} data_wait ms per step: {waits}; steps 2+: wait {share:.1%} of step time, "
-              f"median step {step_s:.2f} s, plan {plan_ms:.1f} ms")
+        print(
+            f"   {name:<17} data_wait ms per step: {waits}; steps 2+: wait {share:.1%} of step time, "
+            f"median step {step_s:.2f} s, plan {plan_ms:.1f} ms"
+        )
 
 
 def main() -> None:

@@ -57,8 +57,11 @@ def _ring_worker(rank: int, world: int, tokens: int, window: int | None, repeats
     dist.all_gather(every, mine)
     if rank == 0:
         rows = torch.stack(every)
-        Path(result).write_text(" ".join(map(str, [statistics.median(times[1:]), *rows.min(0).values.tolist(),
-                                                   *rows.max(0).values.tolist()])))
+        Path(result).write_text(
+            " ".join(
+                map(str, [statistics.median(times[1:]), *rows.min(0).values.tolist(), *rows.max(0).values.tolist()])
+            )
+        )
 
 
 def _row(tokens: int, world: int, window: int | None, repeats: int, results: str) -> str:
@@ -70,14 +73,16 @@ def _row(tokens: int, world: int, window: int | None, repeats: int, results: str
     high = dict(zip(low, values[n:]))
     t_local = tokens // world
     old = (world - 1) * t_local * HKV * (D + D) * 4
-    mib = 2 ** -20
+    mib = 2**-20
 
     def span(key: str, scale: float = 1.0) -> str:
         return f"{low[key] * scale:.1f}-{high[key] * scale:.1f}" if scale != 1.0 else f"{low[key]:.0f}-{high[key]:.0f}"
 
-    return (f"{tokens:>7} {window or 'causal':>7} {t:>8.2f} {span('fwd_bytes_sent', mib):>13} "
-            f"{span('bwd_bytes_sent', mib):>13} {old * mib:>12.1f} {span('fwd_sends_skipped'):>13} "
-            f"{int(high['fwd_blocks_computed'])}/{int(high['fwd_blocks_skipped'])}")
+    return (
+        f"{tokens:>7} {window or 'causal':>7} {t:>8.2f} {span('fwd_bytes_sent', mib):>13} "
+        f"{span('bwd_bytes_sent', mib):>13} {old * mib:>12.1f} {span('fwd_sends_skipped'):>13} "
+        f"{int(high['fwd_blocks_computed'])}/{int(high['fwd_blocks_skipped'])}"
+    )
 
 
 def main() -> None:
@@ -88,10 +93,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     windows = [None, *(int(w) for w in args.windows.split(","))]
-    print(f"fp32 CPU, {args.ranks} gloo ranks, Hq={HQ} Hkv={HKV} D=Dv={D}, one sequence, fwd+bwd, "
-          f"median of {args.repeats} after a warm-up; MiB sent per rank as min-max over the ranks")
-    print(f"{'tokens':>7} {'window':>7} {'time s':>8} {'fwd MiB/rank':>13} {'bwd MiB/rank':>13} "
-          f"{'old ring fwd':>12} {'sends skipped':>13} {'blocks run/skipped (max rank)'}")
+    print(
+        f"fp32 CPU, {args.ranks} gloo ranks, Hq={HQ} Hkv={HKV} D=Dv={D}, one sequence, fwd+bwd, "
+        f"median of {args.repeats} after a warm-up; MiB sent per rank as min-max over the ranks"
+    )
+    print(
+        f"{'tokens':>7} {'window':>7} {'time s':>8} {'fwd MiB/rank':>13} {'bwd MiB/rank':>13} "
+        f"{'old ring fwd':>12} {'sends skipped':>13} {'blocks run/skipped (max rank)'}"
+    )
     with tempfile.TemporaryDirectory() as results:
         for tokens in (int(t) for t in args.tokens.split(",")):
             for window in windows:

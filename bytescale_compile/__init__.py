@@ -30,8 +30,18 @@ _EXPORTS = {
 }
 """Public name -> the module that defines it."""
 
-__all__ = ["optimize", "explain", "Config", "OptimizedModule", "CompileReport", "RecompileLimitError", "ShardingError", "Runtime",
-           "StepStats", "pipeline_stage"]
+__all__ = [
+    "optimize",
+    "explain",
+    "Config",
+    "OptimizedModule",
+    "CompileReport",
+    "RecompileLimitError",
+    "ShardingError",
+    "Runtime",
+    "StepStats",
+    "pipeline_stage",
+]
 __version__ = "0.1.0"
 
 

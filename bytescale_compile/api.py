@@ -58,8 +58,10 @@ class OptimizedModule(nn.Module):
         self._compiled_graphs: list[GraphReport] = []
         graph_ids = itertools.count()
         self._backends = {mode: Backend(config, mode, self._pending.append, graph_ids) for mode in (True, False)}
-        self._compiled = {mode: torch.compile(model, backend=b, dynamic=None if config.dynamic else False)
-                          for mode, b in self._backends.items()}
+        self._compiled = {
+            mode: torch.compile(model, backend=b, dynamic=None if config.dynamic else False)
+            for mode, b in self._backends.items()
+        }
 
     @property
     def original_module(self) -> nn.Module:
@@ -97,8 +99,11 @@ class OptimizedModule(nn.Module):
                 _mark_token_dim_dynamic(t)
         self._pending.clear()
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=RECOMPILE_LIMIT,
-                                            ignore_logging_functions=_ignored_logging_functions()):
+            with torch._dynamo.config.patch(
+                fail_on_recompile_limit_hit=True,
+                recompile_limit=RECOMPILE_LIMIT,
+                ignore_logging_functions=_ignored_logging_functions(),
+            ):
                 out = self._compiled[self._orig_mod.training](*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RecompileLimitError(
@@ -123,12 +128,18 @@ class OptimizedModule(nn.Module):
             return
         arguments = self.__signature__.bind_partial(*args, **kwargs).arguments
         position_ids = arguments.get("position_ids", kwargs.get("position_ids"))  # also through **kwargs (Mamba2)
-        if isinstance(position_ids, torch.Tensor) and position_ids.dim() >= 1 and bool((position_ids[..., 1:] == 0).any()):
+        if (
+            isinstance(position_ids, torch.Tensor)
+            and position_ids.dim() >= 1
+            and bool((position_ids[..., 1:] == 0).any())
+        ):
             layers = ", ".join(f"`{source}` ({', '.join(patterns)})" for source, patterns in list(mixers.items())[:3])
-            raise ShardingError(f"position_ids restart inside a row, so the row packs several sequences, but "
-                                f"{len(mixers)} module(s) mix tokens in a way that would read across them: {layers}"
-                                f"{' ...' if len(mixers) > 3 else ''}. Pass one sequence per row (bytescale_compile's "
-                                f"Runtime does so for this model)")
+            raise ShardingError(
+                f"position_ids restart inside a row, so the row packs several sequences, but "
+                f"{len(mixers)} module(s) mix tokens in a way that would read across them: {layers}"
+                f"{' ...' if len(mixers) > 3 else ''}. Pass one sequence per row (bytescale_compile's "
+                f"Runtime does so for this model)"
+            )
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -162,9 +173,9 @@ _DECORATOR = object()
 def optimize(model: Any = _DECORATOR, config: Config | None = None, **overrides: Any) -> Any:
     """Optimize a module, or decorate a Module class so its instances come out optimized.
 
-        model = optimize(model)                  # or optimize(model, Config(...), attention=False)
-        @optimize                                 # or @optimize(Config(...)) / @optimize(fused_loss=False)
-        class MyModel(nn.Module): ...
+    model = optimize(model)                  # or optimize(model, Config(...), attention=False)
+    @optimize                                 # or @optimize(Config(...)) / @optimize(fused_loss=False)
+    class MyModel(nn.Module): ...
     """
     if isinstance(model, Config):
         model, config = _DECORATOR, model
@@ -195,8 +206,13 @@ def _optimized_class(cls: type[nn.Module], config: Config) -> type[nn.Module]:
     def __new__(klass: type, *args: Any, **kwargs: Any) -> OptimizedModule:
         return OptimizedModule(cls(*args, **kwargs), config)
 
-    namespace = {"__new__": __new__, "__module__": cls.__module__, "__doc__": cls.__doc__,
-                 "__qualname__": cls.__qualname__, "__signature__": inspect.signature(cls)}
+    namespace = {
+        "__new__": __new__,
+        "__module__": cls.__module__,
+        "__doc__": cls.__doc__,
+        "__qualname__": cls.__qualname__,
+        "__signature__": inspect.signature(cls),
+    }
     return type(cls.__name__, (cls,), namespace)
 
 

@@ -46,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _int_at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer >= `low`, refused while parsing, before any work."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -123,14 +124,20 @@ def protocol_inputs(model: nn.Module, seq_len: int, vocab_size: int | None = Non
         raise CLIError("the model has no config.vocab_size: pass --vocab-size")
     ids = torch.randint(0, vocab, (1, seq_len))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
-    inputs: dict[str, Any] = {"input_ids": ids, "position_ids": torch.arange(seq_len)[None],
-                              "shift_labels": labels, "num_items_in_batch": torch.tensor(seq_len - 1)}
+    inputs: dict[str, Any] = {
+        "input_ids": ids,
+        "position_ids": torch.arange(seq_len)[None],
+        "shift_labels": labels,
+        "num_items_in_batch": torch.tensor(seq_len - 1),
+    }
     params = pyinspect.signature(model.forward).parameters
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     missing = [name for name in inputs if name not in params and not takes_kwargs]
     if missing:
-        raise CLIError(f"{type(model).__name__}.forward does not take {missing}: inspect calls models with the "
-                       f"causal-LM protocol (input_ids, position_ids, shift_labels, num_items_in_batch)")
+        raise CLIError(
+            f"{type(model).__name__}.forward does not take {missing}: inspect calls models with the "
+            f"causal-LM protocol (input_ids, position_ids, shift_labels, num_items_in_batch)"
+        )
     if "labels" in params:
         inputs["labels"] = labels
     if "use_cache" in params:
@@ -176,12 +183,26 @@ def _inspect_stages(model: nn.Module, config: Any, inputs: dict[str, Any], args:
         hidden = out.detach() if not spec.is_last else None
         reports.append((spec, optimized.report))
     if args.json:
-        print(json.dumps([{"stage": spec.index, "pp_size": spec.pp_size, "layers": [spec.layers.start, spec.layers.stop],
-                           "report": report.to_dict()} for spec, report in reports], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "stage": spec.index,
+                        "pp_size": spec.pp_size,
+                        "layers": [spec.layers.start, spec.layers.stop],
+                        "report": report.to_dict(),
+                    }
+                    for spec, report in reports
+                ],
+                indent=2,
+            )
+        )
         return 0
     for spec, report in reports:
-        print(f"# Stage {spec.index} of {spec.pp_size}: decoder layers {spec.layers.start}-{spec.layers.stop - 1}"
-              f"{', embedding' if spec.is_first else ''}{', final norm, lm_head and loss' if spec.is_last else ''}\n")
+        print(
+            f"# Stage {spec.index} of {spec.pp_size}: decoder layers {spec.layers.start}-{spec.layers.stop - 1}"
+            f"{', embedding' if spec.is_first else ''}{', final norm, lm_head and loss' if spec.is_last else ''}\n"
+        )
         print(report.to_markdown(graphs=args.graphs))
     return 0
 
@@ -228,17 +249,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mbs = outcome.plan.micro_batches
     shared = [m for m in mbs if m.shared]
     print(f"{args.strategy}: {len(lens)} sequences, {int(lens.sum())} tokens over {args.ranks} ranks (C={capacity})")
-    print(f"  micro-batches: {len(mbs)} ({len(shared)} shared, largest group {max((len(m.ranks) for m in shared), default=1)})")
+    print(
+        f"  micro-batches: {len(mbs)} ({len(shared)} shared, largest group {max((len(m.ranks) for m in shared), default=1)})"
+    )
     print(f"  per-rank micro-batches: {min(map(len, outcome.plan.schedule))}..{max(map(len, outcome.plan.schedule))}")
-    print(f"  planned in {outcome.plan_seconds * 1e3:.1f} ms; simulated step {outcome.step_time:.3f} s, "
-          f"{outcome.tokens_per_second:,.0f} tokens/s, busy spread {outcome.busy_spread:.2f}")
+    print(
+        f"  planned in {outcome.plan_seconds * 1e3:.1f} ms; simulated step {outcome.step_time:.3f} s, "
+        f"{outcome.tokens_per_second:,.0f} tokens/s, busy spread {outcome.busy_spread:.2f}"
+    )
     if AUTO in outcome.plan.meta:
         report = outcome.plan.meta[AUTO]
         over_static = report["speedup_over_static"]
-        print(f"  auto chose {report['chosen']}: "
-              + (f"{over_static:.2f}x static, " if over_static is not None else "static cannot plan this batch, ")
-              + f"{report['speedup_over_runner_up']:.3f}x the runner-up; simulated step per candidate: "
-              + ", ".join(f"{k} {v:.3f} s" for k, v in report["step_time"].items()))
+        print(
+            f"  auto chose {report['chosen']}: "
+            + (f"{over_static:.2f}x static, " if over_static is not None else "static cannot plan this batch, ")
+            + f"{report['speedup_over_runner_up']:.3f}x the runner-up; simulated step per candidate: "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in report["step_time"].items())
+        )
     return 0
 
 
@@ -270,8 +297,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plot_throughput(contexts, table, str(_created(plot)), title=f"{args.model}, {args.dataset}, {args.ranks} ranks")
         print(f"throughput plot: {plot}")
     if timeline and last:
-        plot_timelines([o.timeline for o in last], str(_created(timeline)),
-                       title=f"{args.model}, {args.dataset}, context {contexts[-1] // 1024}K, {args.ranks} ranks")
+        plot_timelines(
+            [o.timeline for o in last],
+            str(_created(timeline)),
+            title=f"{args.model}, {args.dataset}, context {contexts[-1] // 1024}K, {args.ranks} ranks",
+        )
         print(f"timelines: {timeline}")
     return 0
 
@@ -285,8 +315,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except FactoryError as e:
         raise CLIError(str(e)) from e
     try:
-        result = profile_model(args.target, args.lengths, _created(out), repeats=args.repeats,
-                               ranks_per_device=args.ranks_per_device)
+        result = profile_model(
+            args.target, args.lengths, _created(out), repeats=args.repeats, ranks_per_device=args.ranks_per_device
+        )
     except ValueError as e:
         raise CLIError(str(e)) from e
     print(result.summary())
@@ -307,8 +338,15 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
         raise CLIError(f"--out {args.out} is a file; give the tokenizer directory to write")
     _output_folder(Path(args.out), "--out", args.out)
     try:
-        trained = train_tokenizer(args.input, args.vocab_size, args.out, text_field=args.text_field,
-                                  min_frequency=args.min_frequency, overwrite=args.overwrite, progress=True)
+        trained = train_tokenizer(
+            args.input,
+            args.vocab_size,
+            args.out,
+            text_field=args.text_field,
+            min_frequency=args.min_frequency,
+            overwrite=args.overwrite,
+            progress=True,
+        )
     except _DATA_ERRORS as e:
         raise CLIError(str(e)) from e
     print(trained.summary())
@@ -320,9 +358,19 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
     _output_folder(Path(args.out).parent, "--out", args.out)
     try:
-        report = prepare(args.input, args.tokenizer, args.out, text_field=args.text_field, workers=args.workers,
-                         max_len=args.max_len, long_docs=args.long_docs, eval_fraction=args.eval_fraction,
-                         seed=args.seed, overwrite=args.overwrite, progress=True)
+        report = prepare(
+            args.input,
+            args.tokenizer,
+            args.out,
+            text_field=args.text_field,
+            workers=args.workers,
+            max_len=args.max_len,
+            long_docs=args.long_docs,
+            eval_fraction=args.eval_fraction,
+            seed=args.seed,
+            overwrite=args.overwrite,
+            progress=True,
+        )
     except _DATA_ERRORS as e:
         raise CLIError(str(e)) from e
     print(report.summary())
@@ -332,53 +380,79 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def _add_data_commands(sub: Any) -> None:
     inputs = "JSONL/JSON/Parquet/text files, directories of them, or `datasets` directories (save_to_disk)"
     tokenizer = sub.add_parser("tokenizer", help="train a tokenizer on your own text").add_subparsers(
-        dest="action", required=True)
-    p = tokenizer.add_parser("train", help="train a byte-level BPE; AutoTokenizer.from_pretrained(OUT) loads it "
-                                           "(special tokens: <|endoftext|> = EOS, <|pad|> = pad)")
+        dest="action", required=True
+    )
+    p = tokenizer.add_parser(
+        "train",
+        help="train a byte-level BPE; AutoTokenizer.from_pretrained(OUT) loads it "
+        "(special tokens: <|endoftext|> = EOS, <|pad|> = pad)",
+    )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=inputs)
     p.add_argument("--vocab-size", type=int, required=True, help="at most this many tokens (>= 258)")
     p.add_argument("--out", required=True, metavar="DIR", help="the tokenizer directory to write")
     p.add_argument("--text-field", default="text", help="the record field holding the text (default text)")
-    p.add_argument("--min-frequency", type=_int_at_least(1), default=2, help="merge only pairs seen this often (default 2)")
+    p.add_argument(
+        "--min-frequency", type=_int_at_least(1), default=2, help="merge only pairs seen this often (default 2)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in DIR")
     p.set_defaults(func=cmd_tokenizer_train)
 
     data = sub.add_parser("data", help="prepare token datasets from your own text").add_subparsers(
-        dest="action", required=True)
-    p = data.add_parser("prepare", help="tokenize text into PREFIX.{bin,idx,json} (training) and "
-                                        "PREFIX_eval.{bin,idx,json} (held-out split)")
+        dest="action", required=True
+    )
+    p = data.add_parser(
+        "prepare",
+        help="tokenize text into PREFIX.{bin,idx,json} (training) and PREFIX_eval.{bin,idx,json} (held-out split)",
+    )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=inputs)
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="a Hugging Face tokenizer directory with an EOS")
     p.add_argument("--out", required=True, metavar="PREFIX", help="dataset prefix; the eval split goes to PREFIX_eval")
     p.add_argument("--text-field", default="text", help="the record field holding the text (default text)")
     p.add_argument("--workers", type=_int_at_least(1), default=1, help="tokenizing processes (default 1)")
     p.add_argument("--max-len", type=int, default=None, help="tokens per document at most, EOS included")
-    p.add_argument("--long-docs", choices=("split", "drop"), default="split",
-                   help="what happens to documents over --max-len (default split)")
-    p.add_argument("--eval-fraction", type=float, default=0.01,
-                   help="share of documents held out for evaluation (default 0.01; 0: no eval split)")
+    p.add_argument(
+        "--long-docs",
+        choices=("split", "drop"),
+        default="split",
+        help="what happens to documents over --max-len (default split)",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.01,
+        help="share of documents held out for evaluation (default 0.01; 0: no eval split)",
+    )
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="draws the eval split (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace existing datasets at PREFIX and PREFIX_eval")
     p.set_defaults(func=cmd_data_prepare)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="bytescale-compile", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="bytescale-compile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="compile a model on one sequence and print what every pass did")
     p.add_argument("target", help="MODULE:FACTORY returning an nn.Module, e.g. bytescale_compile.models.llama:small")
-    p.add_argument("--seq-len", type=_int_at_least(2), default=512,
-                   help="tokens in the sample row, at least 2: a token and its target (default 512)")
+    p.add_argument(
+        "--seq-len",
+        type=_int_at_least(2),
+        default=512,
+        help="tokens in the sample row, at least 2: a token and its target (default 512)",
+    )
     p.add_argument("--vocab-size", type=_int_at_least(1), default=None, help="when the model has no config.vocab_size")
     p.add_argument("--eval", action="store_true", help="compile in eval mode (the loss is not fused)")
     p.add_argument("--no-attention", action="store_true", help="switch the attention pass off")
     p.add_argument("--no-fused-loss", action="store_true", help="switch the fused-loss pass off")
     p.add_argument("--graphs", action="store_true", help="append the graphs before/after as text")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--pp", type=_int_at_least(1), default=1,
-                   help="split into this many pipeline stages at decoder layers and report each stage's compilation")
+    p.add_argument(
+        "--pp",
+        type=_int_at_least(1),
+        default=1,
+        help="split into this many pipeline stages at decoder layers and report each stage's compilation",
+    )
     p.set_defaults(func=cmd_inspect)
 
     datasets = ("byted", "github", "python")
@@ -389,11 +463,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=_size, default="8K", help="tokens per rank, C")
     p.add_argument("--strategy", default="balance", help="the planner's strategy (an unknown name lists them)")
     p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
-    p.add_argument("--hardware", default=None, help="cluster preset for the ranks: l20 | h100-nvlink (default: "
-                   "private 25 GB/s links per rank)")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="cluster preset for the ranks: l20 | h100-nvlink (default: private 25 GB/s links per rank)",
+    )
     p.add_argument("--tp", type=_int_at_least(1), default=1, help="devices per HDP rank on the --hardware cluster")
-    p.add_argument("--context", type=_size, default=None,
-                   help="context length (truncates longer samples; the static mesh's row)")
+    p.add_argument(
+        "--context", type=_size, default=None, help="context length (truncates longer samples; the static mesh's row)"
+    )
     p.add_argument("--pp", type=_int_at_least(1), default=1, help="pipeline stages per HDP rank")
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -406,10 +484,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=_int_at_least(1), default=1024)
     p.add_argument("--capacity", type=_size, default="8K")
     p.add_argument("--global-tokens", type=_size, default="32M")
-    p.add_argument("--strategies", default="static,naive,balance",
-                   help="comma-separated planner strategies (an unknown name lists them)")
-    p.add_argument("--hardware", default=None, help="cluster preset for the ranks: l20 | h100-nvlink (default: "
-                   "private 25 GB/s links per rank)")
+    p.add_argument(
+        "--strategies",
+        default="static,naive,balance",
+        help="comma-separated planner strategies (an unknown name lists them)",
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="cluster preset for the ranks: l20 | h100-nvlink (default: private 25 GB/s links per rank)",
+    )
     p.add_argument("--tp", type=_int_at_least(1), default=1, help="devices per HDP rank on the --hardware cluster")
     p.add_argument("--pp", type=_int_at_least(1), default=1)
     p.add_argument("--seed", type=_int_at_least(0), default=0)
@@ -422,8 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_sizes, default="256,512,1K,2K", help="at least 3 distinct lengths")
     p.add_argument("--repeats", type=_int_at_least(1), default=3)
     p.add_argument("--out", default="cost_model.json", help="the cost-model JSON to write (records the device)")
-    p.add_argument("--ranks-per-device", type=_int_at_least(1), default=1,
-                   help="CPU: profile as this many ranks sharing the cores would run (that many processes at once)")
+    p.add_argument(
+        "--ranks-per-device",
+        type=_int_at_least(1),
+        default=1,
+        help="CPU: profile as this many ranks sharing the cores would run (that many processes at once)",
+    )
     p.set_defaults(func=cmd_profile)
     _add_data_commands(sub)
     return parser

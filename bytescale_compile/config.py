@@ -57,11 +57,23 @@ class Config:
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"Config.{f.name} must be True or False, got {value!r}")
-        if isinstance(self.loss_chunk_size, bool) or not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 1:
+        if (
+            isinstance(self.loss_chunk_size, bool)
+            or not isinstance(self.loss_chunk_size, int)
+            or self.loss_chunk_size < 1
+        ):
             raise ValueError(f"Config.loss_chunk_size must be an int >= 1, got {self.loss_chunk_size!r}")
-        if not (self.offload in _OFFLOAD_MODES or (isinstance(self.offload, (int, float)) and not isinstance(self.offload, bool)
-                                                   and 0.0 <= self.offload <= 1.0)):
-            raise ValueError(f"Config.offload must be one of {_OFFLOAD_MODES} or a ratio in [0, 1], got {self.offload!r}")
+        if not (
+            self.offload in _OFFLOAD_MODES
+            or (
+                isinstance(self.offload, (int, float))
+                and not isinstance(self.offload, bool)
+                and 0.0 <= self.offload <= 1.0
+            )
+        ):
+            raise ValueError(
+                f"Config.offload must be one of {_OFFLOAD_MODES} or a ratio in [0, 1], got {self.offload!r}"
+            )
         if self.codegen not in _CODEGEN:
             raise ValueError(f"Config.codegen must be one of {_CODEGEN}, got {self.codegen!r}")
         if self.partitioner not in _PARTITIONERS:

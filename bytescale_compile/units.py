@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = ["parse_size"]
 
-_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def parse_size(text: str) -> int:

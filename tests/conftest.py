@@ -34,17 +34,3 @@ def fresh_dynamo():
     torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-6) -> float:
-    """max |a - b| / max(max |b|, floor) in fp64: relative where b has a scale, absolute below `floor`.
-
-    Every numerical comparison of the suite goes through here. Where b can be 0 in exact arithmetic (the
-    dq of a lone token, a window of one), pass the problem's scale as `floor`: b then holds only rounding
-    noise, 1.7e-16 on one CPU and 9e-17 on another, and must not be divided by.
-    """
-    a, b = a.detach().double(), b.detach().double()
-    if not b.numel():
-        return 0.0
-    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
-    return diff / max(scale, floor)

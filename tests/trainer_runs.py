@@ -42,22 +42,54 @@ def make_workspace(root: Path) -> Workspace:
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS, n))}) + "\n" for n in lengths))
     train_tokenizer([corpus], 300, root / "tok")
     report = prepare([corpus], root / "tok", root / "data", eval_fraction=0.1, max_len=MAX_LEN)
-    transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
-                             tie_word_embeddings=False).save_pretrained(root / "qwen2")
+    transformers.Qwen2Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
+        tie_word_embeddings=False,
+    ).save_pretrained(root / "qwen2")
     return Workspace(root / "data", root / "qwen2", root / "tok", report.train.vocab_size)
 
 
 def train_args(ws: Workspace, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(ws.model), "--data", str(ws.data), "--out", str(out), "--steps", "3",
-            "--global-tokens", str(GLOBAL_TOKENS), "--capacity", "1K", "--max-len", str(MAX_LEN), "--lr", "1e-3",
-            "--warmup", "1", *extra]
+    return [
+        "--model",
+        str(ws.model),
+        "--data",
+        str(ws.data),
+        "--out",
+        str(out),
+        "--steps",
+        "3",
+        "--global-tokens",
+        str(GLOBAL_TOKENS),
+        "--capacity",
+        "1K",
+        "--max-len",
+        str(MAX_LEN),
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "1",
+        *extra,
+    ]
 
 
 def torchrun_command(nproc: int, args: list[str], *torchrun_args: str) -> list[str]:
     torchrun = Path(sys.executable).with_name("torchrun")
-    return [str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *torchrun_args,
-            "-m", "bytescale_compile.train", *args]
+    return [
+        str(torchrun),
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        *torchrun_args,
+        "-m",
+        "bytescale_compile.train",
+        *args,
+    ]
 
 
 def run_trainer(command: list[str], **env: str) -> str:

@@ -47,9 +47,12 @@ class ShardingError(RuntimeError):
     """A model is asked to run a packed row or a shared sequence that one of its token mixers (an attention
     the pass left alone, a convolution, a scan) would read across."""
 
+
 log = logging.getLogger(__name__)
-REGIONS_HIDE_SAVED = ("layers compiled once (Config.compile_layers_once): the tensors each layer saves for its "
-                      "backward are made inside one body shared by every layer, which the offload pass cannot tell apart")
+REGIONS_HIDE_SAVED = (
+    "layers compiled once (Config.compile_layers_once): the tensors each layer saves for its "
+    "backward are made inside one body shared by every layer, which the offload pass cannot tell apart"
+)
 
 
 def default_passes() -> list[Pass]:
@@ -65,8 +68,9 @@ class Backend:
     """One per optimized module and mode (train/eval), so reports and caches never mix. `graph_ids` numbers the
     graphs in the reports: the module's two backends share one, so its graphs never share a number."""
 
-    def __init__(self, config: Config, training: bool, on_graph: Callable[[GraphReport], None],
-                 graph_ids: Iterator[int]) -> None:
+    def __init__(
+        self, config: Config, training: bool, on_graph: Callable[[GraphReport], None], graph_ids: Iterator[int]
+    ) -> None:
         self.config = config
         self.training = training
         self.on_graph = on_graph
@@ -88,8 +92,9 @@ class Backend:
         self._note_graph_break(gm)
         if keep_text:
             report.graph_after = gm.print_readable(print_output=False)
-        log.info("graph %d: %s", report.graph_id,
-                 ", ".join(f"{p.name}: {len(p.rewrites)} rewritten" for p in report.passes))
+        log.info(
+            "graph %d: %s", report.graph_id, ", ".join(f"{p.name}: {len(p.rewrites)} rewritten" for p in report.passes)
+        )
         device_type = _device_type(example_inputs)
         report.kernels = _kernel_choices(gm, device_type)
         self.on_graph(report)
@@ -118,7 +123,7 @@ class Backend:
         recorded = torch._dynamo.utils.graph_break_reasons
         if self._breaks_seen > len(recorded):  # torch._dynamo.reset() cleared them
             self._breaks_seen = 0
-        new, self._breaks_seen = recorded[self._breaks_seen:], len(recorded)
+        new, self._breaks_seen = recorded[self._breaks_seen :], len(recorded)
         reason = getattr(gm, "compile_subgraph_reason", None)
         if reason is None or not reason.graph_break:
             return
@@ -150,8 +155,7 @@ class Backend:
                 log.info("graph %d: offload pass off: %s", report.graph_id, REGIONS_HIDE_SAVED)
                 report.passes.append(PassResult(OFFLOAD, disabled=REGIONS_HIDE_SAVED))
             else:
-                result, table = apply_offload(fw, bw, num_fwd_outputs, table, token_size,
-                                              contiguous_only=inductor)
+                result, table = apply_offload(fw, bw, num_fwd_outputs, table, token_size, contiguous_only=inductor)
                 report.passes.append(result)
             report.saved_activations = table
             return fw, bw
@@ -178,17 +182,27 @@ def _refuse_unshardable(report: GraphReport) -> None:
         return
     blockers = CompileReport(graphs=[report]).shard_blockers()
     if blockers:
-        what = (f"shared by ranks {list(ctx.group)}" if ctx.is_ring and ctx.group is not None
-                else f"a row of {len(ctx.seq_lens)} packed sequences")
-        raise ShardingError(f"micro-batch {ctx.micro_batch_id} is {what}, but a graph compiled for it cannot run "
-                            f"it: {'; '.join(blockers)}")
+        what = (
+            f"shared by ranks {list(ctx.group)}"
+            if ctx.is_ring and ctx.group is not None
+            else f"a row of {len(ctx.seq_lens)} packed sequences"
+        )
+        raise ShardingError(
+            f"micro-batch {ctx.micro_batch_id} is {what}, but a graph compiled for it cannot run "
+            f"it: {'; '.join(blockers)}"
+        )
 
 
 def _kernel_choices(gm: fx.GraphModule, device_type: str) -> dict[str, str]:
     """Each of our `KERNEL_OPS` the graph calls (in nested regions too) -> the kernels dispatch chooses for
     `device_type`: what they run on these inputs, recorded now rather than read back from the ops later."""
-    called = {node.target.name() for module in gm.modules() if isinstance(module, fx.GraphModule)
-              for node in module.graph.nodes if isinstance(node.target, torch._ops.OpOverload)}
+    called = {
+        node.target.name()
+        for module in gm.modules()
+        if isinstance(module, fx.GraphModule)
+        for node in module.graph.nodes
+        if isinstance(node.target, torch._ops.OpOverload)
+    }
     ours = [op for op in KERNEL_OPS if op in called]
     return dict.fromkeys(ours, choose(torch.device(device_type))) if ours else {}
 

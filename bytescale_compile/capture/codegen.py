@@ -37,8 +37,9 @@ from ..passes.report import GeneratedCode, GeneratedKernel, GraphReport
 __all__ = ["compile_with_inductor"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-_PARTITION_SOURCES = tuple(str(_PACKAGE / f) for f in ("capture/backend.py", "capture/saved.py", "passes/offload.py",
-                                                        "ops/offload.py"))
+_PARTITION_SOURCES = tuple(
+    str(_PACKAGE / f) for f in ("capture/backend.py", "capture/saved.py", "passes/offload.py", "ops/offload.py")
+)
 _WRAPPER_DEF = re.compile(r"^[ \t]*def (?:call|partitioned_\w+)\(", re.M)
 """The wrapper's `call` and the functions of the layer bodies it calls (each compiled once, listed once)."""
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.", re.M)
@@ -53,8 +54,9 @@ class _Partitioner(CustomPartitionerFn):
         self.partition = partition
         self.key = f"{get_hash_for_files(_PARTITION_SOURCES).hex()}:{config.partitioner}:{config.offload}"
 
-    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
-                 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def __call__(
+        self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
         return self.partition(gm, joint_inputs, **kwargs)
 
     def uuid(self) -> str:
@@ -65,15 +67,21 @@ class _Partitioner(CustomPartitionerFn):
         return str, (self.key,)
 
 
-def compile_with_inductor(gm: fx.GraphModule, example_inputs: list[Any], config: Config, report: GraphReport,
-                          partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]]) -> Callable:
+def compile_with_inductor(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    config: Config,
+    report: GraphReport,
+    partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
+) -> Callable:
     """`gm` compiled by Inductor, partitioned by `partition`; what Inductor generated goes to `report`."""
     patches = {"custom_partitioner_fn": _Partitioner(partition, config), "trace.provenance_tracking_level": 1}
     if config.offload != "off":
         patches |= {"allow_buffer_reuse": False, "inplace_buffers": False}
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile(report, config.keep_graph_text),
-                              config_patches=patches)
+        compiled = compile_fx(
+            gm, example_inputs, inner_compile=_inner_compile(report, config.keep_graph_text), config_patches=patches
+        )
     return cast(Callable, compiled)  # source text and weights come back only from AOTInductor
 
 
@@ -96,7 +104,7 @@ def _generated_code(graph: str, compiled: Any, cache_hit: bool) -> GeneratedCode
     Inductor's provenance map."""
     source = getattr(compiled, "source_code", "") or ""
     first = _WRAPPER_DEF.search(source)
-    body = source[first.start():] if first else ""
+    body = source[first.start() :] if first else ""
     defined = set(_KERNEL_DEF.findall(source))
     fused = _fused_nodes(getattr(compiled, "inductor_provenance_mapping_str", None))
     kernels = [GeneratedKernel(name, fused.get(name, [])) for name in _CALL.findall(body) if name in defined]

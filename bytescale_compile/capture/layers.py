@@ -30,8 +30,11 @@ def repeated_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
     Parameters, not length: a MoE layer's list of experts may be longer than the list of layers holding it.
     """
-    lists = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({_original(type(c)) for c in m}) == 1]
+    lists = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({_original(type(c)) for c in m}) == 1
+    ]
     return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()), default=None)
 
 
@@ -39,14 +42,19 @@ def mark_repeated_layers(model: nn.Module) -> str | None:
     """Mark each layer of `repeated_layers(model)` as a nested compile region; the list's path, or None."""
     found = repeated_layers(model)
     if found is None:
-        log.info("compile_layers_once: %s has no ModuleList of identical layers; compiling it whole",
-                 type(model).__name__)
+        log.info(
+            "compile_layers_once: %s has no ModuleList of identical layers; compiling it whole", type(model).__name__
+        )
         return None
     path, layers = found
     for layer in layers:
         layer.__class__ = _marked_class(type(layer))
-    log.info("compile_layers_once: the %d layers of `%s` (%s) share one compiled body", len(layers), path or "<root>",
-             _original(type(layers[0])).__name__)
+    log.info(
+        "compile_layers_once: the %d layers of `%s` (%s) share one compiled body",
+        len(layers),
+        path or "<root>",
+        _original(type(layers[0])).__name__,
+    )
     return path
 
 
@@ -63,6 +71,11 @@ def _marked_class(cls: type) -> type:
 def _subclass(cls: type) -> type:
     """Made once per class and reused: every model of the class shares one marked class, so Dynamo sees one."""
     forward = cast(type[nn.Module], cls).forward
-    namespace = {"forward": torch.compiler.nested_compile_region(forward), _MARKED: True,
-                 "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    namespace = {
+        "forward": torch.compiler.nested_compile_region(forward),
+        _MARKED: True,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
     return type(cls.__name__, (cls,), namespace)

@@ -34,21 +34,29 @@ def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int, token_size: torc
         per_token = _bytes_per_token(val, token_size)
         producer = _producer(node)
         owner = owners.setdefault(StorageWeakRef(val.untyped_storage()), node.name)
-        table.append(SavedActivation(
-            name=node.name,
-            shape=str(tuple(val.shape)).replace("'", ""),
-            dtype=str(val.dtype).removeprefix("torch."),
-            bytes_per_token=per_token,
-            layer=layer_index(producer),
-            source=source_module(producer),
-            decision="resident (no offload pass ran)" if per_token is not None else "resident (grows with T²)",
-            alias_of=None if owner == node.name else owner,
-        ))
+        table.append(
+            SavedActivation(
+                name=node.name,
+                shape=str(tuple(val.shape)).replace("'", ""),
+                dtype=str(val.dtype).removeprefix("torch."),
+                bytes_per_token=per_token,
+                layer=layer_index(producer),
+                source=source_module(producer),
+                decision="resident (no offload pass ran)" if per_token is not None else "resident (grows with T²)",
+                alias_of=None if owner == node.name else owner,
+            )
+        )
     return table
 
 
-_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.t.default,
-            torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int}
+_ALIASES = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.transpose.int,
+}
 
 
 def _producer(node: fx.Node) -> fx.Node:

@@ -200,7 +200,7 @@ def _check_tokenizer_meta(path: Path, info: object) -> None:
         return
     fields = ("name_or_path", "sha256", "eos_token_id")
     if not isinstance(info, dict) or any(k not in info for k in fields):
-        raise DatasetError(f"{path}: \"tokenizer\" must be null or an object with keys {list(fields)}, found {info!r}")
+        raise DatasetError(f'{path}: "tokenizer" must be null or an object with keys {list(fields)}, found {info!r}')
 
 
 def _read_offsets(path: Path, num_sequences: int, num_tokens: int) -> np.ndarray:
@@ -220,18 +220,14 @@ def _read_offsets(path: Path, num_sequences: int, num_tokens: int) -> np.ndarray
         )
     if np.any(np.diff(offsets) < 0):
         first = int(np.flatnonzero(np.diff(offsets) < 0)[0])
-        raise DatasetError(
-            f"{path}: offsets decrease at sequence {first} ({offsets[first]} -> {offsets[first + 1]})"
-        )
+        raise DatasetError(f"{path}: offsets decrease at sequence {first} ({offsets[first]} -> {offsets[first + 1]})")
     return offsets
 
 
 def _map_tokens(path: Path, dtype: np.dtype, num_tokens: int) -> np.ndarray:
     expected, actual = num_tokens * dtype.itemsize, path.stat().st_size
     if actual != expected:
-        raise DatasetError(
-            f"{path}: expected {expected} bytes ({num_tokens} tokens of {dtype}), found {actual} bytes"
-        )
+        raise DatasetError(f"{path}: expected {expected} bytes ({num_tokens} tokens of {dtype}), found {actual} bytes")
     return np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
 
 
@@ -243,8 +239,9 @@ class DatasetWriter:
     removes the files written, so a rerun finds no half dataset in its way.
     """
 
-    def __init__(self, prefix: str | Path, vocab_size: int = _BYTE_VOCAB_SIZE,
-                 tokenizer: TokenizerInfo | None = None) -> None:
+    def __init__(
+        self, prefix: str | Path, vocab_size: int = _BYTE_VOCAB_SIZE, tokenizer: TokenizerInfo | None = None
+    ) -> None:
         self.prefix = Path(prefix)
         self.vocab_size = vocab_size
         self.dtype = token_dtype(vocab_size)
@@ -276,8 +273,9 @@ class DatasetWriter:
         """One sequence: bytes (token = byte) or a 1-D array of integer ids below `vocab_size`."""
         ids = np.frombuffer(tokens, dtype=np.uint8) if isinstance(tokens, bytes) else np.asarray(tokens)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "ui"):
-            raise TypeError(f"{self.prefix}: a sequence must be bytes or a 1-D integer array, "
-                            f"got {ids.dtype} of shape {ids.shape}")
+            raise TypeError(
+                f"{self.prefix}: a sequence must be bytes or a 1-D integer array, got {ids.dtype} of shape {ids.shape}"
+            )
         if ids.size and not (0 <= ids.min() and ids.max() < self.vocab_size):
             raise DatasetError(
                 f"{self.prefix}: sequence {self.num_sequences} holds ids {ids.min()}..{ids.max()}, "
@@ -306,8 +304,13 @@ class DatasetWriter:
         return TokenDataset.open(self.prefix)
 
 
-def write_dataset(prefix: str | Path, documents: Iterable[bytes | np.ndarray], source: str,
-                  vocab_size: int = _BYTE_VOCAB_SIZE, tokenizer: TokenizerInfo | None = None) -> TokenDataset:
+def write_dataset(
+    prefix: str | Path,
+    documents: Iterable[bytes | np.ndarray],
+    source: str,
+    vocab_size: int = _BYTE_VOCAB_SIZE,
+    tokenizer: TokenizerInfo | None = None,
+) -> TokenDataset:
     """Stream `documents` (bytes, or 1-D arrays of ids below `vocab_size`; empty ones skipped) to
     `prefix` in the smallest dtype holding `vocab_size`; returns it opened. See `DatasetWriter`."""
     with DatasetWriter(prefix, vocab_size, tokenizer) as writer:
@@ -431,8 +434,13 @@ class GlobalBatchSampler:
         self._epoch, self._position = epoch, position
 
 
-def eval_batches(dataset: TokenDataset, global_tokens: int, max_len: int | None = None,
-                 max_tokens: int | None = None, min_len: int = 2) -> list[GlobalBatch]:
+def eval_batches(
+    dataset: TokenDataset,
+    global_tokens: int,
+    max_len: int | None = None,
+    max_tokens: int | None = None,
+    min_len: int = 2,
+) -> list[GlobalBatch]:
     """The sequences of at least `min_len` tokens in dataset order, each truncated to `max_len`, as batches
     of about `global_tokens` (the last may be smaller), until `max_tokens` tokens in all: the same held-out
     tokens at every evaluation."""

@@ -65,16 +65,28 @@ class PrepareReport:
             lines.append(f"{self.long_documents} documents longer than {self.max_len} tokens {done}")
         for name, ds in (("train", self.train), ("eval", self.eval)):
             if ds is not None:
-                lines.append(f"{name}: {ds.prefix}: {len(ds)} sequences, {int(ds.lengths.sum())} tokens "
-                             f"({ds.dtype}, vocab {ds.vocab_size})")
-        lines.append(f"{self.text_bytes / 1e6:.2f} MB of text in {self.seconds:.1f} s "
-                     f"({self.mb_per_second:.2f} MB/s)")
+                lines.append(
+                    f"{name}: {ds.prefix}: {len(ds)} sequences, {int(ds.lengths.sum())} tokens "
+                    f"({ds.dtype}, vocab {ds.vocab_size})"
+                )
+        lines.append(f"{self.text_bytes / 1e6:.2f} MB of text in {self.seconds:.1f} s ({self.mb_per_second:.2f} MB/s)")
         return "\n".join(lines)
 
 
-def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path, *, text_field: str = "text",
-            workers: int = 1, max_len: int | None = None, long_docs: str = "split", eval_fraction: float = 0.01,
-            seed: int = 0, overwrite: bool = False, progress: bool = False) -> PrepareReport:
+def prepare(
+    inputs: Sequence[str | Path],
+    tokenizer: str | Path,
+    out: str | Path,
+    *,
+    text_field: str = "text",
+    workers: int = 1,
+    max_len: int | None = None,
+    long_docs: str = "split",
+    eval_fraction: float = 0.01,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> PrepareReport:
     """Tokenize the documents of `inputs` with the tokenizer directory `tokenizer` into datasets at `out`
     and `eval_prefix(out)`. Inputs, tokenizer and outputs are all checked before any work starts."""
     _check_options(workers, max_len, long_docs, eval_fraction)
@@ -93,8 +105,11 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
         encoded = stack.enter_context(_encoded(chunks, loaded, workers))
         bar = stack.enter_context(tqdm(desc="tokenizing", unit="B", unit_scale=True, disable=not progress))
         train = stack.enter_context(DatasetWriter(train_prefix, loaded.vocab_size, loaded.info))
-        held_out = stack.enter_context(DatasetWriter(held_out_prefix, loaded.vocab_size, loaded.info)) \
-            if eval_fraction else None
+        held_out = (
+            stack.enter_context(DatasetWriter(held_out_prefix, loaded.vocab_size, loaded.info))
+            if eval_fraction
+            else None
+        )
         for docs, nbytes in encoded:
             for doc, is_eval in zip(docs, rng.random(len(docs)) < eval_fraction):
                 long_documents += max_len is not None and len(doc) > max_len
@@ -106,8 +121,9 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
         source = _describe(inputs, text_field, loaded.info, eval_fraction, seed)
         train_ds = train.finish(source)
         eval_ds = held_out.finish(f"held-out split of {train_prefix}: {source}") if held_out else None
-    return PrepareReport(train_ds, eval_ds, stats, long_documents, long_docs, max_len, text_bytes,
-                         time.perf_counter() - start)
+    return PrepareReport(
+        train_ds, eval_ds, stats, long_documents, long_docs, max_len, text_bytes, time.perf_counter() - start
+    )
 
 
 def _check_options(workers: int, max_len: int | None, long_docs: str, eval_fraction: float) -> None:
@@ -152,21 +168,27 @@ def _pieces(doc: np.ndarray, max_len: int | None, long_docs: str) -> list[np.nda
     return [doc[i : i + max_len] for i in range(0, len(doc), max_len)]
 
 
-def _check_filled(train: DatasetWriter, held_out: DatasetWriter | None, stats: SourceStats,
-                  eval_fraction: float) -> None:
+def _check_filled(
+    train: DatasetWriter, held_out: DatasetWriter | None, stats: SourceStats, eval_fraction: float
+) -> None:
     """An empty split is an error that says why, before either dataset is finished."""
     if train.num_sequences == 0:
         raise DatasetError(f"no documents to write to {train.prefix}:\n{stats.summary()}")
     if held_out is not None and held_out.num_sequences == 0:
-        raise DatasetError(f"no document of {stats.documents} fell into the eval split {held_out.prefix} at "
-                           f"eval_fraction {eval_fraction}: raise it (--eval-fraction), or pass 0 for no eval split")
+        raise DatasetError(
+            f"no document of {stats.documents} fell into the eval split {held_out.prefix} at "
+            f"eval_fraction {eval_fraction}: raise it (--eval-fraction), or pass 0 for no eval split"
+        )
 
 
-def _describe(inputs: Sequence[str | Path], text_field: str, info: TokenizerInfo, eval_fraction: float,
-              seed: int) -> str:
+def _describe(
+    inputs: Sequence[str | Path], text_field: str, info: TokenizerInfo, eval_fraction: float, seed: int
+) -> str:
     shown = ", ".join(map(str, inputs[:5])) + (f" and {len(inputs) - 5} more" if len(inputs) > 5 else "")
-    return (f"{shown} (field {text_field!r}), tokenized by {info.name_or_path} with EOS appended; "
-            f"eval fraction {eval_fraction}, seed {seed}")
+    return (
+        f"{shown} (field {text_field!r}), tokenized by {info.name_or_path} with EOS appended; "
+        f"eval fraction {eval_fraction}, seed {seed}"
+    )
 
 
 @dataclass(frozen=True)
@@ -178,8 +200,9 @@ class _Encoder:
     dtype: np.dtype
 
     def __call__(self, texts: list[str]) -> tuple[list[np.ndarray], int]:
-        rows = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
-                              return_token_type_ids=False, verbose=False)["input_ids"]
+        rows = self.tokenizer(
+            texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False, verbose=False
+        )["input_ids"]
         docs = []
         for row in rows:
             doc = np.empty(len(row) + 1, dtype=self.dtype)
@@ -204,8 +227,9 @@ def _encode_in_worker(texts: list[str]) -> tuple[list[np.ndarray], int]:
 
 
 @contextmanager
-def _encoded(chunks: Iterable[list[str]], loaded: LoadedTokenizer,
-             workers: int) -> Iterator[Iterator[tuple[list[np.ndarray], int]]]:
+def _encoded(
+    chunks: Iterable[list[str]], loaded: LoadedTokenizer, workers: int
+) -> Iterator[Iterator[tuple[list[np.ndarray], int]]]:
     """The chunks' encodings in order: in this process for one worker, else from a pool."""
     encoder = _Encoder(loaded.tokenizer, loaded.info.eos_token_id, token_dtype(loaded.vocab_size))
     if workers == 1:

@@ -64,8 +64,12 @@ class SourceStats:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"records": self.records, "documents": self.documents, "skipped": dict(self.skipped),
-                "examples": self.examples}
+        return {
+            "records": self.records,
+            "documents": self.documents,
+            "skipped": dict(self.skipped),
+            "examples": self.examples,
+        }
 
 
 def resolve_inputs(inputs: Sequence[str | Path]) -> list[Source]:
@@ -85,7 +89,9 @@ def _expand(path: Path) -> Iterator[Source]:
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
         if not splits:
             raise SourceError(f"{path} is a DatasetDict without splits")
-        raise SourceError(f"{path} is a DatasetDict with splits {splits}: pass the split to read, e.g. {path / splits[0]}")
+        raise SourceError(
+            f"{path} is a DatasetDict with splits {splits}: pass the split to read, e.g. {path / splits[0]}"
+        )
     if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         yield Source("datasets", path)
     elif path.is_dir():

@@ -52,16 +52,26 @@ class TrainedTokenizer:
         return f"{self.sources.summary()}\ntokenizer: {self.path}, vocab {self.vocab_size} (special tokens {specials})"
 
 
-def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out: str | Path, *, text_field: str = "text",
-                    min_frequency: int = 2, overwrite: bool = False, progress: bool = False) -> TrainedTokenizer:
+def train_tokenizer(
+    inputs: Sequence[str | Path],
+    vocab_size: int,
+    out: str | Path,
+    *,
+    text_field: str = "text",
+    min_frequency: int = 2,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> TrainedTokenizer:
     """Train a byte-level BPE on the documents of `inputs` (formats as in `sources`) and save it to `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     smallest = _BYTE_ALPHABET + len(_SPECIAL_TOKENS)
     if vocab_size < smallest:
-        raise ValueError(f"vocab_size must be at least {smallest} (256 byte symbols + {len(_SPECIAL_TOKENS)} "
-                         f"special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be at least {smallest} (256 byte symbols + {len(_SPECIAL_TOKENS)} "
+            f"special tokens), got {vocab_size}"
+        )
     out = Path(out)
     existing = [p for p in (out / "tokenizer.json", out / "tokenizer_config.json") if p.exists()]
     if existing and not overwrite:
@@ -71,9 +81,13 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out: str | Pa
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=progress,
-                                  special_tokens=list(_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        show_progress=progress,
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(documents, trainer)
     if stats.documents == 0:
         raise SourceError(f"no documents to train on in {[str(p) for p in inputs]}:\n{stats.summary()}")
@@ -97,15 +111,19 @@ def load_tokenizer(path: str | Path) -> LoadedTokenizer:
 
     path = Path(path)
     if not path.is_dir():
-        raise TokenizerError(f"tokenizer directory {path} does not exist (expected a directory saved with "
-                             f"save_pretrained, or one made by `bytescale-compile tokenizer train`)")
+        raise TokenizerError(
+            f"tokenizer directory {path} does not exist (expected a directory saved with "
+            f"save_pretrained, or one made by `bytescale-compile tokenizer train`)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TokenizerError(f"cannot load a tokenizer from {path}: {e}") from e
     if tokenizer.eos_token_id is None:
-        raise TokenizerError(f"the tokenizer in {path} defines no EOS token, which is appended to every document: "
-                             f"add one (tokenizer.add_special_tokens({{'eos_token': ...}}), then save_pretrained)")
+        raise TokenizerError(
+            f"the tokenizer in {path} defines no EOS token, which is appended to every document: "
+            f"add one (tokenizer.add_special_tokens({{'eos_token': ...}}), then save_pretrained)"
+        )
     vocab_size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
     info = TokenizerInfo(str(path.resolve()), _sha256(path, tokenizer), int(tokenizer.eos_token_id))
     return LoadedTokenizer(tokenizer, info, vocab_size)

@@ -78,8 +78,9 @@ class AttentionMask:
     def __post_init__(self) -> None:
         check_attention_options(self.window, None)
         if self.offset < 0:
-            raise ValueError(f"attention block offset (first query position - first key position) must be >= 0, "
-                             f"got {self.offset}")
+            raise ValueError(
+                f"attention block offset (first query position - first key position) must be >= 0, got {self.offset}"
+            )
 
     def visible(self, tq: int, tk: int, device: torch.device | str = "cpu") -> Tensor:
         """Dense boolean `[tq, tk]`: True where query i sees key j."""
@@ -137,8 +138,9 @@ def check_attention_shapes(q: Tensor, k: Tensor, v: Tensor, same_length: bool = 
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D [B, H, T, D] q/k/v, got {shapes}")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"attention expects k and v with the same B, Hkv and T (only the head dim may differ), "
-                         f"got {shapes}")
+        raise ValueError(
+            f"attention expects k and v with the same B, Hkv and T (only the head dim may differ), got {shapes}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"attention expects q and k with the same B and head dim D, got {shapes}")
     if same_length and q.shape[2] != k.shape[2]:
@@ -154,8 +156,12 @@ def empty_like_order(ref: Tensor, shape: Sequence[int] | None = None, dtype: tor
     """
     strides = torch.empty_like(ref, device="meta").stride()
     order = sorted(range(ref.dim()), key=lambda d: -strides[d])
-    return torch.empty_permuted(tuple(ref.shape if shape is None else shape), order,
-                                dtype=ref.dtype if dtype is None else dtype, device=ref.device)
+    return torch.empty_permuted(
+        tuple(ref.shape if shape is None else shape),
+        order,
+        dtype=ref.dtype if dtype is None else dtype,
+        device=ref.device,
+    )
 
 
 def layout_like(t: Tensor, ref: Tensor) -> Tensor:
@@ -211,8 +217,9 @@ def _probs(scores: Tensor, lse: Tensor) -> Tensor:
     return torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse).unsqueeze(-1))
 
 
-def _math_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask,
-              softcap: float | None) -> tuple[Tensor, Tensor]:
+def _math_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask, softcap: float | None
+) -> tuple[Tensor, Tensor]:
     scores, _ = _scores(q, k, scale, mask, softcap)
     lse = torch.logsumexp(scores, dim=-1)
     v = _repeat_kv(v, q.shape[1] // v.shape[1]).to(scores.dtype)
@@ -220,8 +227,16 @@ def _math_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask
     return layout_like(out, q), lse.to(torch.float32).contiguous()
 
 
-def _math_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask,
-              softcap: float | None, saved: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+def _math_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    mask: AttentionMask,
+    softcap: float | None,
+    saved: tuple[Tensor, Tensor] | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients from P = exp(S - lse) and delta = rowsum(dO * O), with (out, lse) `saved` or recomputed."""
     n_rep = q.shape[1] // k.shape[1]
     scores, tanh = _scores(q, k, scale, mask, softcap)
@@ -256,8 +271,15 @@ def _grads_like(dq: Tensor, dk: Tensor, dv: Tensor, q: Tensor, k: Tensor, v: Ten
 
 
 def math_causal_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True, *,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    causal: bool = True,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Attention spelled out over the whole block (scores, cap, mask, lse, softmax): slow, but obviously right."""
     check_attention_options(None, softcap)
@@ -265,8 +287,16 @@ def math_causal_attention_fwd(
 
 
 def math_causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True, *,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    causal: bool = True,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `math_causal_attention_fwd`, recomputing the softmax from scratch.
 
@@ -278,8 +308,18 @@ def math_causal_attention_bwd(
 
 
 def math_attention_bwd_from_lse(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, *,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block of a larger attention, given the *final* out and lse of its queries.
 
@@ -353,8 +393,9 @@ def _flash_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMas
     return layout_like(out[..., : v.shape[-1]], q), lse.to(torch.float32).contiguous()
 
 
-def _flash_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-               mask: AttentionMask) -> tuple[Tensor, Tensor, Tensor]:
+def _flash_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, mask: AttentionMask
+) -> tuple[Tensor, Tensor, Tensor]:
     causal, bias = _fused_mask(mask, q, k)
     width = max(q.shape[-1], v.shape[-1])
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -365,7 +406,14 @@ def _flash_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 
 def cpu_flash_causal_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True, *, window: int | None = None, offset: int = 0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    causal: bool = True,
+    *,
+    window: int | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Attention through aten's fused CPU flash kernel (the one eager SDPA uses), in one call.
 
@@ -375,8 +423,17 @@ def cpu_flash_causal_attention_fwd(
 
 
 def cpu_flash_causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool = True, *,
-    window: int | None = None, offset: int = 0,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool = True,
+    *,
+    window: int | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients through aten's fused CPU flash backward, reusing the (final) out and lse."""
     return _flash_bwd(grad_out, q, k, v, out, lse, scale, AttentionMask(causal, window, offset))
@@ -385,16 +442,26 @@ def cpu_flash_causal_attention_bwd(
 # --- tiles ----------------------------------------------------------------------------------------
 
 
-def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask,
-               softcap: float | None) -> tuple[Tensor, Tensor]:
+def _block_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask, softcap: float | None
+) -> tuple[Tensor, Tensor]:
     """One block in one call: fused when it can be, math otherwise."""
     if softcap is None and _use_cpu_flash(q, k, v):
         return _flash_fwd(q, k, v, scale, mask)
     return _math_fwd(q, k, v, scale, mask, softcap)
 
 
-def _block_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-               mask: AttentionMask, softcap: float | None) -> tuple[Tensor, Tensor, Tensor]:
+def _block_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    mask: AttentionMask,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     if softcap is None and _use_cpu_flash(q, k, v):
         return _flash_bwd(grad_out, q, k, v, out, lse, scale, mask)
     return _math_bwd(grad_out, q, k, v, scale, mask, softcap, (out, lse))
@@ -412,8 +479,9 @@ def _tile_rows(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, softcap: fl
     return max(1, min(_TILE_ROWS, _TILE_ELEMENTS // per_row))
 
 
-def _tiles(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
-           softcap: float | None) -> Iterator[tuple[slice, slice, AttentionMask]]:
+def _tiles(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, softcap: float | None
+) -> Iterator[tuple[slice, slice, AttentionMask]]:
     """(query rows, their keys, the tile's mask) covering every query that sees a key."""
     tk = k.shape[2]
     step = _tile_rows(q, k, v, mask, softcap)
@@ -429,8 +497,9 @@ def _is_one_tile(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, softcap: 
     return mask.rows_with_keys(tq, k.shape[2]) == tq and _tile_rows(q, k, v, mask, softcap) >= tq
 
 
-def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask,
-                   softcap: float | None) -> tuple[Tensor, Tensor]:
+def _attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: AttentionMask, softcap: float | None
+) -> tuple[Tensor, Tensor]:
     """out and lse of one block, tiled over queries when a mask or the scores' size asks for it."""
     check_attention_options(None, softcap)
     if _is_one_tile(q, k, v, mask, softcap):
@@ -438,13 +507,23 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Attentio
     out = empty_attention_out(q, v).zero_()
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for rows, keys, tile_mask in _tiles(q, k, v, mask, softcap):
-        out[:, :, rows], lse[:, :, rows] = _block_fwd(q[:, :, rows], k[:, :, keys], v[:, :, keys], scale,
-                                                      tile_mask, softcap)
+        out[:, :, rows], lse[:, :, rows] = _block_fwd(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], scale, tile_mask, softcap
+        )
     return out, lse
 
 
-def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                   mask: AttentionMask, softcap: float | None) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    mask: AttentionMask,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `_attention_fwd` given the final out/lse; tiles' dk/dv add up in the compute dtype."""
     check_attention_options(None, softcap)
     if _is_one_tile(q, k, v, mask, softcap):
@@ -454,8 +533,16 @@ def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     dv = torch.zeros(v.shape, dtype=_compute_dtype(v.dtype), device=v.device)
     for rows, keys, tile_mask in _tiles(q, k, v, mask, softcap):
         dq[:, :, rows], dk_tile, dv_tile = _block_bwd(
-            grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-            scale, tile_mask, softcap)
+            grad_out[:, :, rows],
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            out[:, :, rows],
+            lse[:, :, rows],
+            scale,
+            tile_mask,
+            softcap,
+        )
         dk[:, :, keys] += dk_tile
         dv[:, :, keys] += dv_tile
     return dq, layout_like(dk.to(k.dtype), k), layout_like(dv.to(v.dtype), v)
@@ -465,15 +552,29 @@ def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 
 def causal_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, *, window: int | None = None, softcap: float | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal (sliding-window) attention per batch row: (out `[B, Hq, T, Dv]`, float32 lse `[B, Hq, T]`)."""
     return _attention_fwd(q, k, v, scale, AttentionMask(True, window), softcap)
 
 
 def causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, *,
-    window: int | None = None, softcap: float | None = None,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `causal_attention_fwd`; dk/dv summed over each kv group, in k/v's dtype."""
     return _attention_bwd(grad_out, q, k, v, out, lse, scale, AttentionMask(True, window), softcap)
@@ -495,8 +596,14 @@ def _check_single_row(q: Tensor) -> None:
 
 
 def segment_causal_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | Sequence[int], scale: float, *,
-    window: int | None = None, softcap: float | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal (sliding-window) attention within each packed sequence of a single row (B == 1)."""
     _check_single_row(q)
@@ -511,8 +618,17 @@ def segment_causal_attention_fwd(
 
 
 def segment_causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor | Sequence[int],
-    scale: float, *, window: int | None = None, softcap: float | None = None,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `segment_causal_attention_fwd`, one packed sequence at a time."""
     _check_single_row(q)
@@ -527,16 +643,33 @@ def segment_causal_attention_bwd(
 
 
 def block_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, *,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    causal: bool,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """One block of a distributed attention (Tq may differ from Tk), masked per `AttentionMask`."""
     return _attention_fwd(q, k, v, scale, AttentionMask(causal, window, offset), softcap)
 
 
 def block_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, *,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Partial gradients of one block given the merged out and lse of its queries."""
     return _attention_bwd(grad_out, q, k, v, out, lse, scale, AttentionMask(causal, window, offset), softcap)

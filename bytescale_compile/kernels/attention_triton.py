@@ -44,8 +44,16 @@ from .attention_ref import (
 )
 from .triton_mode import built_for_interpreter
 
-__all__ = ["INTERPRETED", "SegmentTable", "TileConfig", "attention_fwd", "attention_bwd", "fp32_precision",
-           "segment_table", "tile_config"]
+__all__ = [
+    "INTERPRETED",
+    "SegmentTable",
+    "TileConfig",
+    "attention_fwd",
+    "attention_bwd",
+    "fp32_precision",
+    "segment_table",
+    "tile_config",
+]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -77,8 +85,16 @@ def _origin(b, h, row, stride_b, stride_h, stride_t):
 
 
 @triton.jit
-def _key_range(start_m, k_len, offset, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+def _key_range(
+    start_m,
+    k_len,
+    offset,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """[lo, hi) of the keys that queries [start_m, start_m + BLOCK_M) may see; lo on a key block edge."""
     lo = 0
     hi = k_len
@@ -130,11 +146,49 @@ def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, SEGS, STARTS,
-    sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod, slb, slh, slt,
-    group, head_dim, v_dim, scale, softcap, offset, window,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    CU_Q,
+    CU_K,
+    SEGS,
+    STARTS,
+    sqb,
+    sqh,
+    sqt,
+    sqd,
+    skb,
+    skh,
+    skt,
+    skd,
+    svb,
+    svh,
+    svt,
+    svd,
+    sob,
+    soh,
+    sot,
+    sod,
+    slb,
+    slh,
+    slt,
+    group,
+    head_dim,
+    v_dim,
+    scale,
+    softcap,
+    offset,
+    window,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """One query block of one head of one segment: online softmax over its visible key blocks."""
     b, h, start_m, q_start, q_len, k_start, k_len = _program(CU_Q, CU_K, SEGS, STARTS)
@@ -149,8 +203,11 @@ def _fwd_kernel(
     dv_ok = offs_dv < v_dim
     row0 = q_start + start_m  # int64 tile origins; int32 offsets within a tile
 
-    q = tl.load(Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     k_head = K + _origin(b, kvh, 0, skb, skh, skt)
     v_head = V + _origin(b, kvh, 0, svb, svh, svt)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -161,8 +218,11 @@ def _fwd_kernel(
         cols = start_n + offs_n
         col_ok = cols < k_len
         col0 = k_start + start_n
-        k_t = tl.load(k_head + col0 * skt + offs_n[None, :] * skt + offs_d[:, None] * skd,
-                      mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+        k_t = tl.load(
+            k_head + col0 * skt + offs_n[None, :] * skt + offs_d[:, None] * skd,
+            mask=d_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         s, _ = _scores(tl.dot(q, k_t, input_precision=PRECISION), scale, softcap, SOFTCAP)
         visible = _visible(col_ok[None, :], offs_m[:, None], cols[None, :], offset, window, CAUSAL, WINDOW)
         s = tl.where(visible, s, float("-inf"))
@@ -173,22 +233,41 @@ def _fwd_kernel(
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head + col0 * svt + offs_n[:, None] * svt + offs_dv[None, :] * svd,
-                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = tl.load(
+            v_head + col0 * svt + offs_n[:, None] * svt + offs_dv[None, :] * svd,
+            mask=col_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a query without keys: out 0, lse -inf
     out = acc / l_safe[:, None]
-    tl.store(O + _origin(b, h, row0, sob, soh, sot) + tile_m[:, None] * sot + offs_dv[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(
+        O + _origin(b, h, row0, sob, soh, sot) + tile_m[:, None] * sot + offs_dv[None, :] * sod,
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & dv_ok[None, :],
+    )
     tl.store(LSE + _origin(b, h, row0, slb, slh, slt) + tile_m * slt, (m_i + tl.log2(l_safe)) * _LN2, mask=row_ok)
 
 
 @triton.jit
 def _delta_kernel(
-    O, DO, DELTA, sob, soh, sot, sod, sdb, sdh, sdt, sdd, T, v_dim,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    sob,
+    soh,
+    sot,
+    sod,
+    sdb,
+    sdh,
+    sdt,
+    sdd,
+    T,
+    v_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32, laid out contiguous [B, Hq, T]."""
     b = tl.program_id(2).to(tl.int64)
@@ -199,22 +278,74 @@ def _delta_kernel(
     offs_d = tl.arange(0, BLOCK_DV)
     row_ok = row0 + tile_m < T
     mask = row_ok[:, None] & (offs_d < v_dim)[None, :]
-    o = tl.load(O + _origin(b, h, row0, sob, soh, sot) + tile_m[:, None] * sot + offs_d[None, :] * sod, mask=mask,
-                other=0.0)
-    do = tl.load(DO + _origin(b, h, row0, sdb, sdh, sdt) + tile_m[:, None] * sdt + offs_d[None, :] * sdd, mask=mask,
-                 other=0.0)
+    o = tl.load(
+        O + _origin(b, h, row0, sob, soh, sot) + tile_m[:, None] * sot + offs_d[None, :] * sod, mask=mask, other=0.0
+    )
+    do = tl.load(
+        DO + _origin(b, h, row0, sdb, sdh, sdt) + tile_m[:, None] * sdt + offs_d[None, :] * sdd, mask=mask, other=0.0
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + (b * n_heads + h) * T + row0 + tile_m, delta, mask=row_ok)
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SEGS, STARTS,
-    sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod, slb, slh, slt,
-    sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd,
-    group, head_dim, v_dim, Tq, n_q_heads, scale, softcap, offset, window,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    CU_Q,
+    CU_K,
+    SEGS,
+    STARTS,
+    sqb,
+    sqh,
+    sqt,
+    sqd,
+    skb,
+    skh,
+    skt,
+    skd,
+    svb,
+    svh,
+    svt,
+    svd,
+    sdob,
+    sdoh,
+    sdot,
+    sdod,
+    slb,
+    slh,
+    slt,
+    sdkb,
+    sdkh,
+    sdkt,
+    sdkd,
+    sdvb,
+    sdvh,
+    sdvt,
+    sdvd,
+    group,
+    head_dim,
+    v_dim,
+    Tq,
+    n_q_heads,
+    scale,
+    softcap,
+    offset,
+    window,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """One key block of one kv head: dk, dv summed over the group's query heads and visible queries."""
     b, kvh, start_n, q_start, q_len, k_start, k_len = _program(CU_Q, CU_K, SEGS, STARTS)
@@ -229,10 +360,14 @@ def _dkdv_kernel(
     k_mask = col_ok[:, None] & d_ok[None, :]
     v_mask = col_ok[:, None] & dv_ok[None, :]
     col0 = k_start + start_n  # int64 tile origins; int32 offsets within a tile
-    k = tl.load(K + _origin(b, kvh, col0, skb, skh, skt) + tile_n[:, None] * skt + offs_d[None, :] * skd,
-                mask=k_mask, other=0.0)
-    v = tl.load(V + _origin(b, kvh, col0, svb, svh, svt) + tile_n[:, None] * svt + offs_dv[None, :] * svd,
-                mask=v_mask, other=0.0)
+    k = tl.load(
+        K + _origin(b, kvh, col0, skb, skh, skt) + tile_n[:, None] * skt + offs_d[None, :] * skd, mask=k_mask, other=0.0
+    )
+    v = tl.load(
+        V + _origin(b, kvh, col0, svb, svh, svt) + tile_n[:, None] * svt + offs_dv[None, :] * svd,
+        mask=v_mask,
+        other=0.0,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, hi = _query_range(start_n, q_len, offset, window, BLOCK_N, CAUSAL, WINDOW)
@@ -241,14 +376,21 @@ def _dkdv_kernel(
             offs_m = start_m + tile_m
             row_ok = offs_m < q_len
             row0 = q_start + start_m
-            q = tl.load(Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd,
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(DO + _origin(b, h, row0, sdob, sdoh, sdot) + tile_m[:, None] * sdot
-                         + offs_dv[None, :] * sdod, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+            q = tl.load(
+                Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            do = tl.load(
+                DO + _origin(b, h, row0, sdob, sdoh, sdot) + tile_m[:, None] * sdot + offs_dv[None, :] * sdod,
+                mask=row_ok[:, None] & dv_ok[None, :],
+                other=0.0,
+            )
             lse2 = tl.load(LSE + _origin(b, h, row0, slb, slh, slt) + tile_m * slt, mask=row_ok, other=0.0) * _LOG2E
             delta = tl.load(DELTA + (b * n_q_heads + h) * Tq + row0 + tile_m, mask=row_ok, other=0.0)
-            visible = _visible(col_ok[:, None] & row_ok[None, :], offs_m[None, :], cols[:, None], offset, window,
-                               CAUSAL, WINDOW)
+            visible = _visible(
+                col_ok[:, None] & row_ok[None, :], offs_m[None, :], cols[:, None], offset, window, CAUSAL, WINDOW
+            )
             s_t, t_t = _scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), scale, softcap, SOFTCAP)
             p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
@@ -257,20 +399,71 @@ def _dkdv_kernel(
             if SOFTCAP:
                 ds_t = ds_t * (1.0 - t_t * t_t)
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-    tl.store(DK + _origin(b, kvh, col0, sdkb, sdkh, sdkt) + tile_n[:, None] * sdkt + offs_d[None, :] * sdkd,
-             (dk * scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(DV + _origin(b, kvh, col0, sdvb, sdvh, sdvt) + tile_n[:, None] * sdvt + offs_dv[None, :] * sdvd,
-             dv.to(DV.dtype.element_ty), mask=v_mask)
+    tl.store(
+        DK + _origin(b, kvh, col0, sdkb, sdkh, sdkt) + tile_n[:, None] * sdkt + offs_d[None, :] * sdkd,
+        (dk * scale).to(DK.dtype.element_ty),
+        mask=k_mask,
+    )
+    tl.store(
+        DV + _origin(b, kvh, col0, sdvb, sdvh, sdvt) + tile_n[:, None] * sdvt + offs_dv[None, :] * sdvd,
+        dv.to(DV.dtype.element_ty),
+        mask=v_mask,
+    )
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SEGS, STARTS,
-    sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod, slb, slh, slt,
-    sdqb, sdqh, sdqt, sdqd,
-    group, head_dim, v_dim, Tq, n_q_heads, scale, softcap, offset, window,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    CU_Q,
+    CU_K,
+    SEGS,
+    STARTS,
+    sqb,
+    sqh,
+    sqt,
+    sqd,
+    skb,
+    skh,
+    skt,
+    skd,
+    svb,
+    svh,
+    svt,
+    svd,
+    sdob,
+    sdoh,
+    sdot,
+    sdod,
+    slb,
+    slh,
+    slt,
+    sdqb,
+    sdqh,
+    sdqt,
+    sdqd,
+    group,
+    head_dim,
+    v_dim,
+    Tq,
+    n_q_heads,
+    scale,
+    softcap,
+    offset,
+    window,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """One query block of one head: dq over its visible key blocks."""
     b, h, start_m, q_start, q_len, k_start, k_len = _program(CU_Q, CU_K, SEGS, STARTS)
@@ -285,10 +478,14 @@ def _dq_kernel(
     dv_ok = offs_dv < v_dim
     q_mask = row_ok[:, None] & d_ok[None, :]
     row0 = q_start + start_m  # int64 tile origins; int32 offsets within a tile
-    q = tl.load(Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + _origin(b, h, row0, sdob, sdoh, sdot) + tile_m[:, None] * sdot + offs_dv[None, :] * sdod,
-                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + _origin(b, h, row0, sqb, sqh, sqt) + tile_m[:, None] * sqt + offs_d[None, :] * sqd, mask=q_mask, other=0.0
+    )
+    do = tl.load(
+        DO + _origin(b, h, row0, sdob, sdoh, sdot) + tile_m[:, None] * sdot + offs_dv[None, :] * sdod,
+        mask=row_ok[:, None] & dv_ok[None, :],
+        other=0.0,
+    )
     lse2 = tl.load(LSE + _origin(b, h, row0, slb, slh, slt) + tile_m * slt, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(DELTA + (b * n_q_heads + h) * Tq + row0 + tile_m, mask=row_ok, other=0.0)
     k_head = K + _origin(b, kvh, 0, skb, skh, skt)
@@ -299,12 +496,19 @@ def _dq_kernel(
         cols = start_n + offs_n
         col_ok = cols < k_len
         col0 = k_start + start_n
-        k = tl.load(k_head + col0 * skt + offs_n[:, None] * skt + offs_d[None, :] * skd,
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_head + col0 * svt + offs_n[:, None] * svt + offs_dv[None, :] * svd,
-                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
-        visible = _visible(row_ok[:, None] & col_ok[None, :], offs_m[:, None], cols[None, :], offset, window,
-                           CAUSAL, WINDOW)
+        k = tl.load(
+            k_head + col0 * skt + offs_n[:, None] * skt + offs_d[None, :] * skd,
+            mask=col_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_head + col0 * svt + offs_n[:, None] * svt + offs_dv[None, :] * svd,
+            mask=col_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        visible = _visible(
+            row_ok[:, None] & col_ok[None, :], offs_m[:, None], cols[None, :], offset, window, CAUSAL, WINDOW
+        )
         s, t = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -312,8 +516,11 @@ def _dq_kernel(
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + _origin(b, h, row0, sdqb, sdqh, sdqt) + tile_m[:, None] * sdqt + offs_d[None, :] * sdqd,
-             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(
+        DQ + _origin(b, h, row0, sdqb, sdqh, sdqt) + tile_m[:, None] * sdqt + offs_d[None, :] * sdqd,
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
 # --- host side ------------------------------------------------------------------------------------
@@ -383,8 +590,10 @@ def tile_config(head_dim: int, v_dim: int, dtype: torch.dtype, shared_memory_byt
         cfg = TileConfig(block_m, block_n, bwd, block_d, block_dv, precision)
         if cfg.shared_memory_bytes(dtype.itemsize) <= shared_memory_bytes:
             return cfg
-    raise ValueError(f"attention head dims D={head_dim}, Dv={v_dim} in {dtype} need more shared memory than the "
-                     f"device's {shared_memory_bytes} bytes even with 16-wide tiles")
+    raise ValueError(
+        f"attention head dims D={head_dim}, Dv={v_dim} in {dtype} need more shared memory than the "
+        f"device's {shared_memory_bytes} bytes even with 16-wide tiles"
+    )
 
 
 def _config(q: Tensor, v: Tensor) -> TileConfig:
@@ -453,13 +662,16 @@ class SegmentTable:
 
 
 @functools.lru_cache(maxsize=256)
-def segment_table(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], cfg: TileConfig,
-                  device: torch.device) -> SegmentTable:
+def segment_table(
+    bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], cfg: TileConfig, device: torch.device
+) -> SegmentTable:
     """The `SegmentTable` of a packing, built on the host and copied once: cached, so every layer,
     forward and backward, and every ring block of a micro-batch reuse one device copy."""
     if len(bounds_q) != len(bounds_k):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must list the same number of segments, "
-                         f"got {len(bounds_q) - 1} and {len(bounds_k) - 1}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must list the same number of segments, "
+            f"got {len(bounds_q) - 1} and {len(bounds_k) - 1}"
+        )
     parts = [torch.tensor(bounds_q), torch.tensor(bounds_k)]
     for bounds, block in ((bounds_q, cfg.block_m), (bounds_q, cfg.bwd_block), (bounds_k, cfg.bwd_block)):
         parts.extend(_blocks(bounds, block))
@@ -468,16 +680,28 @@ def segment_table(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], cfg: Til
     return SegmentTable(views[0], views[1], views[2:4], views[4:6], views[6:8])
 
 
-def _table(cu_q: Tensor | Sequence[int] | None, cu_k: Tensor | Sequence[int] | None, tq: int, tk: int,
-           cfg: TileConfig, device: torch.device) -> SegmentTable:
+def _table(
+    cu_q: Tensor | Sequence[int] | None,
+    cu_k: Tensor | Sequence[int] | None,
+    tq: int,
+    tk: int,
+    cfg: TileConfig,
+    device: torch.device,
+) -> SegmentTable:
     return segment_table(_host_bounds(cu_q, tq), _host_bounds(cu_k, tk), cfg, device)
 
 
 def _mask_args(causal: bool, window: int | None, softcap: float | None, offset: int) -> dict[str, Any]:
     """The mask and cap as kernel arguments (`AttentionMask` validates the window and offset)."""
     mask = AttentionMask(causal, window, offset)
-    return {"CAUSAL": mask.causal, "WINDOW": mask.window is not None, "SOFTCAP": softcap is not None,
-            "window": mask.window or 0, "softcap": softcap or 1.0, "offset": mask.offset}
+    return {
+        "CAUSAL": mask.causal,
+        "WINDOW": mask.window is not None,
+        "SOFTCAP": softcap is not None,
+        "window": mask.window or 0,
+        "softcap": softcap or 1.0,
+        "offset": mask.offset,
+    }
 
 
 def _strides(*tensors: Tensor) -> list[int]:
@@ -485,9 +709,17 @@ def _strides(*tensors: Tensor) -> list[int]:
 
 
 def attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool,
-    cu_seqlens_q: Tensor | Sequence[int] | None = None, cu_seqlens_k: Tensor | Sequence[int] | None = None,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    *,
+    causal: bool,
+    cu_seqlens_q: Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: Tensor | Sequence[int] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(out `[B, Hq, Tq, Dv]` in q's order, lse fp32 `[B, Hq, Tq]`) of masked GQA attention per segment."""
     _check_inputs(q, k, v, softcap)
@@ -500,17 +732,45 @@ def attention_fwd(
     cfg = _config(q, v)
     table = _table(cu_seqlens_q, cu_seqlens_k, tq, k.shape[2], cfg, q.device)
     _fwd[(table.q_fwd[0].numel(), n_heads, b)](
-        q, k, v, out, lse, table.cu_q, table.cu_k, *table.q_fwd, *_strides(q, k, v, out, lse),
-        n_heads // k.shape[1], d, v.shape[-1], scale, **masking, PRECISION=cfg.precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, **_launch_options(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        table.cu_q,
+        table.cu_k,
+        *table.q_fwd,
+        *_strides(q, k, v, out, lse),
+        n_heads // k.shape[1],
+        d,
+        v.shape[-1],
+        scale,
+        **masking,
+        PRECISION=cfg.precision,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=cfg.block_d,
+        BLOCK_DV=cfg.block_dv,
+        **_launch_options(),
     )
     return out, lse
 
 
 def attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, *, causal: bool,
-    cu_seqlens_q: Tensor | Sequence[int] | None = None, cu_seqlens_k: Tensor | Sequence[int] | None = None,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    *,
+    causal: bool,
+    cu_seqlens_q: Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: Tensor | Sequence[int] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) like `empty_like` of q, k, v, given the final out and lse of the queries."""
     _check_inputs(q, k, v, softcap)
@@ -523,18 +783,35 @@ def attention_bwd(
     cfg = _config(q, v)
     table = _table(cu_seqlens_q, cu_seqlens_k, tq, tk, cfg, q.device)
     block = cfg.bwd_block
-    common = {**masking, "PRECISION": cfg.precision, "BLOCK_M": block, "BLOCK_N": block,
-              "BLOCK_D": cfg.block_d, "BLOCK_DV": cfg.block_dv, **_launch_options()}
+    common = {
+        **masking,
+        "PRECISION": cfg.precision,
+        "BLOCK_M": block,
+        "BLOCK_N": block,
+        "BLOCK_D": cfg.block_d,
+        "BLOCK_DV": cfg.block_dv,
+        **_launch_options(),
+    }
 
     delta = torch.empty(b, n_heads, tq, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(tq, block), n_heads, b)](
-        out, grad_out, delta, *_strides(out, grad_out), tq, d_v, BLOCK_M=block, BLOCK_DV=cfg.block_dv,
-        num_warps=1 if INTERPRETED else 4)
+        out,
+        grad_out,
+        delta,
+        *_strides(out, grad_out),
+        tq,
+        d_v,
+        BLOCK_M=block,
+        BLOCK_DV=cfg.block_dv,
+        num_warps=1 if INTERPRETED else 4,
+    )
     inputs = (q, k, v, grad_out, lse, delta)
     strides = _strides(q, k, v, grad_out, lse)
     sizes = (n_heads // n_kv, d, d_v, tq, n_heads, scale)
     _dkdv[(table.k_bwd[0].numel(), n_kv, b)](
-        *inputs, dk, dv, table.cu_q, table.cu_k, *table.k_bwd, *strides, *_strides(dk, dv), *sizes, **common)
+        *inputs, dk, dv, table.cu_q, table.cu_k, *table.k_bwd, *strides, *_strides(dk, dv), *sizes, **common
+    )
     _dq[(table.q_bwd[0].numel(), n_heads, b)](
-        *inputs, dq, table.cu_q, table.cu_k, *table.q_bwd, *strides, *_strides(dq), *sizes, **common)
+        *inputs, dq, table.cu_q, table.cu_k, *table.q_bwd, *strides, *_strides(dq), *sizes, **common
+    )
     return dq, dk, dv

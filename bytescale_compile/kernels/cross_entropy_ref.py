@@ -51,8 +51,11 @@ def _check_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> None:
     """
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if target.device.type != "cpu":
-        torch._assert_async(~bad.any(), f"a target value is out of range for vocabulary size V={vocab} "
-                                        f"(allowed: 0 <= target < {vocab}, or ignore_index={ignore_index})")
+        torch._assert_async(
+            ~bad.any(),
+            f"a target value is out of range for vocabulary size V={vocab} "
+            f"(allowed: 0 <= target < {vocab}, or ignore_index={ignore_index})",
+        )
         return
     if bool(bad.any()):
         value = int(target[bad][0])
@@ -194,8 +197,9 @@ def linear_cross_entropy_chunked(
     upcast_buffer = upcast and hidden.dtype != torch.float32
     work_dtype = torch.float32 if upcast_buffer else hidden.dtype
     work_bytes = work_dtype.itemsize * (int(upcast_buffer) + int(softcap is not None))
-    chunk_size = chunk_rows(chunk_size, hidden.shape[0], weight.shape[0], hidden.dtype.itemsize + work_bytes,
-                            hidden.device)
+    chunk_size = chunk_rows(
+        chunk_size, hidden.shape[0], weight.shape[0], hidden.dtype.itemsize + work_bytes, hidden.device
+    )
     buf_shape = (min(chunk_size, hidden.shape[0]), weight.shape[0])
     work_buf = hidden.new_empty(buf_shape, dtype=work_dtype) if upcast_buffer else None
     derivative_buf = hidden.new_empty(buf_shape, dtype=work_dtype) if softcap is not None else None

@@ -48,8 +48,18 @@ def _transformed(z, scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _cross_entropy_grad_kernel(
-    logits_ptr, stride_row, target_ptr, loss_ptr, weight_ptr, n_cols, ignore_index, z_loss_weight, scale, softcap,
-    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr,
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    loss_ptr,
+    weight_ptr,
+    n_cols,
+    ignore_index,
+    z_loss_weight,
+    scale,
+    softcap,
+    BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One row of z: loss (lse - x[target] + z_loss * lse²) of x = transformed z into loss_ptr,
     d(loss)/dz * weight over z."""
@@ -121,8 +131,18 @@ def cross_entropy_grad_(
         return loss
     block_v = min(_BLOCK_V_MAX, triton.next_power_of_2(n_cols))
     _cross_entropy_grad_kernel[(n_rows,)](
-        logits, logits.stride(0), target, loss, weight, n_cols, ignore_index, float(z_loss_weight), float(scale),
-        1.0 if softcap is None else float(softcap), BLOCK_V=block_v, SOFTCAP=softcap is not None,
+        logits,
+        logits.stride(0),
+        target,
+        loss,
+        weight,
+        n_cols,
+        ignore_index,
+        float(z_loss_weight),
+        float(scale),
+        1.0 if softcap is None else float(softcap),
+        BLOCK_V=block_v,
+        SOFTCAP=softcap is not None,
         num_warps=8 if block_v >= 4096 else 4,
     )
     return loss
@@ -155,8 +175,9 @@ def linear_cross_entropy_chunked_triton(
         row_weight /= (target != ignore_index).sum().clamp(min=1)
 
     def chunk_grad(logits: torch.Tensor, rows_of: slice) -> torch.Tensor:
-        return cross_entropy_grad_(logits, target[rows_of], ignore_index, row_weight, z_loss_weight, scale,
-                                   softcap).sum()
+        return cross_entropy_grad_(
+            logits, target[rows_of], ignore_index, row_weight, z_loss_weight, scale, softcap
+        ).sum()
 
     chunk_size = chunk_rows(chunk_size, hidden.shape[0], weight.shape[0], hidden.dtype.itemsize, hidden.device)
     return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)

@@ -43,15 +43,17 @@ class KernelUnavailableError(RuntimeError):
 
 
 def choose(device: torch.device) -> str:
-    """"triton" or "reference" for tensors on `device`, after the environment override."""
+    """ "triton" or "reference" for tensors on `device`, after the environment override."""
     wanted = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
     if wanted not in _CHOICES:
         raise ValueError(f"{ENV_VAR} must be one of {_CHOICES} (or unset), got {os.environ[ENV_VAR]!r}")
     if wanted == "auto":
         return "triton" if device.type == "cuda" and _triton_importable() else "reference"
     if wanted == "triton" and device.type not in ("cuda", "cpu"):
-        raise KernelUnavailableError(f"{ENV_VAR}=triton, but the Triton kernels run on CUDA (or CPU under "
-                                     f"TRITON_INTERPRET=1) tensors, got {device.type} tensors")
+        raise KernelUnavailableError(
+            f"{ENV_VAR}=triton, but the Triton kernels run on CUDA (or CPU under "
+            f"TRITON_INTERPRET=1) tensors, got {device.type} tensors"
+        )
     return wanted
 
 
@@ -90,7 +92,13 @@ def _pick(device: torch.device, kernels: str) -> ModuleType | None:
 
 
 def causal_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, *, window: int | None = None, softcap: float | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`attention_ref.causal_attention_fwd`, on the chosen implementation."""
     triton_ = _pick(q.device, "attention_triton")
@@ -100,8 +108,16 @@ def causal_attention_fwd(
 
 
 def causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, *,
-    window: int | None = None, softcap: float | None = None,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.causal_attention_bwd`, on the chosen implementation."""
     triton_ = _pick(q.device, "attention_triton")
@@ -111,35 +127,71 @@ def causal_attention_bwd(
 
 
 def segment_causal_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | Sequence[int], scale: float, *,
-    window: int | None = None, softcap: float | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`attention_ref.segment_causal_attention_fwd`, on the chosen implementation."""
     triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
         return attention_ref.segment_causal_attention_fwd(q, k, v, cu_seqlens, scale, window=window, softcap=softcap)
     attention_ref._check_single_row(q)
-    return triton_.attention_fwd(q, k, v, scale, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                 window=window, softcap=softcap)
+    return triton_.attention_fwd(
+        q, k, v, scale, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, window=window, softcap=softcap
+    )
 
 
 def segment_causal_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    cu_seqlens: Tensor | Sequence[int], scale: float, *, window: int | None = None, softcap: float | None = None,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.segment_causal_attention_bwd`, on the chosen implementation."""
     triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
-        return attention_ref.segment_causal_attention_bwd(grad_out, q, k, v, out, lse, cu_seqlens, scale,
-                                                          window=window, softcap=softcap)
+        return attention_ref.segment_causal_attention_bwd(
+            grad_out, q, k, v, out, lse, cu_seqlens, scale, window=window, softcap=softcap
+        )
     attention_ref._check_single_row(q)
-    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=True,
-                                 cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, window=window, softcap=softcap)
+    return triton_.attention_bwd(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale,
+        causal=True,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        window=window,
+        softcap=softcap,
+    )
 
 
 def block_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, *,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    causal: bool,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """`attention_ref.block_attention_fwd`, on the chosen implementation."""
     triton_ = _pick(q.device, "attention_triton")
@@ -149,16 +201,28 @@ def block_attention_fwd(
 
 
 def block_attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, *,
-    window: int | None = None, softcap: float | None = None, offset: int = 0,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`attention_ref.block_attention_bwd`, on the chosen implementation."""
     triton_ = _pick(q.device, "attention_triton")
     if triton_ is None:
-        return attention_ref.block_attention_bwd(grad_out, q, k, v, out, lse, scale, causal,
-                                                 window=window, softcap=softcap, offset=offset)
-    return triton_.attention_bwd(grad_out, q, k, v, out, lse, scale, causal=causal,
-                                 window=window, softcap=softcap, offset=offset)
+        return attention_ref.block_attention_bwd(
+            grad_out, q, k, v, out, lse, scale, causal, window=window, softcap=softcap, offset=offset
+        )
+    return triton_.attention_bwd(
+        grad_out, q, k, v, out, lse, scale, causal=causal, window=window, softcap=softcap, offset=offset
+    )
 
 
 # --- loss -----------------------------------------------------------------------------------------
@@ -178,5 +242,9 @@ def linear_cross_entropy_chunked(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """`cross_entropy_ref.linear_cross_entropy_chunked`, on the chosen implementation."""
     triton_ = _pick(hidden.device, "cross_entropy_triton")
-    impl = cross_entropy_ref.linear_cross_entropy_chunked if triton_ is None else triton_.linear_cross_entropy_chunked_triton
+    impl = (
+        cross_entropy_ref.linear_cross_entropy_chunked
+        if triton_ is None
+        else triton_.linear_cross_entropy_chunked_triton
+    )
     return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap)

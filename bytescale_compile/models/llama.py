@@ -178,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
 
 def tiny() -> LlamaForCausalLM:
     """A model small enough for unit tests."""
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2))
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    )
 
 
 def small() -> LlamaForCausalLM:

@@ -54,7 +54,9 @@ def _ring_context(q: Tensor) -> MicroBatchContext | None:
     if ctx is None or not ctx.is_ring:
         return None
     if q.shape[0] != 1:
-        raise ContextError(f"micro-batch {ctx.micro_batch_id}: a shared micro-batch needs a single row, got q {tuple(q.shape)}")
+        raise ContextError(
+            f"micro-batch {ctx.micro_batch_id}: a shared micro-batch needs a single row, got q {tuple(q.shape)}"
+        )
     return ctx
 
 
@@ -126,8 +128,13 @@ def _check_args(q: Tensor, k: Tensor, v: Tensor, window: int | None, softcap: fl
 
 @torch.library.custom_op("bytescale::attention", mutates_args=())
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optional[Tensor] = None,
-    window: Optional[int] = None, softcap: Optional[float] = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    position_ids: Optional[Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal (or segment-causal over packed sequences) GQA attention, optionally sliding-window and soft-capped.
 
@@ -141,9 +148,19 @@ def attention(
     if ring is not None:
         assert ring.layout is not None and ring.group is not None  # a ring context has both
         check = ring.first_use((tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, window, softcap))
-        out, lse = ring_attention_fwd(_to_ring(q), _to_ring(k), _to_ring(v), ring.layout,
-                                      ring.group, scale, stats=ring.ring_stats, check=check,
-                                      timeout_s=ring.ring_timeout_s, window=window, softcap=softcap)
+        out, lse = ring_attention_fwd(
+            _to_ring(q),
+            _to_ring(k),
+            _to_ring(v),
+            ring.layout,
+            ring.group,
+            scale,
+            stats=ring.ring_stats,
+            check=check,
+            timeout_s=ring.ring_timeout_s,
+            window=window,
+            softcap=softcap,
+        )
         return _from_ring(out, q), lse.unsqueeze(0)
     packing = _row_packing(q, position_ids)
     if packing is None:
@@ -151,15 +168,21 @@ def attention(
     out, lse = empty_attention_out(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
     for b, cu in enumerate(packing):
         rows = slice(b, b + 1)
-        out[rows], lse[rows] = segment_causal_attention_fwd(q[rows], k[rows], v[rows], cu, scale,
-                                                            window=window, softcap=softcap)
+        out[rows], lse[rows] = segment_causal_attention_fwd(
+            q[rows], k[rows], v[rows], cu, scale, window=window, softcap=softcap
+        )
     return out, lse
 
 
 @attention.register_fake
 def _attention_fake(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Optional[Tensor] = None,
-    window: Optional[int] = None, softcap: Optional[float] = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    position_ids: Optional[Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor]:
     _check_args(q, k, v, window, softcap)
     return empty_attention_out(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -167,8 +190,16 @@ def _attention_fake(
 
 @torch.library.custom_op("bytescale::attention_backward", mutates_args=())
 def attention_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-    position_ids: Optional[Tensor] = None, window: Optional[int] = None, softcap: Optional[float] = None,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    position_ids: Optional[Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of `bytescale::attention`, reading the context when it runs.
 
@@ -179,9 +210,21 @@ def attention_backward(
     ring = _ring_context(q)
     if ring is not None:
         assert ring.layout is not None and ring.group is not None  # a ring context has both
-        dq, dk, dv = ring_attention_bwd(_to_ring(grad_out), _to_ring(q), _to_ring(k), _to_ring(v), _to_ring(out),
-                                        lse[0], ring.layout, ring.group, scale, stats=ring.ring_stats,
-                                        timeout_s=ring.ring_timeout_s, window=window, softcap=softcap)
+        dq, dk, dv = ring_attention_bwd(
+            _to_ring(grad_out),
+            _to_ring(q),
+            _to_ring(k),
+            _to_ring(v),
+            _to_ring(out),
+            lse[0],
+            ring.layout,
+            ring.group,
+            scale,
+            stats=ring.ring_stats,
+            timeout_s=ring.ring_timeout_s,
+            window=window,
+            softcap=softcap,
+        )
         return _from_ring(dq, q), _from_ring(dk, k), _from_ring(dv, v)
     packing = _row_packing(q, position_ids)
     if packing is None:
@@ -197,8 +240,16 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _attention_backward_fake(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-    position_ids: Optional[Tensor] = None, window: Optional[int] = None, softcap: Optional[float] = None,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    position_ids: Optional[Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_args(q, k, v, window, softcap)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -215,8 +266,9 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tens
     """lse is an auxiliary output (for merging partial attentions); its gradient is ignored."""
     del grad_lse
     q, k, v, out, lse, position_ids = ctx.saved_tensors
-    dq, dk, dv = torch.ops.bytescale.attention_backward(grad_out, q, k, v, out, lse, ctx.scale, position_ids,
-                                                        ctx.window, ctx.softcap)
+    dq, dk, dv = torch.ops.bytescale.attention_backward(
+        grad_out, q, k, v, out, lse, ctx.scale, position_ids, ctx.window, ctx.softcap
+    )
     return dq, dk, dv, None, None, None, None
 
 

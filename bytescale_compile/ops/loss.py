@@ -45,8 +45,7 @@ def _check_args(
         raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap}")
     if hidden.dim() < 1 or not hidden.dtype.is_floating_point:
         raise ValueError(
-            f"hidden must be a floating tensor [..., H], got shape {tuple(hidden.shape)} "
-            f"dtype {hidden.dtype}"
+            f"hidden must be a floating tensor [..., H], got shape {tuple(hidden.shape)} dtype {hidden.dtype}"
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
         raise ValueError(

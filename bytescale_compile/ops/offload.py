@@ -39,6 +39,7 @@ __all__ = ["OffloadError", "offload_saved", "reload_saved"]
 class OffloadError(RuntimeError):
     """A compiled graph handed `offload_saved` members that do not view one storage."""
 
+
 _held: dict[StorageWeakRef, SavedKey | Tensor] = {}
 """Per first handle's storage: the `SavedKey` (under an act_ctx) or the storage itself (without one)."""
 
@@ -67,8 +68,10 @@ def offload_saved(layer: int, token_dim: int, keep: bool, members: list[Tensor])
     """
     storage = members[0].untyped_storage().data_ptr()
     if any(m.untyped_storage().data_ptr() != storage for m in members):
-        raise OffloadError(f"bytescale::offload_saved (layer {layer}): its {len(members)} members must view one "
-                           "storage, but the compiled graph passed copies; use Config(offload='off') for this model")
+        raise OffloadError(
+            f"bytescale::offload_saved (layer {layer}): its {len(members)} members must view one "
+            "storage, but the compiled graph passed copies; use Config(offload='off') for this model"
+        )
     ctx = current_act_ctx()
     held = ctx.offload(layer, token_dim, keep, members[0]) if ctx else token_major_storage(members[0], token_dim)[0]
     handles = [_meta_like(m) for m in members]
@@ -88,8 +91,10 @@ def _reload_saved(layer: int, handles: list[Tensor], device: torch.device) -> Te
     ref = StorageWeakRef(handles[0].untyped_storage())
     held = _held.get(ref)
     if held is None:
-        raise ContextError(f"the saved activations of layer {layer} are gone: they were reloaded already (a backward "
-                           "through the same forward can run only once with offloading: retain_graph is not supported)")
+        raise ContextError(
+            f"the saved activations of layer {layer} are gone: they were reloaded already (a backward "
+            "through the same forward can run only once with offloading: retain_graph is not supported)"
+        )
     if isinstance(held, Tensor):
         return held[: _storage_span(handles)]
     ctx = current_act_ctx()
@@ -97,7 +102,8 @@ def _reload_saved(layer: int, handles: list[Tensor], device: torch.device) -> Te
         raise ContextError(
             f"the backward needs the saved activations of layer {layer}, which the forward left in an act_ctx "
             f"(micro-batch {held.micro_batch_id}); run the backward inside `with act_ctx:` after "
-            f"act_ctx.update_micro_batch_id({held.micro_batch_id})")
+            f"act_ctx.update_micro_batch_id({held.micro_batch_id})"
+        )
     full = ctx.reload(layer, held)
     del _held[ref]
     return full[: _storage_span(handles)]

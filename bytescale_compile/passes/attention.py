@@ -57,7 +57,6 @@ _CASTS = ("to", "type_as", "float", "half", "bfloat16")
 _RESHAPES = ("view", "reshape", "contiguous", "expand")
 
 
-
 def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite the graph's attention, then that of each shared layer body (once; reported for every layer)."""
     result = PassResult(NAME)
@@ -86,12 +85,15 @@ def _rewrite_graph(graph: fx.Graph, result: PassResult, region: Region | None) -
         except Exception as error:  # a shape the matcher did not foresee: leave it alone, say so
             log.warning("attention pass: cannot analyse %s (%s): %r", node.name, source, error)
             node.meta[ATTENTION_SITE] = True
-            result.skipped += [Skipped(node.name, _target_name(node), s, f"matcher could not analyse it: {error!r}")
-                               for s in scope.sources(source)]
+            result.skipped += [
+                Skipped(node.name, _target_name(node), s, f"matcher could not analyse it: {error!r}")
+                for s in scope.sources(source)
+            ]
             continue
         new = replace_with_op(graph, node, torch.ops.bytescale.attention.default, scope.inside(found.op_args()))
-        result.rewrites += [Rewrite(node.name, "bytescale.attention", s, found.describe() or new.name)
-                            for s in scope.sources(source)]
+        result.rewrites += [
+            Rewrite(node.name, "bytescale.attention", s, found.describe() or new.name) for s in scope.sources(source)
+        ]
     scope.drop_resolved()
 
 
@@ -147,12 +149,17 @@ class _Match:
         return tuple(args)
 
     def describe(self) -> str:
-        return ", ".join(filter(None, [
-            "segments from position_ids restarts" if self.mask.positions is not None else "",
-            f"sliding window {self.mask.window}" if self.mask.window is not None else "",
-            f"soft-cap {self.softcap:g}" if self.softcap is not None else "",
-            self.heads,
-        ]))
+        return ", ".join(
+            filter(
+                None,
+                [
+                    "segments from position_ids restarts" if self.mask.positions is not None else "",
+                    f"sliding window {self.mask.window}" if self.mask.window is not None else "",
+                    f"soft-cap {self.softcap:g}" if self.softcap is not None else "",
+                    self.heads,
+                ],
+            )
+        )
 
 
 def _match_sdpa(node: fx.Node, scope: _Scope) -> _Match:
@@ -234,8 +241,12 @@ def _unscale(node: fx.Node) -> tuple[fx.Node, float]:
     A masked score (-inf, or the dtype's minimum) stays far below every visible one after the
     scaling, so its probability is still exactly 0.
     """
-    if is_call(node, operator.mul, torch.mul, operator.truediv, torch.div) and isinstance(node.args[1], (int, float)) \
-            and node.args[1] > 0 and _applies_mask(node.args[0]):
+    if (
+        is_call(node, operator.mul, torch.mul, operator.truediv, torch.div)
+        and isinstance(node.args[1], (int, float))
+        and node.args[1] > 0
+        and _applies_mask(node.args[0])
+    ):
         c = float(node.args[1])
         return node.args[0], c if is_call(node, operator.mul, torch.mul) else 1.0 / c
     return node, 1.0
@@ -251,17 +262,32 @@ def _name_known_variants(softmax: fx.Node) -> None:
     node = softmax.args[0]
     while isinstance(node, fx.Node):
         if is_call(node, torch.cat):
-            raise NotEquivalent(f"attention sinks: the softmax runs over the scores concatenated with extra logits "
-                                f"(`{node.name}`), which the op does not take")
+            raise NotEquivalent(
+                f"attention sinks: the softmax runs over the scores concatenated with extra logits "
+                f"(`{node.name}`), which the op does not take"
+            )
         if is_call(node, torch.baddbmm, methods=("baddbmm",)) and arg(node, 3, "beta", 1) != 0:
-            raise NotEquivalent(f"ALiBi slopes: a position bias `{getattr(node.args[0], 'name', node.args[0])}` is "
-                                f"added to the scores (`{node.name}`, baddbmm), which the op does not take")
+            raise NotEquivalent(
+                f"ALiBi slopes: a position bias `{getattr(node.args[0], 'name', node.args[0])}` is "
+                f"added to the scores (`{node.name}`, baddbmm), which the op does not take"
+            )
         if is_call(node, operator.add, torch.add) and any(_is_head_bias(x) for x in node.args[:2]):
             bias = next(x for x in node.args[:2] if _is_head_bias(x))
-            raise NotEquivalent(f"ALiBi slopes: a per-head position bias `{bias.name}` {tuple(value(bias).shape)} is "
-                                f"added to the scores (`{node.name}`), which the op does not take")
-        if not is_call(node, operator.add, torch.add, operator.sub, torch.sub, operator.mul, operator.truediv,
-                       torch.masked_fill, methods=_CASTS + _RESHAPES + ("masked_fill",)):
+            raise NotEquivalent(
+                f"ALiBi slopes: a per-head position bias `{bias.name}` {tuple(value(bias).shape)} is "
+                f"added to the scores (`{node.name}`), which the op does not take"
+            )
+        if not is_call(
+            node,
+            operator.add,
+            torch.add,
+            operator.sub,
+            torch.sub,
+            operator.mul,
+            operator.truediv,
+            torch.masked_fill,
+            methods=_CASTS + _RESHAPES + ("masked_fill",),
+        ):
             return
         node = node.args[0]
 
@@ -269,8 +295,14 @@ def _name_known_variants(softmax: fx.Node) -> None:
 def _is_head_bias(node: object) -> bool:
     """A float tensor added to the scores that differs per head ([.., H > 1, 1 or T, T]): a position bias, not a mask."""
     val = value(node)
-    return isinstance(node, fx.Node) and isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 3 \
-        and val.shape[-3] != 1 and val.shape[-2] == 1
+    return (
+        isinstance(node, fx.Node)
+        and isinstance(val, torch.Tensor)
+        and val.is_floating_point()
+        and val.dim() >= 3
+        and val.shape[-3] != 1
+        and val.shape[-2] == 1
+    )
 
 
 def _check_probabilities(probs: fx.Node, softmax: fx.Node) -> None:
@@ -282,8 +314,10 @@ def _check_probabilities(probs: fx.Node, softmax: fx.Node) -> None:
             if training and p != 0.0:
                 raise NotEquivalent(f"dropout p={p} on the attention probabilities while training")
         elif not is_call(node, methods=_CASTS):
-            raise NotEquivalent(f"the probabilities pass through `{node.name}` ({_target_name(node)}) before the "
-                                f"value matmul: a layout the op does not take (e.g. 3-D bmm over B·H heads)")
+            raise NotEquivalent(
+                f"the probabilities pass through `{node.name}` ({_target_name(node)}) before the "
+                f"value matmul: a layout the op does not take (e.g. 3-D bmm over B·H heads)"
+            )
         _single_use(node, "attention probabilities")
         node = input_node(node)
 
@@ -300,7 +334,9 @@ def _unmask_causal(masked: fx.Node, scope: _Scope) -> tuple[fx.Node, CausalMask]
         if not isinstance(fill, float) or fill > -1e30:
             raise NotEquivalent(f"masked_fill with {fill}, not -inf (or the dtype's minimum)")
         if not _is_strict_upper_triangle(mask, value(scores)):
-            raise NotEquivalent(f"mask `{getattr(mask, 'name', mask)}` is not built in the graph as triu(ones(T, T), 1)")
+            raise NotEquivalent(
+                f"mask `{getattr(mask, 'name', mask)}` is not built in the graph as triu(ones(T, T), 1)"
+            )
         return scores, CausalMask(None, None)
     if is_call(masked, operator.add, torch.add):
         scores, mask = input_node(masked), scope.outer(masked.args[1])
@@ -309,7 +345,9 @@ def _unmask_causal(masked: fx.Node, scope: _Scope) -> tuple[fx.Node, CausalMask]
             return scores, CausalMask(None, None)
         return scores, prove_causal_mask(strip_additive_mask(mask))
     _refuse_buffer_mask(masked)
-    raise NotEquivalent("softmax input is not masked causally (no masked_fill/add of a causal mask): bidirectional attention")
+    raise NotEquivalent(
+        "softmax input is not masked causally (no masked_fill/add of a causal mask): bidirectional attention"
+    )
 
 
 def _refuse_buffer_mask(scores: object) -> None:
@@ -321,8 +359,10 @@ def _refuse_buffer_mask(scores: object) -> None:
         source = source.args[0]
     name = getattr(source, "name", str(source))
     what = f"the model buffer `{name}`" if "buffers" in name else f"`{name}`"
-    raise NotEquivalent(f"mask read from {what}: its values are not known when compiling (e.g. GPT-Neo's causal "
-                        f"or local sliding-window `bias`)")
+    raise NotEquivalent(
+        f"mask read from {what}: its values are not known when compiling (e.g. GPT-Neo's causal "
+        f"or local sliding-window `bias`)"
+    )
 
 
 def _unsoftcap(scores: fx.Node) -> tuple[fx.Node, float | None]:
@@ -331,7 +371,9 @@ def _unsoftcap(scores: fx.Node) -> tuple[fx.Node, float | None]:
         return scores, None
     cap, inner = scores.args[1], scores.args[0].args[0]
     if not (isinstance(cap, (int, float)) and is_call(inner, operator.truediv, torch.div) and inner.args[1] == cap):
-        raise NotEquivalent(f"scores pass through tanh (`{scores.name}`) but not as a soft-cap tanh(s / c) * c with one constant c")
+        raise NotEquivalent(
+            f"scores pass through tanh (`{scores.name}`) but not as a soft-cap tanh(s / c) * c with one constant c"
+        )
     _single_use(inner, "soft-capped scores")
     _single_use(scores.args[0], "soft-capped scores")
     return input_node(inner), float(cap)
@@ -357,8 +399,10 @@ def _is_triu_of(mask: object, scores_val: torch.Tensor, is_call_to: tuple, fill:
     if fill is not None and arg(base, 1, "fill_value") != fill:
         return False
     base_val = value(base)
-    return base_val is not None and base_val.dim() == 2 and all(
-        same_size(a, b) for a, b in zip(base_val.shape, scores_val.shape[-2:])
+    return (
+        base_val is not None
+        and base_val.dim() == 2
+        and all(same_size(a, b) for a, b in zip(base_val.shape, scores_val.shape[-2:]))
     )
 
 
@@ -408,7 +452,11 @@ def _check_heads(q: fx.Node, k: fx.Node, v: fx.Node, gqa: bool) -> tuple[fx.Node
         heads_q, heads_kv = qv.shape[1], kv.shape[1]
         if heads_q != heads_kv and not gqa and heads_kv != 1:
             raise NotEquivalent(f"{heads_q} query heads vs {heads_kv} key heads without enable_gqa")
-        heads = ("multi-query: 1 kv head" if heads_kv == 1 else f"GQA {heads_q}/{heads_kv} heads") if heads_q != heads_kv else ""
+        heads = (
+            ("multi-query: 1 kv head" if heads_kv == 1 else f"GQA {heads_q}/{heads_kv} heads")
+            if heads_q != heads_kv
+            else ""
+        )
     return k_inner, v_inner, ", ".join(filter(None, [heads, v_dim]))
 
 
@@ -426,8 +474,11 @@ def _unrepeat_kv(node: fx.Node) -> fx.Node | None:
 def _inserts_dim_2(index: object) -> bool:
     """`x[:, :, None, :, :]`: the new axis repeat_kv expands over."""
     full = slice(None, None, None)
-    return isinstance(index, tuple) and len(index) >= 3 and index[:3] == (full, full, None) and all(
-        i == full for i in index[3:]
+    return (
+        isinstance(index, tuple)
+        and len(index) >= 3
+        and index[:3] == (full, full, None)
+        and all(i == full for i in index[3:])
     )
 
 

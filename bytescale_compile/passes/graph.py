@@ -11,8 +11,21 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import Argument
 
-__all__ = ["ATTENTION_SITE", "NotEquivalent", "arg", "input_node", "flat_outputs", "value", "source_module",
-           "layer_index", "same_size", "is_call", "replace_with_op", "has_side_effects", "eliminate_dead_code"]
+__all__ = [
+    "ATTENTION_SITE",
+    "NotEquivalent",
+    "arg",
+    "input_node",
+    "flat_outputs",
+    "value",
+    "source_module",
+    "layer_index",
+    "same_size",
+    "is_call",
+    "replace_with_op",
+    "has_side_effects",
+    "eliminate_dead_code",
+]
 
 ATTENTION_SITE = "bytescale_attention_site"
 """`node.meta` key the attention pass sets on a site it left alone, so later analyses report it there once."""
@@ -107,11 +120,25 @@ def replace_with_op(graph: fx.Graph, old: fx.Node, op: Any, args: tuple, output_
     return new
 
 
-_INPLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.setitem, operator.delitem,
-})
+_INPLACE_OPERATORS = frozenset(
+    {
+        operator.iadd,
+        operator.isub,
+        operator.imul,
+        operator.itruediv,
+        operator.ifloordiv,
+        operator.imod,
+        operator.ipow,
+        operator.imatmul,
+        operator.iand,
+        operator.ior,
+        operator.ixor,
+        operator.ilshift,
+        operator.irshift,
+        operator.setitem,
+        operator.delitem,
+    }
+)
 _FUNCTORCH_LEVELS = "torch._functorch.predispatch"
 _INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
 

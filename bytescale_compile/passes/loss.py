@@ -98,18 +98,36 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         except Exception as error:  # a shape the matcher did not foresee: leave it alone, say so
             log.warning("fused_loss pass: cannot analyse %s (%s): %r", node.name, source, error)
-            result.skipped.append(Skipped(node.name, "cross_entropy", source, f"matcher could not analyse it: {error!r}"))
+            result.skipped.append(
+                Skipped(node.name, "cross_entropy", source, f"matcher could not analyse it: {error!r}")
+            )
             continue
-        result.rewrites.append(Rewrite(node.name, "bytescale.fused_linear_cross_entropy", source,
-                                       _fuse(gm.graph, node, match, ctx.config.loss_chunk_size)))
+        result.rewrites.append(
+            Rewrite(
+                node.name,
+                "bytescale.fused_linear_cross_entropy",
+                source,
+                _fuse(gm.graph, node, match, ctx.config.loss_chunk_size),
+            )
+        )
     return result
 
 
 def _fuse(graph: fx.Graph, ce: fx.Node, match: _LossMatch, chunk_size: int) -> str:
     """Replace the cross-entropy by the fused op and the returned logits by empty tensors; the detail."""
     hidden, weight = match.linear.args[:2]
-    args = (hidden, weight, arg(match.linear, 2, "bias"), arg(ce, 1, "target"), match.ignore_index, match.reduction,
-            match.upcast, chunk_size, match.scale, match.softcap)
+    args = (
+        hidden,
+        weight,
+        arg(match.linear, 2, "bias"),
+        arg(ce, 1, "target"),
+        match.ignore_index,
+        match.reduction,
+        match.upcast,
+        chunk_size,
+        match.scale,
+        match.softcap,
+    )
     replace_with_op(graph, ce, torch.ops.bytescale.fused_linear_cross_entropy.default, args)
     detail = f"reduction={match.reduction}, ignore_index={match.ignore_index}, upcast={match.upcast}"
     if match.scale != 1.0:
@@ -201,8 +219,9 @@ def _check_cast(node: fx.Node) -> None:
     if cast.device != source.device:
         raise NotEquivalent(f"`{node.name}` moves the logits from {source.device} to {cast.device}")
     if cast.dtype not in (source.dtype, torch.float32):
-        raise NotEquivalent(f"`{node.name}` casts the logits from {source.dtype} to {cast.dtype}; only casts to "
-                            f"float32 are fused")
+        raise NotEquivalent(
+            f"`{node.name}` casts the logits from {source.dtype} to {cast.dtype}; only casts to float32 are fused"
+        )
 
 
 def _product(node: fx.Node) -> _Step:
@@ -255,7 +274,7 @@ def _fold(steps: list[_Step]) -> tuple[float, float | None]:
         raise NotEquivalent(f"logits go through tanh {len(tanhs)} times ({names}); one final soft-cap is fused")
     if not tanhs:
         return _finite(math.prod(s.factor for s in steps)), None
-    after, before = math.prod(s.factor for s in steps[: tanhs[0]]), math.prod(s.factor for s in steps[tanhs[0]:])
+    after, before = math.prod(s.factor for s in steps[: tanhs[0]]), math.prod(s.factor for s in steps[tanhs[0] :])
     if after == 0:
         raise NotEquivalent(f"logits soft-capped at 0 (tanh `{steps[tanhs[0]].node.name}` multiplied by 0)")
     return _finite(before * after), _finite(abs(after))

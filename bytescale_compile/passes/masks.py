@@ -59,8 +59,10 @@ def prove_causal_mask(mask: object) -> CausalMask:
         else:
             unknown.append(term)
     if unknown:
-        raise NotEquivalent(f"attn_mask `{name}`: condition {_describe(unknown[0], positions)} is not a packed-segment, "
-                            f"causal or sliding-window condition")
+        raise NotEquivalent(
+            f"attn_mask `{name}`: condition {_describe(unknown[0], positions)} is not a packed-segment, "
+            f"causal or sliding-window condition"
+        )
     if not causal:
         raise NotEquivalent(f"attn_mask `{name}` has no causal condition (bidirectional attention)")
     if len(windows) > 1:
@@ -71,10 +73,14 @@ def prove_causal_mask(mask: object) -> CausalMask:
 def strip_additive_mask(mask: object) -> object:
     """The boolean mask behind an additive `where(mask, 0, min)` (HF eager attention), else raise why not."""
     if not is_call(mask, torch.where):
-        raise NotEquivalent(f"additive mask `{getattr(mask, 'name', mask)}` is not where(bool_mask, 0, -inf or dtype min)")
+        raise NotEquivalent(
+            f"additive mask `{getattr(mask, 'name', mask)}` is not where(bool_mask, 0, -inf or dtype min)"
+        )
     cond, keep, drop = mask.args[:3]
     if not (is_call(keep, torch.zeros) or keep == 0) or not isinstance(drop, float) or drop > -1e30:
-        raise NotEquivalent(f"additive mask `{mask.name}` adds {keep}/{drop}, not 0 where visible and -inf (or dtype min) elsewhere")
+        raise NotEquivalent(
+            f"additive mask `{mask.name}` adds {keep}/{drop}, not 0 where visible and -inf (or dtype min) elsewhere"
+        )
     return cond
 
 
@@ -102,7 +108,9 @@ def _is_all_true(node: object) -> bool:
     if not _gather(node, "kv"):
         return False
     source = node.args[0]
-    cast = is_call(source, methods=("bool",)) or (is_call(source, methods=("to",)) and torch.bool in (*source.args[1:], *source.kwargs.values()))
+    cast = is_call(source, methods=("bool",)) or (
+        is_call(source, methods=("to",)) and torch.bool in (*source.args[1:], *source.kwargs.values())
+    )
     base = source.args[0] if cast else source
     return is_call(base, torch.ones, methods=("new_ones",)) and (cast or base.kwargs.get("dtype") == torch.bool)
 
@@ -129,16 +137,23 @@ def _segment_ids_source(seq: object) -> fx.Node | None:
         return None
     positions, prepend = diff.args[0], arg(diff, 3, "prepend")
     first = prepend.args[0] if is_call(prepend, operator.sub, torch.sub) and prepend.args[1] == 1 else None
-    if not (isinstance(positions, fx.Node) and is_call(first, operator.getitem) and first.args[0] is positions
-            and first.args[1] == (_FULL, slice(None, 1, None))):
+    if not (
+        isinstance(positions, fx.Node)
+        and is_call(first, operator.getitem)
+        and first.args[0] is positions
+        and first.args[1] == (_FULL, slice(None, 1, None))
+    ):
         return None
     return positions
 
 
 def _comparison(node: object, *, strict: bool) -> tuple[object, object] | None:
     """(smaller, larger) operands of `a <= b` / `b >= a` (or `<` / `>` when strict), else None."""
-    le, ge = ((operator.lt, torch.lt, "lt"), (operator.gt, torch.gt, "gt")) if strict else \
-        ((operator.le, torch.le, "le"), (operator.ge, torch.ge, "ge"))
+    le, ge = (
+        ((operator.lt, torch.lt, "lt"), (operator.gt, torch.gt, "gt"))
+        if strict
+        else ((operator.le, torch.le, "le"), (operator.ge, torch.ge, "ge"))
+    )
     if is_call(node, *le[:2], methods=(le[2],)):
         lhs, rhs = node.args[:2]
     elif is_call(node, *ge[:2], methods=(ge[2],)):
@@ -155,8 +170,12 @@ def _positions(key: object, query: object, positions: fx.Node | None) -> bool:
     """
     if _index(key, "kv") and _index(query, "q"):
         return True
-    return positions is not None and _gather(key, "kv") and _gather(query, "q") and all(
-        _strip(x.args[0], "expand") is positions for x in (key, query))
+    return (
+        positions is not None
+        and _gather(key, "kv")
+        and _gather(query, "q")
+        and all(_strip(x.args[0], "expand") is positions for x in (key, query))
+    )
 
 
 def _is_causal(node: object, positions: fx.Node | None) -> bool:
@@ -188,12 +207,17 @@ def _describe(term: object, positions: fx.Node | None) -> str:
     if is_call(term, operator.eq, torch.eq, methods=("eq",)):
         lhs, rhs = term.args[:2]  # two operands: `_segment_equality` unpacked this term already
         pair = _strip(lhs, "to"), _strip(rhs, "to")
-    if pair is not None and any(is_call(x, operator.floordiv, torch.floor_divide, methods=("__floordiv__",)) for x in pair):
+    if pair is not None and any(
+        is_call(x, operator.floordiv, torch.floor_divide, methods=("__floordiv__",)) for x in pair
+    ):
         return f"{name} (chunked attention: positions compared after integer division)"
     if is_call(term, operator.eq, torch.eq, methods=("eq",)):
         return f"{name} (an equality that is not HF's packed-sequence segment test)"
-    if (loose := _comparison(term, strict=False)) is not None and positions is None and any(
-            _gather(x, w) for x, w in zip(loose, ("kv", "q"))):
+    if (
+        (loose := _comparison(term, strict=False)) is not None
+        and positions is None
+        and any(_gather(x, w) for x, w in zip(loose, ("kv", "q")))
+    ):
         return f"{name} (causal on positions without packed-sequence segments)"
     return name
 

@@ -65,8 +65,14 @@ class _Group:
         return self.rows[0]
 
 
-def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, table: list[SavedActivation],
-                  token_size: torch.SymInt, contiguous_only: bool = False) -> tuple[PassResult, list[SavedActivation]]:
+def apply_offload(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    table: list[SavedActivation],
+    token_size: torch.SymInt,
+    contiguous_only: bool = False,
+) -> tuple[PassResult, list[SavedActivation]]:
     """Route every token-carrying saved storage through offload/reload; return the result and the table
     with each row's decision and the layer whose backward reads it back.
 
@@ -90,14 +96,22 @@ def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
             continue
         _rewrite(fw, bw, outputs, num_fwd_outputs, group, bw_inputs, last_reader, bw_order)
         members = ", ".join(n.name for n in group.nodes)
-        result.rewrites.append(Rewrite(group.owner.name, "offload_saved/reload_saved", group.owner.source,
-                                       f"{decision}; backward layer {group.layer}: {members}"))
+        result.rewrites.append(
+            Rewrite(
+                group.owner.name,
+                "offload_saved/reload_saved",
+                group.owner.source,
+                f"{decision}; backward layer {group.layer}: {members}",
+            )
+        )
     fw.graph.output_node().args = (tuple(outputs),)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
-    table = [dataclasses.replace(r, decision=decisions[r.name][0], layer=decisions[r.name][1]) if r.name in decisions
-             else r for r in table]
+    table = [
+        dataclasses.replace(r, decision=decisions[r.name][0], layer=decisions[r.name][1]) if r.name in decisions else r
+        for r in table
+    ]
     return result, table
 
 
@@ -144,8 +158,9 @@ def _vals(nodes: list) -> list[torch.Tensor]:
     return [n.meta["val"] for n in nodes if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
 
 
-def _decide(group: _Group, num_layers: int, token_size: torch.SymInt, bw_inputs: dict[str, fx.Node],
-            contiguous_only: bool) -> None:
+def _decide(
+    group: _Group, num_layers: int, token_size: torch.SymInt, bw_inputs: dict[str, fx.Node], contiguous_only: bool
+) -> None:
     if group.reason:
         return
     val = next(n for n in group.nodes if n.name == group.owner.name).meta["val"]
@@ -201,9 +216,16 @@ def _expr(size: int | torch.SymInt) -> sympy.Expr:
     return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
-def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, outputs: list, num_fwd_outputs: int, group: _Group,
-             bw_inputs: dict[str, fx.Node], last_reader: dict[StorageWeakRef, fx.Node],
-             bw_order: dict[fx.Node, int]) -> None:
+def _rewrite(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    outputs: list,
+    num_fwd_outputs: int,
+    group: _Group,
+    bw_inputs: dict[str, fx.Node],
+    last_reader: dict[StorageWeakRef, fx.Node],
+    bw_order: dict[fx.Node, int],
+) -> None:
     layer = _OUTSIDE if group.layer is None else group.layer
     members = [n.meta["val"] for n in group.nodes]
     args = (layer, group.token_dim, group.keep, list(group.nodes))
@@ -254,8 +276,9 @@ def _view_like(graph: fx.Graph, storage: fx.Node, handle: fx.Node) -> fx.Node:
     return view
 
 
-def _sym(graph: fx.Graph, op: torch._ops.OpOverload, handle: fx.Node, dim: int | None,
-         value: int | torch.SymInt) -> int | fx.Node:
+def _sym(
+    graph: fx.Graph, op: torch._ops.OpOverload, handle: fx.Node, dim: int | None, value: int | torch.SymInt
+) -> int | fx.Node:
     """A size, stride or offset as a graph argument: the int itself when static, else read off the handle."""
     if not isinstance(value, torch.SymInt):
         return value

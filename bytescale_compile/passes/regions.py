@@ -48,7 +48,7 @@ class Region:
         """`body_source`, a module path under the first call's layer (`model.layers.0.self_attn`), under `call`'s."""
         first, here = source_module(self.calls[0]), source_module(call)
         if first != "<root>" and (body_source + ".").startswith(first + "."):
-            return here + body_source[len(first):]
+            return here + body_source[len(first) :]
         return body_source
 
     def outer_argument(self, placeholder: fx.Node) -> fx.Node:
@@ -56,8 +56,10 @@ class Region:
         index = self.placeholders().index(placeholder) + _FIRST_OPERAND
         passed = {call.args[index] for call in self.calls}
         if len(passed) != 1 or not isinstance(outer := passed.pop(), fx.Node):
-            raise NotEquivalent(f"`{placeholder.name}` of the shared layer body is not one tensor passed to every layer "
-                                f"(got {list(dict.fromkeys(str(call.args[index]) for call in self.calls))})")
+            raise NotEquivalent(
+                f"`{placeholder.name}` of the shared layer body is not one tensor passed to every layer "
+                f"(got {list(dict.fromkeys(str(call.args[index]) for call in self.calls))})"
+            )
         return outer
 
     def input_for(self, outer: fx.Node) -> fx.Node:
@@ -79,7 +81,7 @@ class Region:
         for placeholder in [p for p in self.placeholders() if p in placeholders and not p.users]:
             index = self.placeholders().index(placeholder) + _FIRST_OPERAND
             for call in self.calls:
-                call.args = call.args[:index] + call.args[index + 1:]
+                call.args = call.args[:index] + call.args[index + 1 :]
             self.body.graph.erase_node(placeholder)
         self.body.recompile()
 

@@ -6,8 +6,18 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Rewrite", "Skipped", "PassResult", "SavedActivation", "GeneratedKernel", "GeneratedCode", "GraphReport",
-           "CompileReport", "ATTENTION_PASS", "TOKEN_MIXERS_PASS"]
+__all__ = [
+    "Rewrite",
+    "Skipped",
+    "PassResult",
+    "SavedActivation",
+    "GeneratedKernel",
+    "GeneratedCode",
+    "GraphReport",
+    "CompileReport",
+    "ATTENTION_PASS",
+    "TOKEN_MIXERS_PASS",
+]
 
 ATTENTION_PASS = "attention"
 TOKEN_MIXERS_PASS = "token_mixers"
@@ -131,8 +141,13 @@ class CompileReport:
         "layer 0 (`model.layers.0.conv`): left alone: convolution over tokens (kernel 3)"."""
         sites = [(r.source, f"{r.detail or 'causal'}, rewritten") for r in self.rewrites(ATTENTION_PASS)]
         sites += [(s.source, f"left alone: {s.reason}") for s in self.skipped(ATTENTION_PASS)]
-        sites += [(source, f"left alone: {', '.join(patterns)}") for source, patterns in self.token_mixers_left_alone().items()]
-        return [f"{_layer_name(source)}: {what}" for source, what in sorted(sites, key=lambda site: _layer_key(site[0]))]
+        sites += [
+            (source, f"left alone: {', '.join(patterns)}")
+            for source, patterns in self.token_mixers_left_alone().items()
+        ]
+        return [
+            f"{_layer_name(source)}: {what}" for source, what in sorted(sites, key=lambda site: _layer_key(site[0]))
+        ]
 
     def shard_blockers(self) -> list[str]:
         """Why sequences of this model cannot be sharded over ranks or packed into one row; empty when they can.
@@ -144,9 +159,14 @@ class CompileReport:
         if not self.graphs:
             return ["the model has not been compiled yet (no compile report)"]
         blockers = [f"attention pass disabled ({p.disabled})" for p in self.pass_results(ATTENTION_PASS) if p.disabled]
-        blockers += [f"`{s.source}` (`{s.node}`): attention left alone: {s.reason}" for s in self.skipped(ATTENTION_PASS)]
-        blockers += [f"`{source}`: token mixer left alone ({', '.join(patterns)}): it would read across packed "
-                     f"sequences, and only a rank's own chunks of a shared one" for source, patterns in self.token_mixers_left_alone().items()]
+        blockers += [
+            f"`{s.source}` (`{s.node}`): attention left alone: {s.reason}" for s in self.skipped(ATTENTION_PASS)
+        ]
+        blockers += [
+            f"`{source}`: token mixer left alone ({', '.join(patterns)}): it would read across packed "
+            f"sequences, and only a rank's own chunks of a shared one"
+            for source, patterns in self.token_mixers_left_alone().items()
+        ]
         return list(dict.fromkeys(blockers))
 
     def token_mixers_left_alone(self) -> dict[str, list[str]]:
@@ -177,8 +197,12 @@ class CompileReport:
                 lines += [f"### Saved activations: not listed ({g.saved_activations_note})", ""]
             lines += _generated_markdown(g.generated)
             if graphs:
-                for title, text in (("before passes", g.graph_before), ("after passes", g.graph_after),
-                                    ("forward (partitioned)", g.forward_graph), ("backward (partitioned)", g.backward_graph)):
+                for title, text in (
+                    ("before passes", g.graph_before),
+                    ("after passes", g.graph_after),
+                    ("forward (partitioned)", g.forward_graph),
+                    ("backward (partitioned)", g.backward_graph),
+                ):
                     lines += [f"### Graph {title}", "", "```", text.rstrip(), "```", ""]
         return "\n".join(lines)
 
@@ -202,10 +226,17 @@ def _saved_markdown(saved: list[SavedActivation]) -> list[str]:
     if not saved:
         return []
     per_token = sum(a.bytes_per_token or 0 for a in saved if a.alias_of is None)
-    lines = [f"### Saved activations: {len(saved)} tensors, {per_token} bytes per token (aliases counted once)", "",
-             "| tensor | shape | dtype | bytes/token | layer | source | decision |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| `{a.name}` | {a.shape} | {a.dtype} | {a.bytes_per_token if a.bytes_per_token is not None else 'T²'}{f' (alias of `{a.alias_of}`)' if a.alias_of else ''} | "
-              f"{a.layer if a.layer is not None else '-'} | `{a.source}` | {a.decision} |" for a in saved]
+    lines = [
+        f"### Saved activations: {len(saved)} tensors, {per_token} bytes per token (aliases counted once)",
+        "",
+        "| tensor | shape | dtype | bytes/token | layer | source | decision |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{a.name}` | {a.shape} | {a.dtype} | {a.bytes_per_token if a.bytes_per_token is not None else 'T²'}{f' (alias of `{a.alias_of}`)' if a.alias_of else ''} | "
+        f"{a.layer if a.layer is not None else '-'} | `{a.source}` | {a.decision} |"
+        for a in saved
+    ]
     lines.append("")
     return lines
 
@@ -214,8 +245,11 @@ def _generated_markdown(generated: list[GeneratedCode]) -> list[str]:
     lines = []
     for code in generated:
         fused = sum(len(k.fused_nodes) for k in code.kernels)
-        lines += [f"### Inductor, {code.graph} graph: {len(code.kernels)} kernels fusing {fused} nodes, "
-                  f"{len(code.extern_calls)} extern calls{' (FX graph cache hit)' if code.cache_hit else ''}", ""]
+        lines += [
+            f"### Inductor, {code.graph} graph: {len(code.kernels)} kernels fusing {fused} nodes, "
+            f"{len(code.extern_calls)} extern calls{' (FX graph cache hit)' if code.cache_hit else ''}",
+            "",
+        ]
         if code.kernels:
             lines += ["| kernel | fused nodes |", "|---|---|"]
             lines += [f"| `{k.name}` | {len(k.fused_nodes)}: {', '.join(k.fused_nodes)} |" for k in code.kernels]

@@ -43,10 +43,45 @@ __all__ = ["find_token_mixers", "NAME"]
 _CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d"}
 _CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "cumsum_", "cumprod_"}
 _NORMALISE = {"softmax", "log_softmax", "_softmax", "softmin"}
-_REDUCE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "var", "std", "norm", "nansum",
-           "nanmean", "all", "any", "count_nonzero", "argmax", "argmin", "median", "var_mean", "std_mean"}
-_CONTRACT = {"matmul", "bmm", "mm", "baddbmm", "addmm", "addbmm", "__matmul__", "__rmatmul__", "einsum", "linear",
-             "tensordot", "mv", "dot", "bilinear"}
+_REDUCE = {
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "prod",
+    "logsumexp",
+    "var",
+    "std",
+    "norm",
+    "nansum",
+    "nanmean",
+    "all",
+    "any",
+    "count_nonzero",
+    "argmax",
+    "argmin",
+    "median",
+    "var_mean",
+    "std_mean",
+}
+_CONTRACT = {
+    "matmul",
+    "bmm",
+    "mm",
+    "baddbmm",
+    "addmm",
+    "addbmm",
+    "__matmul__",
+    "__rmatmul__",
+    "einsum",
+    "linear",
+    "tensordot",
+    "mv",
+    "dot",
+    "bilinear",
+}
 _SHIFT = {"roll", "flip", "fliplr", "flipud"}
 _SCANS = {"scan", "associative_scan", "while_loop"}
 _CAT = {"cat", "concat", "concatenate", "hstack"}
@@ -218,7 +253,9 @@ def _einsum(node: fx.Node, args: list, tokens: _TokenDims) -> _Found | None:
         if not isinstance(t, torch.Tensor):
             continue
         letters = _einsum_letters(spec, t.dim())
-        if any(letter not in kept and letter != "." and tokens.is_token(size) for letter, size in zip(letters, t.shape)):
+        if any(
+            letter not in kept and letter != "." and tokens.is_token(size) for letter, size in zip(letters, t.shape)
+        ):
             return _Found("contraction over tokens", f"einsum {equation}")
     return None
 
@@ -264,7 +301,7 @@ def _slice(node: fx.Node, args: list, x: torch.Tensor, dims: set[int]) -> _Found
     if Ellipsis in items:
         at = items.index(Ellipsis)
         consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
-        items = items[:at] + (slice(None),) * (x.dim() - consumed) + items[at + 1:]
+        items = items[:at] + (slice(None),) * (x.dim() - consumed) + items[at + 1 :]
     dim = 0
     for item in items:
         if item is None:
@@ -282,8 +319,9 @@ def _nonzero(start: Any) -> bool:
     return start is not None and not (isinstance(start, int) and start == 0)
 
 
-def _dim_arg(node: fx.Node, args: list, x: torch.Tensor, *, key: str = "dim", default: Any = None,
-             all_by_default: bool = False) -> set[int]:
+def _dim_arg(
+    node: fx.Node, args: list, x: torch.Tensor, *, key: str = "dim", default: Any = None, all_by_default: bool = False
+) -> set[int]:
     dim = _arg(node, args, 1, key, default)
     if dim is None:
         return set(range(x.dim())) if all_by_default else set()
@@ -315,4 +353,3 @@ def _tensors(v: Any) -> list[torch.Tensor]:
     if isinstance(v, (list, tuple)):
         return [t for item in v for t in _tensors(item)]
     return []
-

@@ -19,8 +19,24 @@ from .strategies import AUTO, BALANCE, NAIVE, RUNTIME_STRATEGIES, STATIC, STRATE
 from .topology import Topology
 from .unsharded import plan_unsharded
 
-__all__ = ["plan", "AUTO", "BALANCE", "NAIVE", "STATIC", "CostModel", "Hardware", "ModelShape", "Plan", "MicroBatch",
-           "PlanError", "RUNTIME_STRATEGIES", "STRATEGIES", "STRATEGY_SPECS", "StepTime", "Topology"]
+__all__ = [
+    "plan",
+    "AUTO",
+    "BALANCE",
+    "NAIVE",
+    "STATIC",
+    "CostModel",
+    "Hardware",
+    "ModelShape",
+    "Plan",
+    "MicroBatch",
+    "PlanError",
+    "RUNTIME_STRATEGIES",
+    "STRATEGIES",
+    "STRATEGY_SPECS",
+    "StepTime",
+    "Topology",
+]
 
 
 @contextmanager
@@ -37,9 +53,18 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def plan(lengths: Sequence[int] | np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
-         strategy: str = BALANCE, pp_size: int = 1, context_length: int | None = None,
-         offload: bool = True, shard_blocker: str | None = None, step_time: StepTime | None = None) -> Plan:
+def plan(
+    lengths: Sequence[int] | np.ndarray,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    strategy: str = BALANCE,
+    pp_size: int = 1,
+    context_length: int | None = None,
+    offload: bool = True,
+    shard_blocker: str | None = None,
+    step_time: StepTime | None = None,
+) -> Plan:
     """Plan one global batch of sequence `lengths` over `world_size` HDP ranks of `capacity` tokens.
 
     `offload` applies to "naive" (the ablation without offloading); "balance" always offloads and
@@ -68,7 +93,9 @@ def plan(lengths: Sequence[int] | np.ndarray, world_size: int, capacity: int, co
             return plan_naive(lens, world_size, capacity, cost_model, pp_size, offload)
         if strategy == AUTO:
             if step_time is None:
-                raise ValueError(f"strategy {AUTO!r} ranks its candidates by simulated step time: pass "
-                                 f"step_time=bytescale_compile.sim.simulator.step_time (or another StepTime)")
+                raise ValueError(
+                    f"strategy {AUTO!r} ranks its candidates by simulated step time: pass "
+                    f"step_time=bytescale_compile.sim.simulator.step_time (or another StepTime)"
+                )
             return plan_auto(lens, world_size, capacity, cost_model, step_time, pp_size, context_length)
         return plan_balance(lens, world_size, capacity, cost_model, pp_size)

@@ -74,16 +74,31 @@ class Candidate:
 
 
 def _balance(offload: bool) -> Callable[..., Plan]:
-    def build(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int,
-              context_length: int | None, shared: SharedWork | None = None) -> Plan:
+    def build(
+        lens: np.ndarray,
+        world_size: int,
+        capacity: int,
+        cost_model: CostModel,
+        pp_size: int,
+        context_length: int | None,
+        shared: SharedWork | None = None,
+    ) -> Plan:
         if shared is None:
             shared = SharedWork(lens, world_size, capacity, cost_model, pp_size)
         return shared.balance(offload)
+
     return build
 
 
-def _static(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int,
-            context_length: int | None, shared: SharedWork | None = None) -> Plan:
+def _static(
+    lens: np.ndarray,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int,
+    context_length: int | None,
+    shared: SharedWork | None = None,
+) -> Plan:
     return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length)
 
 
@@ -94,8 +109,15 @@ CANDIDATES = (
 )
 
 
-def plan_auto(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, step_time: StepTime,
-              pp_size: int = 1, context_length: int | None = None) -> Plan:
+def plan_auto(
+    lens: np.ndarray,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    step_time: StepTime,
+    pp_size: int = 1,
+    context_length: int | None = None,
+) -> Plan:
     """The candidate plan with the shortest `step_time`, each plan timed once however many candidates it
     stands for. A candidate that cannot plan the batch (balance without offloading and a sequence only
     offloading fits) is left out; if none can, the first one's PlanError is raised."""

@@ -66,8 +66,15 @@ from .strategies import BALANCE
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["DEFAULT_DELTA", "BalanceInputs", "balance_inputs", "balance_ranks", "plan_balance", "schedule_balance",
-           "flop_buckets"]
+__all__ = [
+    "DEFAULT_DELTA",
+    "BalanceInputs",
+    "balance_inputs",
+    "balance_ranks",
+    "plan_balance",
+    "schedule_balance",
+    "flop_buckets",
+]
 
 DEFAULT_DELTA = 0.01
 """δ as a fraction of the balanced per-rank time (total work / ranks)."""
@@ -84,8 +91,16 @@ def flop_buckets(flops: np.ndarray, order: np.ndarray, num_buckets: int) -> list
     return [b for b in np.split(order, edges) if b.size]
 
 
-def _spread_heavy(lens: np.ndarray, ranks: np.ndarray, ratio: np.ndarray, work: np.ndarray, world_size: int,
-                  capacity: int, fastest: np.ndarray, longest: float) -> tuple[np.ndarray, np.ndarray]:
+def _spread_heavy(
+    lens: np.ndarray,
+    ranks: np.ndarray,
+    ratio: np.ndarray,
+    work: np.ndarray,
+    world_size: int,
+    capacity: int,
+    fastest: np.ndarray,
+    longest: float,
+) -> tuple[np.ndarray, np.ndarray]:
     """Give sequences heavier than `longest` (the longest micro-batch a rank should run) enough ranks to
     finish within it, but no more than make them faster (the ring's P2P floor, `fastest`)."""
     if lens.size == 0:
@@ -129,17 +144,28 @@ class BalanceInputs:
         return self.total_work / self.world_size
 
 
-def balance_inputs(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
-                   num_buckets: int = 16) -> BalanceInputs:
+def balance_inputs(
+    lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1, num_buckets: int = 16
+) -> BalanceInputs:
     """The offload-independent part of `plan_balance`, computed once for every offload setting."""
     seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
     flops = cost_model.flops(lens) if lens.size else np.zeros(0)
     order = np.argsort(-lens, kind="stable")
     buckets = flop_buckets(flops, order, num_buckets)
     fastest = fastest_group(cost_model, lens, seq_time, world_size) if lens.size else np.zeros(0, np.int64)
-    return BalanceInputs(lens, world_size, capacity, cost_model, pp_size, max(1, cost_model.layers // pp_size),
-                         seq_time, float(seq_time.sum()), np.concatenate(buckets) if buckets else order, len(buckets),
-                         fastest)
+    return BalanceInputs(
+        lens,
+        world_size,
+        capacity,
+        cost_model,
+        pp_size,
+        max(1, cost_model.layers // pp_size),
+        seq_time,
+        float(seq_time.sum()),
+        np.concatenate(buckets) if buckets else order,
+        len(buckets),
+        fastest,
+    )
 
 
 def balance_ranks(inputs: BalanceInputs, offload: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -148,15 +174,30 @@ def balance_ranks(inputs: BalanceInputs, offload: bool) -> tuple[np.ndarray, np.
     when a sequence does not fit the cluster."""
     i = inputs
     needed, ratio = ranks_needed(i.lens, i.world_size, i.capacity, i.cost_model, i.layers, offload=offload)
-    ranks, ratio = _spread_heavy(i.lens, needed, ratio, i.seq_time, i.world_size, i.capacity, i.fastest,
-                                 _longest_micro_batch(i.balanced, i.pp_size))
+    ranks, ratio = _spread_heavy(
+        i.lens,
+        needed,
+        ratio,
+        i.seq_time,
+        i.world_size,
+        i.capacity,
+        i.fastest,
+        _longest_micro_batch(i.balanced, i.pp_size),
+    )
     if i.pp_size == 1:
         return ranks, ratio
     return _tile_heavy(i.lens, needed, ranks, ratio, i.world_size, i.capacity, i.fastest)
 
 
-def _tile_heavy(lens: np.ndarray, needed: np.ndarray, ranks: np.ndarray, ratio: np.ndarray, world_size: int,
-                capacity: int, fastest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _tile_heavy(
+    lens: np.ndarray,
+    needed: np.ndarray,
+    ranks: np.ndarray,
+    ratio: np.ndarray,
+    world_size: int,
+    capacity: int,
+    fastest: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """With pipelines, widen each spread sequence's group to the next divisor of the world size, where it
     is no slower there (`fastest`): chains of equal groups then tile the ranks, as a static mesh's rows
     do, instead of leaving a few ranks to join a chain late (2 of 32 with groups of 15: a longer step at
@@ -171,15 +212,22 @@ def _tile_heavy(lens: np.ndarray, needed: np.ndarray, ranks: np.ndarray, ratio: 
     return ranks, np.where(widen & (lens <= ranks * capacity), 0.0, ratio)
 
 
-def schedule_balance(inputs: BalanceInputs, ranks: np.ndarray, ratio: np.ndarray, offload: bool,
-                     delta: float | None = None) -> Plan:
+def schedule_balance(
+    inputs: BalanceInputs, ranks: np.ndarray, ratio: np.ndarray, offload: bool, delta: float | None = None
+) -> Plan:
     """Place every sequence, in bucket order, on its `ranks` with offload `ratio` (`balance_ranks`)."""
     i = inputs
     builder = PlanBuilder(BALANCE, i.lens, i.world_size, i.capacity, i.cost_model, i.pp_size, i.layers, i.seq_time)
     if delta is None:
         delta = DEFAULT_DELTA * i.total_work / i.world_size
-    demands = Demands(i.sequence.tolist(), ranks.tolist(), ratio.tolist(), np.maximum(i.fastest, ranks).tolist(),
-                      i.lens.tolist(), i.seq_time.tolist())
+    demands = Demands(
+        i.sequence.tolist(),
+        ranks.tolist(),
+        ratio.tolist(),
+        np.maximum(i.fastest, ranks).tolist(),
+        i.lens.tolist(),
+        i.seq_time.tolist(),
+    )
     placer: Placer
     if i.pp_size > 1:
         placer, balance = ChainPlacer(builder, i.world_size, i.capacity, i.pp_size), "pp"
@@ -189,8 +237,16 @@ def schedule_balance(inputs: BalanceInputs, ranks: np.ndarray, ratio: np.ndarray
     return builder.build(placer.schedule(), delta=delta, buckets=i.buckets, balance=balance, offload=offload)
 
 
-def plan_balance(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
-                 delta: float | None = None, num_buckets: int = 16, offload: bool = True) -> Plan:
+def plan_balance(
+    lens: np.ndarray,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    delta: float | None = None,
+    num_buckets: int = 16,
+    offload: bool = True,
+) -> Plan:
     """`delta` defaults to 1% of the balanced per-rank time (`DEFAULT_DELTA`); `offload=False` is the
     ablation that gives every long sequence its D(s, 0) ranks."""
     inputs = balance_inputs(lens, world_size, capacity, cost_model, pp_size, num_buckets)

@@ -13,8 +13,7 @@ from .plan import MicroBatch, Plan, local_tokens
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["check_lengths", "best_fit_pack", "fastest_group", "fastest_time", "micro_batch_time",
-           "PlanBuilder"]
+__all__ = ["check_lengths", "best_fit_pack", "fastest_group", "fastest_time", "micro_batch_time", "PlanBuilder"]
 
 
 def check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -77,14 +76,19 @@ def fastest_group(cost_model: CostModel, lens: np.ndarray, work: np.ndarray, wor
     return np.clip(1 + np.floor(work / floor), 1, np.minimum(world_size, lens)).astype(np.int64)
 
 
-def fastest_time(cost_model: CostModel, lens: np.ndarray, work: np.ndarray, world_size: int,
-                 min_ranks: np.ndarray) -> np.ndarray:
+def fastest_time(
+    cost_model: CostModel, lens: np.ndarray, work: np.ndarray, world_size: int, min_ranks: np.ndarray
+) -> np.ndarray:
     """The least time each sequence can take on any allowed group size (compute split vs ring P2P)."""
     best = np.maximum(fastest_group(cost_model, lens, work, world_size), np.maximum(min_ranks, 1))
     times = []
     for d in (best, np.minimum(best + 1, np.minimum(world_size, lens))):
-        ring = np.array([float(cost_model.ring_time(np.array([n / g]), int(g))[0]) if g > 1 else 0.0
-                         for n, g in zip(lens.tolist(), d.tolist())])
+        ring = np.array(
+            [
+                float(cost_model.ring_time(np.array([n / g]), int(g))[0]) if g > 1 else 0.0
+                for n, g in zip(lens.tolist(), d.tolist())
+            ]
+        )
         times.append(np.maximum(work / d, ring))
     return np.minimum(*times)
 
@@ -99,8 +103,17 @@ def _one_local_tokens(n: int, group_size: int) -> int:
 class PlanBuilder:
     """Collects micro-batches in a global order; each rank runs its own in that order (deadlock-free)."""
 
-    def __init__(self, strategy: str, lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
-                 pp_size: int = 1, layers_per_rank: int = 0, seq_time: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        strategy: str,
+        lens: np.ndarray,
+        world_size: int,
+        capacity: int,
+        cost_model: CostModel,
+        pp_size: int = 1,
+        layers_per_rank: int = 0,
+        seq_time: np.ndarray | None = None,
+    ) -> None:
         """`seq_time` is `cost_model.seq_time(lens)` when the caller has it already (auto's candidates)."""
         self.strategy, self.lens, self.world_size, self.capacity = strategy, lens, world_size, capacity
         self.cost_model, self.pp_size, self.layers_per_rank = cost_model, pp_size, layers_per_rank
@@ -141,9 +154,14 @@ class PlanBuilder:
             tokens = _one_local_tokens(self._lens_list[sequences[0]], len(ranks))
         else:
             tokens = local_tokens(self.lens[list(sequences)], len(ranks))
-        mb = MicroBatch(id=len(self.micro_batches), ranks=tuple(map(int, ranks)),
-                        sequences=tuple(map(int, sequences)), offload_ratio=float(ratio),
-                        tokens_per_rank=tokens, est_time=self.time_of(sequences, len(ranks), ratio))
+        mb = MicroBatch(
+            id=len(self.micro_batches),
+            ranks=tuple(map(int, ranks)),
+            sequences=tuple(map(int, sequences)),
+            offload_ratio=float(ratio),
+            tokens_per_rank=tokens,
+            est_time=self.time_of(sequences, len(ranks), ratio),
+        )
         self.micro_batches.append(mb)
         return mb
 
@@ -155,6 +173,14 @@ class PlanBuilder:
             for mb in self.micro_batches:
                 for r in mb.ranks:
                     schedule[r].append(mb.id)
-        return Plan(strategy=self.strategy, world_size=self.world_size, capacity=self.capacity, pp_size=self.pp_size,
-                    sequences=self.lens.tolist(), micro_batches=self.micro_batches, schedule=schedule,
-                    layers_per_rank=self.layers_per_rank, meta=dict(meta))
+        return Plan(
+            strategy=self.strategy,
+            world_size=self.world_size,
+            capacity=self.capacity,
+            pp_size=self.pp_size,
+            sequences=self.lens.tolist(),
+            micro_batches=self.micro_batches,
+            schedule=schedule,
+            layers_per_rank=self.layers_per_rank,
+            meta=dict(meta),
+        )

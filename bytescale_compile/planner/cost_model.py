@@ -20,8 +20,17 @@ import sympy
 
 from .topology import Topology
 
-__all__ = ["CEIL_RTOL", "EXPRS", "HARDWARE_PRESETS", "KERNELS_PER_LAYER", "PRESETS", "CostModel", "Hardware", "ModelShape",
-           "Topology"]
+__all__ = [
+    "CEIL_RTOL",
+    "EXPRS",
+    "HARDWARE_PRESETS",
+    "KERNELS_PER_LAYER",
+    "PRESETS",
+    "CostModel",
+    "Hardware",
+    "ModelShape",
+    "Topology",
+]
 
 BF16 = 2
 """Bytes per element of the bf16 activations, gradients and parameters the analytic model assumes."""
@@ -153,22 +162,48 @@ def _l20_cluster(tp_size: int) -> Hardware:
     PCIe switches each linking 4 GPUs and 2 NICs, PCIe 64 GB/s bidirectional (32 per direction), 8 x 400
     Gbps RDMA per server. Assumed: a switch's uplink to the host is one x16 link (32 GB/s per direction), and
     the offload copies of the switch's GPUs share it."""
-    topology = Topology(devices_per_node=16, devices_per_switch=4, tp_size=tp_size, device_link=32e9,
-                        switch_uplink=32e9, nic_bandwidth=50e9, nics_per_node=8)
+    topology = Topology(
+        devices_per_node=16,
+        devices_per_switch=4,
+        tp_size=tp_size,
+        device_link=32e9,
+        switch_uplink=32e9,
+        nic_bandwidth=50e9,
+        nics_per_node=8,
+    )
     offload = topology.switch_uplink / topology.ranks_per_switch
-    return Hardware(name=f"l20-tp{tp_size}", matmul_flops=tp_size * 119.5e12, hbm_bytes=tp_size * 48e9,
-                    d2h_bandwidth=offload, h2d_bandwidth=offload, network_bandwidth=topology.rank_rail,
-                    topology=topology)
+    return Hardware(
+        name=f"l20-tp{tp_size}",
+        matmul_flops=tp_size * 119.5e12,
+        hbm_bytes=tp_size * 48e9,
+        d2h_bandwidth=offload,
+        h2d_bandwidth=offload,
+        network_bandwidth=topology.rank_rail,
+        topology=topology,
+    )
 
 
 def _h100_nvlink(tp_size: int) -> Hardware:
     """8 H100 SXM per node on one NVSwitch (NVLink 450 GB/s per direction), one 400 Gbps NIC per GPU, each
     GPU with its own PCIe x16 Gen5 link to the host (about 50 GB/s per direction for offload)."""
-    topology = Topology(devices_per_node=8, devices_per_switch=8, tp_size=tp_size, device_link=450e9,
-                        switch_uplink=450e9, nic_bandwidth=50e9, nics_per_node=8)
-    return Hardware(name=f"h100-nvlink-tp{tp_size}", matmul_flops=tp_size * 989e12, hbm_bytes=tp_size * 80e9,
-                    d2h_bandwidth=tp_size * 50e9, h2d_bandwidth=tp_size * 50e9,
-                    network_bandwidth=topology.rank_rail, topology=topology)
+    topology = Topology(
+        devices_per_node=8,
+        devices_per_switch=8,
+        tp_size=tp_size,
+        device_link=450e9,
+        switch_uplink=450e9,
+        nic_bandwidth=50e9,
+        nics_per_node=8,
+    )
+    return Hardware(
+        name=f"h100-nvlink-tp{tp_size}",
+        matmul_flops=tp_size * 989e12,
+        hbm_bytes=tp_size * 80e9,
+        d2h_bandwidth=tp_size * 50e9,
+        h2d_bandwidth=tp_size * 50e9,
+        network_bandwidth=topology.rank_rail,
+        topology=topology,
+    )
 
 
 HARDWARE_PRESETS = {"l20": _l20_cluster, "h100-nvlink": _h100_nvlink}
@@ -182,8 +217,12 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("llama-13b", layers=40, hidden=5120, heads=40, kv_heads=8, ffn=13824, vocab=32000),
         ModelShape("llama-30b", layers=60, hidden=6656, heads=56, kv_heads=8, ffn=17920, vocab=32000),
         ModelShape("llama-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
-        ModelShape("mistral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8, top_k=2),
-        ModelShape("mistral-8x22b", layers=56, hidden=6144, heads=48, kv_heads=8, ffn=16384, vocab=32000, experts=8, top_k=2),
+        ModelShape(
+            "mistral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8, top_k=2
+        ),
+        ModelShape(
+            "mistral-8x22b", layers=56, hidden=6144, heads=48, kv_heads=8, ffn=16384, vocab=32000, experts=8, top_k=2
+        ),
     )
 }
 """The paper's Table 1 models (vocab 32000 throughout)."""
@@ -245,7 +284,7 @@ def _real_roots(poly: list[float]) -> list[float]:
     if top == 0:
         return []
     p = p / top
-    p = p[np.argmax(np.abs(p) >= 1e-60):]
+    p = p[np.argmax(np.abs(p) >= 1e-60) :]
     return [x.real for x in np.roots(p) if abs(x.imag) <= 1e-9 * max(1.0, abs(x.real))]
 
 
@@ -287,17 +326,27 @@ class CostModel:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"CostModel ({self.source}): {name} must be a finite number >= 0, got {value!r}")
         if self.alpha2 <= 0:
-            raise ValueError(f"CostModel ({self.source}): alpha2 must be > 0 (activations grow with tokens), got {self.alpha2}")
+            raise ValueError(
+                f"CostModel ({self.source}): alpha2 must be > 0 (activations grow with tokens), got {self.alpha2}"
+            )
         if not (isinstance(self.layers, int) and self.layers >= 1):
             raise ValueError(f"CostModel ({self.source}): layers must be an int >= 1, got {self.layers!r}")
         if not (isinstance(self.kv_bytes_per_token, int) and self.kv_bytes_per_token >= 0):
-            raise ValueError(f"CostModel ({self.source}): kv_bytes_per_token must be an int >= 0, got {self.kv_bytes_per_token!r}")
+            raise ValueError(
+                f"CostModel ({self.source}): kv_bytes_per_token must be an int >= 0, got {self.kv_bytes_per_token!r}"
+            )
         if not isinstance(self.hardware, Hardware):
-            raise TypeError(f"CostModel ({self.source}): hardware must be a Hardware, got {type(self.hardware).__name__}")
+            raise TypeError(
+                f"CostModel ({self.source}): hardware must be a Hardware, got {type(self.hardware).__name__}"
+            )
         boundary = self.boundary_bytes_per_token
-        if boundary is not None and not (isinstance(boundary, (int, float)) and math.isfinite(boundary) and boundary > 0):
-            raise ValueError(f"CostModel ({self.source}): boundary_bytes_per_token must be None or a finite number "
-                             f"> 0, got {boundary!r}")
+        if boundary is not None and not (
+            isinstance(boundary, (int, float)) and math.isfinite(boundary) and boundary > 0
+        ):
+            raise ValueError(
+                f"CostModel ({self.source}): boundary_bytes_per_token must be None or a finite number "
+                f"> 0, got {boundary!r}"
+            )
 
     # --- construction ----------------------------------------------------------------------------
     @classmethod
@@ -343,14 +392,22 @@ class CostModel:
             if data.get("format") != _FORMAT:
                 raise ValueError(f"'format' is {data.get('format')!r}, expected {_FORMAT!r}")
             coefficients = {k: data["coefficients"][k] for k in _COEFFICIENT_KEYS}
-            return cls(**coefficients, layers=data["layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
-                       param_bytes=data["param_bytes"], hardware=Hardware.from_dict(data["hardware"]),
-                       source=data["source"], device=data.get("device"),
-                       ring_overhead=data["coefficients"].get("ring_overhead", 0.0),
-                       boundary_bytes_per_token=data.get("boundary_bytes_per_token"))
+            return cls(
+                **coefficients,
+                layers=data["layers"],
+                kv_bytes_per_token=data["kv_bytes_per_token"],
+                param_bytes=data["param_bytes"],
+                hardware=Hardware.from_dict(data["hardware"]),
+                source=data["source"],
+                device=data.get("device"),
+                ring_overhead=data["coefficients"].get("ring_overhead", 0.0),
+                boundary_bytes_per_token=data.get("boundary_bytes_per_token"),
+            )
         except KeyError as e:
-            raise ValueError(f"cost model file {path} lacks the key {e.args[0]!r}: write it again with "
-                             f"`bytescale-compile profile` or CostModel.save") from None
+            raise ValueError(
+                f"cost model file {path} lacks the key {e.args[0]!r}: write it again with "
+                f"`bytescale-compile profile` or CostModel.save"
+            ) from None
         except (ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"cost model file {path} is not a valid cost model: {type(e).__name__}: {e}") from None
 
@@ -394,7 +451,9 @@ class CostModel:
     @cached_property
     def exprs(self) -> dict[str, sympy.Expr]:
         """EXPRS with this model's coefficients; free symbols s, r, C, l."""
-        values = dict(zip(_COEFFS, (self.alpha1, self.beta1, self.gamma, self.alpha2, self.beta2, self.offload_bandwidth)))
+        values = dict(
+            zip(_COEFFS, (self.alpha1, self.beta1, self.gamma, self.alpha2, self.beta2, self.offload_bandwidth))
+        )
         return {k: e.subs(values) for k, e in EXPRS.items()}
 
     def _coeffs(self) -> tuple[float, ...]:

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["plan_naive", "ranks_needed", "naive_ranks"]
 
 
-def ranks_needed(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, layers_per_rank: int,
-                 offload: bool) -> tuple[np.ndarray, np.ndarray]:
+def ranks_needed(
+    lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, layers_per_rank: int, offload: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """D(s) and r of Eq. 2 for every sequence (D = 0: short, to be packed), after checking each fits."""
     ranks, ratio = cost_model.ranks_and_ratio(lens, capacity, layers_per_rank, offload)
     over = np.flatnonzero(ranks > world_size)
@@ -40,13 +41,16 @@ def ranks_needed(lens: np.ndarray, world_size: int, capacity: int, cost_model: C
         longest = int(over[lens[over].argmax()])
         limit = cost_model.max_sequence(world_size, capacity, layers_per_rank, offload=offload)
         how = "with the offload ratios Eq. 2 allows" if offload else "without offloading"
-        raise PlanError(f"sequence {longest} has {int(lens[longest])} tokens, more than the {limit} that {world_size} "
-                        f"ranks of capacity {capacity} can hold {how}")
+        raise PlanError(
+            f"sequence {longest} has {int(lens[longest])} tokens, more than the {limit} that {world_size} "
+            f"ranks of capacity {capacity} can hold {how}"
+        )
     return ranks, ratio
 
 
-def naive_ranks(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
-                layers_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+def naive_ranks(
+    lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, layers_per_rank: int
+) -> tuple[np.ndarray, np.ndarray]:
     """D and r of naive HDP with offloading: between Eq. 2's offloaded D(s, r*) and the D(s, 0) of no
     offloading, the fewest ranks on which the sequence is no slower than on D(s, 0), and the least r
     that fits it there. Its offload copies hide under its compute (r <= r* <= r_overlap)."""
@@ -62,8 +66,9 @@ def naive_ranks(lens: np.ndarray, world_size: int, capacity: int, cost_model: Co
     return ranks, np.where(ranks > 0, ratio, 0.0)
 
 
-def plan_naive(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
-               offload: bool = True) -> Plan:
+def plan_naive(
+    lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1, offload: bool = True
+) -> Plan:
     layers = max(1, cost_model.layers // pp_size)
     if offload and lens.size:
         ranks, ratio = naive_ranks(lens, world_size, capacity, cost_model, layers)

@@ -41,8 +41,10 @@ def model_shape(model: Any) -> ModelShape:
     name = type(inner).__name__
     config = getattr(inner, "config", None)
     if config is None:
-        raise ModelConfigError(f"{name} has no `config` to read layers, hidden size and heads from; "
-                               f"pass cost_model=CostModel.analytic(ModelShape(...)) or a profiled cost model")
+        raise ModelConfigError(
+            f"{name} has no `config` to read layers, hidden size and heads from; "
+            f"pass cost_model=CostModel.analytic(ModelShape(...)) or a profiled cost model"
+        )
     return shape_from_config(config, name)
 
 
@@ -143,4 +145,5 @@ class _ConfigReader:
     def error(self, detail: str) -> ModelConfigError:
         return ModelConfigError(
             f"{self.model_name} (config {type(self.config).__name__}): {detail}; fix the config or pass "
-            f"cost_model=CostModel.analytic(ModelShape(...)) or a profiled cost model")
+            f"cost_model=CostModel.analytic(ModelShape(...)) or a profiled cost model"
+        )

@@ -77,6 +77,8 @@ def chained_micro_batches(plan: Scheduled) -> set[int]:
         for k, i in enumerate(ids):
             if by_id[i].shared:
                 before.setdefault(i, set()).add(ids[k - 1] if k else None)
-    return {i for i, prev in before.items()
-            if len(prev) == 1 and (p := next(iter(prev))) is not None and by_id[p].ranks == by_id[i].ranks}
-
+    return {
+        i
+        for i, prev in before.items()
+        if len(prev) == 1 and (p := next(iter(prev))) is not None and by_id[p].ranks == by_id[i].ranks
+    }

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -118,7 +118,9 @@ class _ChainHeaps:
 
     def push(self, chain: Chain) -> None:
         chain.listing = next(self._listings)
-        heapq.heappush(self._heaps.setdefault(chain.ranks.size, []), (chain.clock + chain.overhead, chain.listing, chain))
+        heapq.heappush(
+            self._heaps.setdefault(chain.ranks.size, []), (chain.clock + chain.overhead, chain.listing, chain)
+        )
 
     def least_loaded(self, smallest: int, widest: int) -> list[Chain]:
         """Of each group size from `smallest` to `widest`, the open chain whose members are least loaded: it
@@ -172,8 +174,11 @@ class ChainPlacer:
         seg = self.segments
         loads.set_loads(seg.clock + seg.overhead, self.stretch * seg.longest)
         for s in d.order:
-            if d.ranks[s] == 0 and not loads.fill_gap(s, d.tokens[s], d.seconds[s]) \
-                    and not loads.split_gap(s, d.tokens[s], d.seconds[s]):
+            if (
+                d.ranks[s] == 0
+                and not loads.fill_gap(s, d.tokens[s], d.seconds[s])
+                and not loads.split_gap(s, d.tokens[s], d.seconds[s])
+            ):
                 loads.pack(s, d.tokens[s], d.seconds[s], delta)
 
     def _grown_overhead(self, ranks: np.ndarray, seconds: float, chained: bool) -> np.ndarray:
@@ -190,8 +195,11 @@ class ChainPlacer:
         to the chain); a sequence of one rank (offloaded) may join a chain too, where it is no slower. No
         widening toward a target as `DPPlacer` has: chains take idle ranks."""
         seg, builder = self.segments, self.builder
-        fresh = np.argpartition(seg.clock + seg.overhead, group_size - 1)[:group_size] \
-            if group_size < seg.clock.size else np.arange(group_size)
+        fresh = (
+            np.argpartition(seg.clock + seg.overhead, group_size - 1)[:group_size]
+            if group_size < seg.clock.size
+            else np.arange(group_size)
+        )
         seconds = builder.time_of([seq], group_size, ratio)
         start = float(seg.clock[fresh].max())
         best = float((start + seconds + self._grown_overhead(fresh, seconds, group_size == 1)).max())
@@ -282,7 +290,7 @@ class ChainPlacer:
             chain = entries[last].chain if last >= 0 else None
             if chain is None:
                 continue
-            after = [e.seconds for e in entries[last + 1:]] + [open_one.seconds]
+            after = [e.seconds for e in entries[last + 1 :]] + [open_one.seconds]
             floors[chain] = max(floors.get(chain, 0.0), *after)
         return floors
 
@@ -292,7 +300,7 @@ def _rise_and_fall(rising: list[int], est: dict[int, float], floor: float) -> li
     shorter than `floor` (the packed ones that follow) first, then the rest up to the longest and down
     again toward `floor`."""
     low = [i for i in rising if est[i] < floor]
-    high = rising[len(low):]
+    high = rising[len(low) :]
     return low + high[0::2] + high[1::2][::-1]
 
 

@@ -61,13 +61,28 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         try:
             data = json.loads(text)
-            mbs = [MicroBatch(id=int(m["id"]), ranks=tuple(m["ranks"]), sequences=tuple(m["sequences"]),
-                              offload_ratio=float(m["offload_ratio"]), tokens_per_rank=int(m["tokens_per_rank"]),
-                              est_time=float(m["est_time"])) for m in data["micro_batches"]]
-            return cls(strategy=data["strategy"], world_size=int(data["world_size"]), capacity=int(data["capacity"]),
-                       pp_size=int(data.get("pp_size", 1)), sequences=[int(s) for s in data["sequences"]],
-                       micro_batches=mbs, schedule=[[int(i) for i in r] for r in data["schedule"]],
-                       layers_per_rank=int(data.get("layers_per_rank", 0)), meta=dict(data.get("meta", {})))
+            mbs = [
+                MicroBatch(
+                    id=int(m["id"]),
+                    ranks=tuple(m["ranks"]),
+                    sequences=tuple(m["sequences"]),
+                    offload_ratio=float(m["offload_ratio"]),
+                    tokens_per_rank=int(m["tokens_per_rank"]),
+                    est_time=float(m["est_time"]),
+                )
+                for m in data["micro_batches"]
+            ]
+            return cls(
+                strategy=data["strategy"],
+                world_size=int(data["world_size"]),
+                capacity=int(data["capacity"]),
+                pp_size=int(data.get("pp_size", 1)),
+                sequences=[int(s) for s in data["sequences"]],
+                micro_batches=mbs,
+                schedule=[[int(i) for i in r] for r in data["schedule"]],
+                layers_per_rank=int(data.get("layers_per_rank", 0)),
+                meta=dict(data.get("meta", {})),
+            )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed plan JSON: {type(e).__name__}: {e}") from e
 
@@ -109,7 +124,9 @@ def _check_header(plan: Plan) -> None:
     if plan.strategy not in STRATEGIES:
         raise PlanError(f"strategy {plan.strategy!r} is not one of {STRATEGIES}")
     if plan.world_size < 1 or plan.capacity < 1 or plan.pp_size < 1:
-        raise PlanError(f"world_size, capacity and pp_size must be >= 1, got {plan.world_size}, {plan.capacity}, {plan.pp_size}")
+        raise PlanError(
+            f"world_size, capacity and pp_size must be >= 1, got {plan.world_size}, {plan.capacity}, {plan.pp_size}"
+        )
     if len(plan.schedule) != plan.world_size:
         raise PlanError(f"schedule has {len(plan.schedule)} rank lists for world_size {plan.world_size}")
     bad = [i for i, s in enumerate(plan.sequences) if not isinstance(s, int) or s < 1]
@@ -124,20 +141,28 @@ def _check_micro_batches(plan: Plan) -> dict[int, MicroBatch]:
             raise PlanError(f"micro-batch id {m.id} appears twice")
         by_id[m.id] = m
         if not m.ranks or len(set(m.ranks)) != len(m.ranks) or not all(0 <= r < plan.world_size for r in m.ranks):
-            raise PlanError(f"micro-batch {m.id} has ranks {list(m.ranks)}: need distinct ranks in [0, {plan.world_size})")
+            raise PlanError(
+                f"micro-batch {m.id} has ranks {list(m.ranks)}: need distinct ranks in [0, {plan.world_size})"
+            )
         if not m.sequences or not all(0 <= s < len(plan.sequences) for s in m.sequences):
-            raise PlanError(f"micro-batch {m.id} lists sequences {list(m.sequences)[:8]} outside [0, {len(plan.sequences)})")
+            raise PlanError(
+                f"micro-batch {m.id} lists sequences {list(m.sequences)[:8]} outside [0, {len(plan.sequences)})"
+            )
         if not 0.0 <= m.offload_ratio <= 1.0:
             raise PlanError(f"micro-batch {m.id} has offload_ratio {m.offload_ratio}, outside [0, 1]")
         lens = [plan.sequences[s] for s in m.sequences]
         held = local_tokens(lens, len(m.ranks))
         if m.tokens_per_rank != held:
-            raise PlanError(f"micro-batch {m.id}: tokens_per_rank is {m.tokens_per_rank} but its ranks hold up to {held}")
+            raise PlanError(
+                f"micro-batch {m.id}: tokens_per_rank is {m.tokens_per_rank} but its ranks hold up to {held}"
+            )
         limit = capacity_for_ratio(plan.capacity, m.offload_ratio, plan.layers_per_rank)
         slack = 2 * len(lens) if m.shared else 0  # zigzag rounds each sequence to whole chunks
         if held > limit + slack:
-            raise PlanError(f"micro-batch {m.id}: {held} tokens per rank exceed the capacity {limit} that "
-                            f"offload_ratio {m.offload_ratio} allows (C={plan.capacity}, l={plan.layers_per_rank})")
+            raise PlanError(
+                f"micro-batch {m.id}: {held} tokens per rank exceed the capacity {limit} that "
+                f"offload_ratio {m.offload_ratio} allows (C={plan.capacity}, l={plan.layers_per_rank})"
+            )
     return by_id
 
 
@@ -147,7 +172,9 @@ def _check_sequences_covered(plan: Plan) -> None:
         np.add.at(seen, list(m.sequences), 1)
     if (seen != 1).any():
         i = int(np.flatnonzero(seen != 1)[0])
-        raise PlanError(f"sequence {i} (length {plan.sequences[i]}) is in {int(seen[i])} micro-batches, must be in exactly one")
+        raise PlanError(
+            f"sequence {i} (length {plan.sequences[i]}) is in {int(seen[i])} micro-batches, must be in exactly one"
+        )
 
 
 def _check_schedule(plan: Plan, by_id: dict[int, MicroBatch]) -> None:
@@ -159,7 +186,9 @@ def _check_schedule(plan: Plan, by_id: dict[int, MicroBatch]) -> None:
             placed[i].append(rank)
     for i, ranks in placed.items():
         if sorted(ranks) != sorted(by_id[i].ranks):
-            raise PlanError(f"micro-batch {i} belongs to ranks {sorted(by_id[i].ranks)} but is scheduled on {sorted(ranks)}")
+            raise PlanError(
+                f"micro-batch {i} belongs to ranks {sorted(by_id[i].ranks)} but is scheduled on {sorted(ranks)}"
+            )
 
 
 def _check_deadlock_free(plan: Plan, by_id: dict[int, MicroBatch]) -> None:
@@ -182,8 +211,10 @@ def _check_shared_order(plan: Plan, by_id: dict[int, MicroBatch]) -> None:
     except nx.NetworkXNoCycle:
         return
     order = " -> ".join(str(a) for a, _ in cycle) + f" -> {cycle[0][0]}"
-    raise PlanError(f"schedule would deadlock: shared micro-batches {order} wait on each other in a cycle "
-                    f"(ranks sharing them run them in different orders)")
+    raise PlanError(
+        f"schedule would deadlock: shared micro-batches {order} wait on each other in a cycle "
+        f"(ranks sharing them run them in different orders)"
+    )
 
 
 def _check_one_f_one_b(plan: Plan, by_id: dict[int, MicroBatch]) -> None:
@@ -200,10 +231,12 @@ def _check_one_f_one_b(plan: Plan, by_id: dict[int, MicroBatch]) -> None:
     blamed = _conflicting_orders(plan, by_id, cycle)
     pipelines = sorted({i for ranks in blamed.values() for i in ranks})
     runs = "; ".join(f"pipelines {ranks} run {edge}" for edge, ranks in blamed.items())
-    raise PlanError(f"schedule would deadlock under 1F1B: {names} wait on each other in a cycle; the stage "
-                    f"orders of pipelines (HDP ranks) {pipelines} run the forwards and backwards of shared "
-                    f"micro-batches in different orders ({runs}): every pipeline must run the shared micro-batches "
-                    f"it holds in one global order")
+    raise PlanError(
+        f"schedule would deadlock under 1F1B: {names} wait on each other in a cycle; the stage "
+        f"orders of pipelines (HDP ranks) {pipelines} run the forwards and backwards of shared "
+        f"micro-batches in different orders ({runs}): every pipeline must run the shared micro-batches "
+        f"it holds in one global order"
+    )
 
 
 def _op(kind: int, mb: int, stage: int, pp: int) -> int:
@@ -265,7 +298,13 @@ def _conflicting_orders(plan: Plan, by_id: dict[int, MicroBatch], cycle: list[in
         mb_v, stage_v = divmod(v // 2, pp)
         if stage != stage_v or mb_u == mb_v:
             continue
-        ranks = [i for i in by_id[mb_u].ranks
-                 if any(a == u and b == v for a, b in itertools.pairwise(_stage_ops(plan.schedule[i], stage, pp, by_id, chained)))]
+        ranks = [
+            i
+            for i in by_id[mb_u].ranks
+            if any(
+                a == u and b == v
+                for a, b in itertools.pairwise(_stage_ops(plan.schedule[i], stage, pp, by_id, chained))
+            )
+        ]
         blamed[f"{_op_name(u, pp)} -> {_op_name(v, pp)}"] = ranks
     return blamed

@@ -54,9 +54,14 @@ class ProfileResult:
 
     def summary(self) -> str:
         """A table of measurement against fit, then the fitted coefficients."""
-        lines = [f"one layer, fwd+bwd, on {self.device}", f"{'tokens':>8} {'time ms':>10} {'fit ms':>10} {'act MB':>10} {'fit MB':>10}"]
+        lines = [
+            f"one layer, fwd+bwd, on {self.device}",
+            f"{'tokens':>8} {'time ms':>10} {'fit ms':>10} {'act MB':>10} {'fit MB':>10}",
+        ]
         for s, t, a in zip(self.lengths, self.times, self.act_bytes):
-            lines.append(f"{s:>8} {t * 1e3:>10.3f} {self.layer_time(s) * 1e3:>10.3f} {a / 1e6:>10.3f} {self.act(s) / 1e6:>10.3f}")
+            lines.append(
+                f"{s:>8} {t * 1e3:>10.3f} {self.layer_time(s) * 1e3:>10.3f} {a / 1e6:>10.3f} {self.act(s) / 1e6:>10.3f}"
+            )
         lines.append(f"T(s)   = {self.alpha1:.4g} s^2 + {self.beta1:.4g} s + {self.gamma:.4g}  [s]")
         lines.append(f"Act(s) = {self.alpha2:.4g} s + {self.beta2:.4g}  [bytes]")
         return "\n".join(lines)
@@ -84,7 +89,9 @@ def _call_grads(layer: nn.Module, inputs: LayerInputs) -> None:
     args, kwargs = inputs
     out = layer(*args, **kwargs)
     out = out[0] if isinstance(out, (tuple, list)) else out
-    wrt = [p for p in layer.parameters() if p.requires_grad] + [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    wrt = [p for p in layer.parameters() if p.requires_grad] + [
+        a for a in args if isinstance(a, torch.Tensor) and a.requires_grad
+    ]
     torch.autograd.grad(out.sum(), wrt)
 
 
@@ -128,6 +135,7 @@ def profile_layer(
     device = torch.device(device) if device is not None else first.device
     layer.to(device)
     if make_inputs is None:
+
         def make_inputs(s: int) -> LayerInputs:
             return (torch.randn(1, s, hidden, device=device, dtype=first.dtype, requires_grad=True),), {}
 
@@ -150,7 +158,7 @@ def profile_layer(
 
 
 def _device_label(device: torch.device) -> str:
-    """"cpu", or a CUDA device with its name ("cuda:0 (NVIDIA H100 80GB HBM3)"): which GPU a profile
+    """ "cpu", or a CUDA device with its name ("cuda:0 (NVIDIA H100 80GB HBM3)"): which GPU a profile
     measured matters when reading it, "cuda" alone does not say."""
     if device.type != "cuda":
         return str(device)
@@ -170,20 +178,44 @@ def _fit(lengths: Sequence[int], times: Sequence[float], act_bytes: Sequence[int
     s = np.asarray(lengths, np.float64)
     alpha1, beta1, gamma = fit_time(lengths, times)
     alpha2, beta2 = _nonnegative_lstsq(np.stack([s, np.ones_like(s)], 1), np.asarray(act_bytes, np.float64))
-    return ProfileResult(tuple(int(x) for x in lengths), tuple(times), tuple(act_bytes), float(alpha1), float(beta1),
-                         float(gamma), float(alpha2), float(beta2), device)
+    return ProfileResult(
+        tuple(int(x) for x in lengths),
+        tuple(times),
+        tuple(act_bytes),
+        float(alpha1),
+        float(beta1),
+        float(gamma),
+        float(alpha2),
+        float(beta2),
+        device,
+    )
 
 
 def fit_cost_model(
-    result: ProfileResult, layers: int, kv_bytes_per_token: int, param_bytes: float, hardware: Hardware | None = None,
+    result: ProfileResult,
+    layers: int,
+    kv_bytes_per_token: int,
+    param_bytes: float,
+    hardware: Hardware | None = None,
     boundary_bytes_per_token: float | None = None,
 ) -> CostModel:
     """The profiled coefficients as a CostModel (source "profiled", `device` where they were measured);
     bandwidths and latency come from `hardware`, which the layer profile cannot see. Without one, the
     default links are named after the measured device, not the default's "h100"."""
-    return CostModel(result.alpha1, result.beta1, result.gamma, result.alpha2, result.beta2, layers,
-                     kv_bytes_per_token, param_bytes, hardware or Hardware(name=result.device), source="profiled",
-                     device=result.device, boundary_bytes_per_token=boundary_bytes_per_token)
+    return CostModel(
+        result.alpha1,
+        result.beta1,
+        result.gamma,
+        result.alpha2,
+        result.beta2,
+        layers,
+        kv_bytes_per_token,
+        param_bytes,
+        hardware or Hardware(name=result.device),
+        source="profiled",
+        device=result.device,
+        boundary_bytes_per_token=boundary_bytes_per_token,
+    )
 
 
 def _build(spec: str) -> nn.Module:
@@ -201,7 +233,9 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"{type(model).__name__} has neither .layers nor .model.layers (a ModuleList of decoder layers)")
 
 
-def _input_maker(model: nn.Module, hidden: int, device: torch.device, dtype: torch.dtype) -> Callable[[int], LayerInputs]:
+def _input_maker(
+    model: nn.Module, hidden: int, device: torch.device, dtype: torch.dtype
+) -> Callable[[int], LayerInputs]:
     """Layer inputs for the decoders we know: `bytescale_compile/models/llama.py` (`layer(x, cos, sin)`, rotary at
     `model.rotary`), Hugging Face (`layer(x, position_embeddings=(cos, sin), position_ids=...)`, rotary at
     `model.model.rotary_emb`), else `layer(x)`."""
@@ -259,23 +293,38 @@ def profile_model(
         with multiprocessing.get_context("spawn").Pool(ranks_per_device) as pool:
             results = pool.starmap(_profile_worker, [(spec, list(lengths), repeats, dtype, threads)] * ranks_per_device)
         times = [statistics.median(r.times[i] for r in results) for i in range(len(results[0].times))]
-        result = _fit(results[0].lengths, times, results[0].act_bytes,
-                      f"cpu, {ranks_per_device} processes x {threads} thread(s)")
+        result = _fit(
+            results[0].lengths, times, results[0].act_bytes, f"cpu, {ranks_per_device} processes x {threads} thread(s)"
+        )
     elem = param.element_size()
     param_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    fit_cost_model(result, len(_decoder_layers(model)), 2 * kv_heads * head_dim * elem, param_bytes, hardware,
-                   float(cfg.hidden_size * elem)).save(out_path)
+    fit_cost_model(
+        result,
+        len(_decoder_layers(model)),
+        2 * kv_heads * head_dim * elem,
+        param_bytes,
+        hardware,
+        float(cfg.hidden_size * elem),
+    ).save(out_path)
     return result
 
 
 def _profile_first_layer(model: nn.Module, lengths: Sequence[int], device: torch.device, repeats: int) -> ProfileResult:
     param = next(model.parameters())
     config: Any = model.config
-    return profile_layer(_decoder_layers(model)[0], config.hidden_size, lengths, device, repeats,
-                         _input_maker(model, config.hidden_size, device, param.dtype))
+    return profile_layer(
+        _decoder_layers(model)[0],
+        config.hidden_size,
+        lengths,
+        device,
+        repeats,
+        _input_maker(model, config.hidden_size, device, param.dtype),
+    )
 
 
-def _profile_worker(spec: str, lengths: list[int], repeats: int, dtype: torch.dtype | None, threads: int) -> ProfileResult:
+def _profile_worker(
+    spec: str, lengths: list[int], repeats: int, dtype: torch.dtype | None, threads: int
+) -> ProfileResult:
     """One of `ranks_per_device` concurrent CPU profiles."""
     torch.set_num_threads(threads)
     model = _build(spec).to(dtype=dtype)

@@ -26,7 +26,6 @@ import numpy as np
 
 from .common import PlanBuilder
 
-
 __all__ = ["EntryKind", "Entry", "RankLoads"]
 
 _DELTA_CANDIDATES = 4

@@ -28,16 +28,26 @@ def cp_degree(world_size: int, capacity: int, context_length: int) -> int:
     for cp in range(1, world_size + 1):
         if world_size % cp == 0 and cp * capacity >= context_length:
             return cp
-    raise PlanError(f"context length {context_length} needs more than the {world_size} ranks of capacity {capacity} "
-                    f"(at most {world_size * capacity} tokens per row)")
+    raise PlanError(
+        f"context length {context_length} needs more than the {world_size} ranks of capacity {capacity} "
+        f"(at most {world_size * capacity} tokens per row)"
+    )
 
 
-def plan_static(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
-                context_length: int | None = None) -> Plan:
+def plan_static(
+    lens: np.ndarray,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    context_length: int | None = None,
+) -> Plan:
     context = int(context_length or (lens.max() if lens.size else capacity))
     if lens.size and lens.max() > context:
         i = int(lens.argmax())
-        raise PlanError(f"sequence {i} has {int(lens[i])} tokens, longer than the static mesh's context length {context}")
+        raise PlanError(
+            f"sequence {i} has {int(lens[i])} tokens, longer than the static mesh's context length {context}"
+        )
     cp = cp_degree(world_size, capacity, context)
     builder = PlanBuilder(STATIC, lens, world_size, capacity, cost_model, pp_size)
     tokens = [(0, g) for g in range(world_size // cp)]  # heap of (tokens, DP group)

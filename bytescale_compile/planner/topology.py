@@ -49,11 +49,15 @@ class Topology:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"Topology: {f.name} must be a positive number, got {value}")
         if self.devices_per_node % self.devices_per_switch:
-            raise ValueError(f"Topology: devices_per_node {self.devices_per_node} is not a multiple of "
-                             f"devices_per_switch {self.devices_per_switch}")
+            raise ValueError(
+                f"Topology: devices_per_node {self.devices_per_node} is not a multiple of "
+                f"devices_per_switch {self.devices_per_switch}"
+            )
         if self.devices_per_switch % self.tp_size:
-            raise ValueError(f"Topology: a TP group of {self.tp_size} devices must fit one switch of "
-                             f"{self.devices_per_switch} devices (tp_size must divide devices_per_switch)")
+            raise ValueError(
+                f"Topology: a TP group of {self.tp_size} devices must fit one switch of "
+                f"{self.devices_per_switch} devices (tp_size must divide devices_per_switch)"
+            )
 
     @property
     def ranks_per_switch(self) -> int:

@@ -20,13 +20,16 @@ from .plan import Plan, PlanError
 __all__ = ["plan_unsharded"]
 
 
-def plan_unsharded(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, strategy: str,
-                   pp_size: int, why: str) -> Plan:
+def plan_unsharded(
+    lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, strategy: str, pp_size: int, why: str
+) -> Plan:
     over = np.flatnonzero(lens > capacity)
     if over.size:
         i = int(over[lens[over].argmax()])
-        raise PlanError(f"sequence {i} has {int(lens[i])} tokens, more than the capacity {capacity} of one rank, and "
-                        f"the model cannot be sharded over ranks: {why}")
+        raise PlanError(
+            f"sequence {i} has {int(lens[i])} tokens, more than the capacity {capacity} of one rank, and "
+            f"the model cannot be sharded over ranks: {why}"
+        )
     builder = PlanBuilder(strategy, lens, world_size, capacity, cost_model, pp_size)
     load = [(0.0, r) for r in range(world_size)]
     for i in np.argsort(-builder.seq_time, kind="stable").tolist():

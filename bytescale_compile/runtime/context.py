@@ -150,8 +150,12 @@ def micro_batch(
     if ctx is None:
         if isinstance(cu_seqlens, list):
             cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-        ctx = MicroBatchContext(cu_seqlens=cu_seqlens, group=None if group is None else tuple(group), layout=layout,
-                                micro_batch_id=micro_batch_id)
+        ctx = MicroBatchContext(
+            cu_seqlens=cu_seqlens,
+            group=None if group is None else tuple(group),
+            layout=layout,
+            micro_batch_id=micro_batch_id,
+        )
     enter(ctx)
     try:
         yield ctx

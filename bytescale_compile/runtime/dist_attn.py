@@ -36,8 +36,15 @@ from torch import Tensor
 from ..kernels.dispatch import block_attention_bwd, block_attention_fwd
 from .layout import Block, LayoutError, Transfer, ZigzagLayout, validate_window
 
-__all__ = ["packed_ring_attention", "ring_attention_fwd", "ring_attention_bwd", "RingStats", "RingError",
-           "RingTimeoutError", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "packed_ring_attention",
+    "ring_attention_fwd",
+    "ring_attention_bwd",
+    "RingStats",
+    "RingError",
+    "RingTimeoutError",
+    "DEFAULT_TIMEOUT_S",
+]
 
 DEFAULT_TIMEOUT_S = 300.0
 _CLOCK_SLACK_S = 1e-3
@@ -150,34 +157,48 @@ class _Ring:
                 timed_out = not stream_ordered and waited >= self.timeout.total_seconds() - _CLOCK_SLACK_S
                 raise self.fault(e, what, peers, timed_out, stream_ordered) from e
 
-    def fault(self, error: RuntimeError, what: str, peers: tuple[int, ...], timed_out: bool,
-              stream_ordered: bool) -> RingError:
+    def fault(
+        self, error: RuntimeError, what: str, peers: tuple[int, ...], timed_out: bool, stream_ordered: bool
+    ) -> RingError:
         """The ring error of a backend error: `RingTimeoutError` when the ring's own timeout ran out."""
         where = f"ring group {list(self.group)}: rank {self.me}"
         if timed_out:
-            return RingTimeoutError(f"{where} waited {self.timeout.total_seconds():.0f}s for {what} (peers "
-                                    f"{list(peers)}); a peer never joined this ring step or is stuck elsewhere")
+            return RingTimeoutError(
+                f"{where} waited {self.timeout.total_seconds():.0f}s for {what} (peers "
+                f"{list(peers)}); a peer never joined this ring step or is stuck elsewhere"
+            )
         reported = str(error).splitlines()[0] if str(error) else type(error).__name__
         if stream_ordered:
-            return RingError(f"{where}: NCCL failed exchanging {what} with peers {list(peers)} (a lost peer, or the "
-                             f"process group's timeout): {reported}")
+            return RingError(
+                f"{where}: NCCL failed exchanging {what} with peers {list(peers)} (a lost peer, or the "
+                f"process group's timeout): {reported}"
+            )
         return RingError(f"{where} lost a peer while exchanging {what}: {reported}")
 
 
-def _make_ring(layout: ZigzagLayout, group: list[int] | tuple[int, ...], timeout_s: float, stats: RingStats | None,
-               window: int | None) -> _Ring:
+def _make_ring(
+    layout: ZigzagLayout,
+    group: list[int] | tuple[int, ...],
+    timeout_s: float,
+    stats: RingStats | None,
+    window: int | None,
+) -> _Ring:
     group = tuple(int(r) for r in group)
     if len(set(group)) != len(group):
         raise RingError(f"ring group {list(group)} lists a rank twice")
     if len(group) != layout.group_size:
-        raise RingError(f"ring group {list(group)} has {len(group)} ranks but the layout was made for {layout.group_size}")
+        raise RingError(
+            f"ring group {list(group)} has {len(group)} ranks but the layout was made for {layout.group_size}"
+        )
     if len(group) > 1 and not dist.is_initialized():
         raise RingError(f"ring group {list(group)} needs torch.distributed to be initialised")
     world = dist.get_world_size() if dist.is_initialized() else 1
     outside = [r for r in group if not 0 <= r < world]
     if len(group) > 1 and outside:
-        raise RingError(f"ring group {list(group)} names rank(s) {outside} outside the world of {world} ranks "
-                        f"(valid: 0 to {world - 1})")
+        raise RingError(
+            f"ring group {list(group)} names rank(s) {outside} outside the world of {world} ranks "
+            f"(valid: 0 to {world - 1})"
+        )
     me = dist.get_rank() if dist.is_initialized() else group[0]
     if me not in group:
         raise RingError(f"rank {me} is not in ring group {list(group)}")
@@ -195,8 +216,9 @@ def _local_problem(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float 
         validate_window(ring.window)
     except LayoutError as e:
         return str(e)
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not math.isfinite(softcap) or softcap <= 0):
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
+    ):
         return f"softcap must be None or a finite number > 0, got {softcap!r}"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
         return f"ring attention expects q [T, Hq, D], k [T, Hkv, D] and v [T, Hkv, Dv], got {shapes}"
@@ -205,8 +227,10 @@ def _local_problem(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float 
     if q.shape[2] != k.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         return f"ring attention needs q and k of one head dim and Hq a multiple of Hkv, got {shapes}"
     if not q.dtype == k.dtype == v.dtype:
-        return f"ring attention needs q, k and v of one dtype, got {_dtype_name(q.dtype)}, " \
-               f"{_dtype_name(k.dtype)} and {_dtype_name(v.dtype)}"
+        return (
+            f"ring attention needs q, k and v of one dtype, got {_dtype_name(q.dtype)}, "
+            f"{_dtype_name(k.dtype)} and {_dtype_name(v.dtype)}"
+        )
     return None
 
 
@@ -216,12 +240,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _descriptor(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> dict[str, Any]:
     """What every rank of the group must agree on, in words."""
+
     def dim(x: Tensor, i: int) -> int | None:
         return int(x.shape[i]) if x.dim() == 3 else None
 
-    return {"group": list(ring.group), "layout (sequence lengths)": list(ring.layout.seq_lens),
-            "query heads": dim(q, 1), "kv heads": dim(k, 1), "head dim": dim(q, 2), "v head dim": dim(v, 2),
-            "dtype": _dtype_name(q.dtype), "window": ring.window, "softcap": softcap}
+    return {
+        "group": list(ring.group),
+        "layout (sequence lengths)": list(ring.layout.seq_lens),
+        "query heads": dim(q, 1),
+        "kv heads": dim(k, 1),
+        "head dim": dim(q, 2),
+        "v head dim": dim(v, 2),
+        "dtype": _dtype_name(q.dtype),
+        "window": ring.window,
+        "softcap": softcap,
+    }
 
 
 def _check_inputs(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None, exchange: bool) -> None:
@@ -245,8 +278,10 @@ def _check_group_agrees(ring: _Ring, mine: dict[str, Any], problem: str | None, 
             differences.append(f"{name} differs ({shown})")
     problems = [f"rank {r}: {got['problem']}" for r, got in received.items() if got["problem"]]
     if differences or problems:
-        raise RingError(f"ring group {sorted(ring.group)}: {'inputs differ across ranks, ' if differences else ''}"
-                        f"nothing was sent: " + "; ".join(differences + problems))
+        raise RingError(
+            f"ring group {sorted(ring.group)}: {'inputs differ across ranks, ' if differences else ''}"
+            f"nothing was sent: " + "; ".join(differences + problems)
+        )
 
 
 def _shown(value: Any, limit: int = 8) -> str:
@@ -295,10 +330,10 @@ class _Rows:
         return torch.cat([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], dim=1)
 
     def keys(self, rows: Tensor) -> Tensor:
-        return rows[:, :self.kv_heads * self.head_dim].unflatten(1, (self.kv_heads, self.head_dim))
+        return rows[:, : self.kv_heads * self.head_dim].unflatten(1, (self.kv_heads, self.head_dim))
 
     def values(self, rows: Tensor) -> Tensor:
-        return rows[:, self.kv_heads * self.head_dim:].unflatten(1, (self.kv_heads, self.v_head_dim))
+        return rows[:, self.kv_heads * self.head_dim :].unflatten(1, (self.kv_heads, self.v_head_dim))
 
 
 def _gather(rows: Tensor, ranges: tuple[tuple[int, int], ...]) -> Tensor | None:
@@ -306,7 +341,7 @@ def _gather(rows: Tensor, ranges: tuple[tuple[int, int], ...]) -> Tensor | None:
     if not ranges:
         return None
     if len(ranges) == 1:
-        return rows[ranges[0][0]:ranges[0][1]]
+        return rows[ranges[0][0] : ranges[0][1]]
     return torch.cat([rows[start:end] for start, end in ranges])
 
 
@@ -314,7 +349,7 @@ def _scatter_add(acc: Tensor, packed: Tensor, ranges: tuple[tuple[int, int], ...
     """Add rows packed by `_gather` back onto their places in `acc`."""
     row = 0
     for start, end in ranges:
-        acc[start:end] += packed[row:row + end - start]
+        acc[start:end] += packed[row : row + end - start]
         row += end - start
 
 
@@ -340,8 +375,13 @@ def _kv_steps(ring: _Ring, k: Tensor, v: Tensor) -> Iterator[_Step]:
     def post(step: int) -> tuple[list[Any], Tensor, tuple[Block, ...]]:
         incoming = ring.incoming(step)
         buffer = mine.new_empty((incoming.num_rows, rows.width))
-        works = ring.post(_gather(mine, ring.outgoing(step).ranges), ring.peer(step),
-                          buffer if incoming.num_rows else None, ring.peer(-step), "K/V rows")
+        works = ring.post(
+            _gather(mine, ring.outgoing(step).ranges),
+            ring.peer(step),
+            buffer if incoming.num_rows else None,
+            ring.peer(-step),
+            "K/V rows",
+        )
         return works, buffer, incoming.blocks
 
     pending = post(1)
@@ -379,10 +419,20 @@ def _tokens_first(x: Tensor) -> Tensor:
     return x.squeeze(0).transpose(0, 1)
 
 
-def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, group: list[int] | tuple[int, ...],
-                       scale: float | None = None, *, stats: RingStats | None = None, check: bool = True,
-                       timeout_s: float = DEFAULT_TIMEOUT_S, window: int | None = None,
-                       softcap: float | None = None) -> tuple[Tensor, Tensor]:
+def ring_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: ZigzagLayout,
+    group: list[int] | tuple[int, ...],
+    scale: float | None = None,
+    *,
+    stats: RingStats | None = None,
+    check: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """(out [T, Hq, Dv] in q's dtype, lse [Hq, T] fp32) of this rank's queries over the whole group.
 
     `window` is Hugging Face's sliding window (a query sees itself and the window-1 keys before it),
@@ -398,16 +448,38 @@ def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, gr
     for step in _kv_steps(ring, k, v):
         for block in step.blocks:
             keys = slice(block.k_start, block.k_end)
-            _merge(out, lse, block, *block_attention_fwd(
-                _heads_first(q[block.q_start:block.q_end]), _heads_first(step.keys[keys]),
-                _heads_first(step.values[keys]), attn.scale, block.causal, **attn.kwargs(block)))
+            _merge(
+                out,
+                lse,
+                block,
+                *block_attention_fwd(
+                    _heads_first(q[block.q_start : block.q_end]),
+                    _heads_first(step.keys[keys]),
+                    _heads_first(step.values[keys]),
+                    attn.scale,
+                    block.causal,
+                    **attn.kwargs(block),
+                ),
+            )
     return out.to(q.dtype), lse
 
 
-def ring_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       layout: ZigzagLayout, group: list[int] | tuple[int, ...], scale: float | None = None, *,
-                       stats: RingStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                       window: int | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def ring_attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    layout: ZigzagLayout,
+    group: list[int] | tuple[int, ...],
+    scale: float | None = None,
+    *,
+    stats: RingStats | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of this rank's tokens; each rank's dK/dV rows of another's keys go straight back to it in fp32."""
     ring = _make_ring(layout, group, timeout_s, stats, window)
     _check_inputs(ring, q, k, v, softcap, exchange=False)
@@ -423,9 +495,16 @@ def ring_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
         for block in step.blocks:
             q_rows, keys = slice(block.q_start, block.q_end), slice(block.k_start, block.k_end)
             dq_b, dk_b, dv_b = block_attention_bwd(
-                grad_out[:, :, q_rows], _heads_first(q[q_rows]), _heads_first(step.keys[keys]),
-                _heads_first(step.values[keys]), out[:, :, q_rows], lse[None, :, q_rows], attn.scale, block.causal,
-                **attn.kwargs(block))
+                grad_out[:, :, q_rows],
+                _heads_first(q[q_rows]),
+                _heads_first(step.keys[keys]),
+                _heads_first(step.values[keys]),
+                out[:, :, q_rows],
+                lse[None, :, q_rows],
+                attn.scale,
+                block.causal,
+                **attn.kwargs(block),
+            )
             dq[q_rows] += _tokens_first(dq_b)
             dk[keys] += _tokens_first(dk_b)
             dv[keys] += _tokens_first(dv_b)
@@ -481,11 +560,22 @@ def _merge(out: Tensor, lse: Tensor, block: Block, block_out: Tensor, block_lse:
 
 class _PackedRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, group: tuple[int, ...],
-                scale: float | None, stats: RingStats | None, timeout_s: float, window: int | None,
-                softcap: float | None) -> Tensor:
-        out, lse = ring_attention_fwd(q, k, v, layout, group, scale, stats=stats, timeout_s=timeout_s,
-                                      window=window, softcap=softcap)
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layout: ZigzagLayout,
+        group: tuple[int, ...],
+        scale: float | None,
+        stats: RingStats | None,
+        timeout_s: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> Tensor:
+        out, lse = ring_attention_fwd(
+            q, k, v, layout, group, scale, stats=stats, timeout_s=timeout_s, window=window, softcap=softcap
+        )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, group, scale)
         ctx.kwargs = {"stats": stats, "timeout_s": timeout_s, "window": window, "softcap": softcap}
@@ -498,10 +588,19 @@ class _PackedRingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def packed_ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, group: list[int] | tuple[int, ...],
-                          scale: float | None = None, *, stats: RingStats | None = None,
-                          timeout_s: float = DEFAULT_TIMEOUT_S, window: int | None = None,
-                          softcap: float | None = None) -> Tensor:
+def packed_ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: ZigzagLayout,
+    group: list[int] | tuple[int, ...],
+    scale: float | None = None,
+    *,
+    stats: RingStats | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
     """Segment-causal attention of this rank's zigzag tokens against the whole group's, differentiable.
 
     q [T_local, Hq, D], k [T_local, Hkv, D], v [T_local, Hkv, Dv] in `layout.rank(i).token_index`

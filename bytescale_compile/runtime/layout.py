@@ -19,8 +19,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-__all__ = ["Piece", "Block", "Transfer", "RankLayout", "ZigzagLayout", "zigzag_layout", "validate_window",
-           "LayoutError"]
+__all__ = [
+    "Piece",
+    "Block",
+    "Transfer",
+    "RankLayout",
+    "ZigzagLayout",
+    "zigzag_layout",
+    "validate_window",
+    "LayoutError",
+]
 
 
 class LayoutError(ValueError):
@@ -92,9 +100,11 @@ class ZigzagLayout:
     group_size: int
     _ranks: dict[int, RankLayout] = field(default_factory=dict, init=False, repr=False, compare=False)
     _blocks: dict[tuple[int, int, int | None], tuple[Block, ...]] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     _transfers: dict[tuple[int, int, int | None], Transfer] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -184,8 +194,15 @@ class ZigzagLayout:
         q_base = qp.offset - bounds[qp.chunk]
         k_base = kp.offset - bounds[kp.chunk]
         cuts = window is not None and (q_hi - 1) - k_lo >= window  # the farthest pair lies outside the window
-        return Block(q_base + q_lo, q_base + q_hi, k_base + k_lo, k_base + k_hi,
-                     causal=kp.chunk == qp.chunk, offset=q_lo - k_lo, window=window if cuts else None)
+        return Block(
+            q_base + q_lo,
+            q_base + q_hi,
+            k_base + k_lo,
+            k_base + k_hi,
+            causal=kp.chunk == qp.chunk,
+            offset=q_lo - k_lo,
+            window=window if cuts else None,
+        )
 
     def transfer(self, q_rank: int, kv_rank: int, window: int | None = None) -> Transfer:
         """The rows of `kv_rank`'s K/V that `q_rank`'s blocks read, and those blocks on the packed rows."""
@@ -202,8 +219,9 @@ class ZigzagLayout:
 def validate_window(window: int | None) -> int | None:
     """`window` itself, or LayoutError unless it is None or a whole number of keys >= 1."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise LayoutError(f"window must be None or an int >= 1 (a query sees itself and window-1 keys before it), "
-                          f"got {window!r}")
+        raise LayoutError(
+            f"window must be None or an int >= 1 (a query sees itself and window-1 keys before it), got {window!r}"
+        )
     return window
 
 

@@ -172,8 +172,10 @@ class ActivationContext:
 
     def update_micro_batch_id(self, micro_batch_id: int) -> None:
         if not 0 <= micro_batch_id < len(self.offload_ratios):
-            raise ValueError(f"micro-batch id {micro_batch_id} out of range: this act_ctx has "
-                             f"{len(self.offload_ratios)} micro-batches")
+            raise ValueError(
+                f"micro-batch id {micro_batch_id} out of range: this act_ctx has "
+                f"{len(self.offload_ratios)} micro-batches"
+            )
         self.micro_batch_id = micro_batch_id
 
     def __enter__(self) -> ActivationContext:
@@ -194,8 +196,9 @@ class ActivationContext:
         flat, per_token = token_major_storage(member, token_dim)
         tokens = flat.numel() // per_token if per_token else 0
         offloaded = 0 if keep or not per_token else math.floor(self.offload_ratios[mb] * tokens) * per_token
-        saved = _Saved(layer=layer, numel=flat.numel(), dtype=flat.dtype, device=flat.device, offloaded=offloaded,
-                       rest=flat)
+        saved = _Saved(
+            layer=layer, numel=flat.numel(), dtype=flat.dtype, device=flat.device, offloaded=offloaded, rest=flat
+        )
         if offloaded:
             self._to_host(saved, flat)
         stats = self.stats[mb]
@@ -208,7 +211,7 @@ class ActivationContext:
     def _to_host(self, saved: _Saved, flat: Tensor) -> None:
         streams = _streams.for_device(flat.device)
         host = _pool.get(flat.dtype, saved.offloaded, pin=streams is not None)
-        saved.rest = flat[saved.offloaded:].clone()
+        saved.rest = flat[saved.offloaded :].clone()
         if streams is None:
             host[: saved.offloaded].copy_(flat[: saved.offloaded])
         else:
@@ -231,12 +234,15 @@ class ActivationContext:
             raise ContextError(
                 f"saved activations of layer {layer} belong to micro-batch {mb} of {whose}, but the backward "
                 f"runs under micro-batch {self.micro_batch_id} of this one: call update_micro_batch_id({mb}) on the "
-                f"act_ctx of the forward before the backward, inside `with` that act_ctx")
+                f"act_ctx of the forward before the backward, inside `with` that act_ctx"
+            )
         saved = self._waiting[mb].pop(call, None)
         if saved is None:
-            raise ContextError(f"saved activations of layer {layer}, micro-batch {mb}, were already reloaded: "
-                               "a backward through the same forward can run only once (retain_graph is not supported "
-                               "with offloading)")
+            raise ContextError(
+                f"saved activations of layer {layer}, micro-batch {mb}, were already reloaded: "
+                "a backward through the same forward can run only once (retain_graph is not supported "
+                "with offloading)"
+            )
         # the backward entering a layer frees the layers above and prefetches the next one down; storages
         # outside the layers (rotary tables, say) are read throughout and move nothing
         entering = layer >= 0 and layer != self._layer[mb]
@@ -271,7 +277,7 @@ class ActivationContext:
         full = torch.empty(saved.numel, dtype=saved.dtype, device=saved.device)
         if streams is None:
             full[: saved.offloaded].copy_(host[: saved.offloaded])
-            full[saved.offloaded:].copy_(rest)
+            full[saved.offloaded :].copy_(rest)
             _pool.put(host, None)
         else:
             assert saved.copied is not None  # `_to_host` recorded it on the same CUDA device
@@ -280,7 +286,7 @@ class ActivationContext:
             h2d.wait_event(saved.copied)
             with torch.cuda.stream(h2d):
                 full[: saved.offloaded].copy_(host[: saved.offloaded], non_blocking=True)
-                full[saved.offloaded:].copy_(rest, non_blocking=True)
+                full[saved.offloaded :].copy_(rest, non_blocking=True)
                 saved.ready = torch.cuda.Event()
                 saved.ready.record(h2d)
             rest.record_stream(h2d)
@@ -309,7 +315,8 @@ def token_major_storage(t: Tensor, token_dim: int) -> tuple[Tensor, int]:
     flat = t.new_empty(0).set_(t.untyped_storage(), 0, (numel,), (1,))
     per_token = t.stride(token_dim)
     token_major = t.shape[token_dim] * per_token == numel and all(
-        t.stride(d) * t.shape[d] <= per_token for d in range(t.dim()) if d != token_dim and t.shape[d] > 1)
+        t.stride(d) * t.shape[d] <= per_token for d in range(t.dim()) if d != token_dim and t.shape[d] > 1
+    )
     return flat, per_token if token_major else 0
 
 

@@ -26,14 +26,30 @@ class Outcome:
     """max/min per-rank busy time (ranks with no work left out)."""
 
 
-def run_strategy(name: str, lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel,
-                 context_length: int | None = None, pp_size: int = 1) -> Outcome:
+def run_strategy(
+    name: str,
+    lens: np.ndarray,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    context_length: int | None = None,
+    pp_size: int = 1,
+) -> Outcome:
     if name not in STRATEGY_SPECS:
         raise ValueError(f"strategy must be one of {list(STRATEGY_SPECS)}, got {name!r}")
     strategy, offload = STRATEGY_SPECS[name]
     start = time.perf_counter()
-    result = plan(lens, world_size, capacity, cost_model, strategy=strategy, pp_size=pp_size,
-                  context_length=context_length, offload=offload, step_time=step_time)
+    result = plan(
+        lens,
+        world_size,
+        capacity,
+        cost_model,
+        strategy=strategy,
+        pp_size=pp_size,
+        context_length=context_length,
+        offload=offload,
+        step_time=step_time,
+    )
     seconds = time.perf_counter() - start
     timeline = simulate(result, cost_model)
     timeline.strategy = name  # "naive" and "naive-nooffload" share a planner but not a label
@@ -41,4 +57,3 @@ def run_strategy(name: str, lens: np.ndarray, world_size: int, capacity: int, co
     busy = busy[busy > 0]
     spread = float(busy.max() / busy.min()) if busy.size else 1.0
     return Outcome(name, result, timeline, seconds, timeline.step_time, throughput(result, timeline), spread)
-

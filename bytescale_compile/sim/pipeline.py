@@ -39,8 +39,13 @@ def _send_table(send: Sends, m: int, pp: int) -> Sequence[Sequence[float]]:
     return send
 
 
-def one_f_one_b(times: Sequence[float], pp: int, send: Sends = 0.0, shared: Sequence[bool] | None = None,
-                chained: Sequence[bool] | None = None) -> PipelineRun:
+def one_f_one_b(
+    times: Sequence[float],
+    pp: int,
+    send: Sends = 0.0,
+    shared: Sequence[bool] | None = None,
+    chained: Sequence[bool] | None = None,
+) -> PipelineRun:
     """Run micro-batches of `times` (seconds over all stages, in order) through `pp` stages, each stage in
     `stage_order` (`shared`, `chained`: its flags per micro-batch; default none shared)."""
     if pp < 1:

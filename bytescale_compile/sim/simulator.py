@@ -32,8 +32,20 @@ if TYPE_CHECKING:
     from ..planner.cost_model import CostModel
     from ..planner.topology import Link, Topology
 
-__all__ = ["CONTENTION_ROUNDS", "DIRECT_EXCHANGE_SHARE", "boundary_bytes_per_token", "pipeline_sends", "simulate",
-           "step_time", "bubble_rates", "pipeline_bubbles", "busy_times", "lower_bound", "p2p_bytes", "throughput"]
+__all__ = [
+    "CONTENTION_ROUNDS",
+    "DIRECT_EXCHANGE_SHARE",
+    "boundary_bytes_per_token",
+    "pipeline_sends",
+    "simulate",
+    "step_time",
+    "bubble_rates",
+    "pipeline_bubbles",
+    "busy_times",
+    "lower_bound",
+    "p2p_bytes",
+    "throughput",
+]
 
 CONTENTION_ROUNDS = 4
 """Re-runs of the timeline with link bandwidths shared among the rings that overlap in it."""
@@ -71,8 +83,10 @@ def _boundary_bandwidths(plan: Plan, cost_model: CostModel, rank: int) -> list[f
     topology, world = cost_model.hardware.topology, plan.world_size
     if topology is None:
         return [cost_model.network_bandwidth] * (plan.pp_size - 1)
-    return [min(topology.bandwidth(link) for link in topology.hop(s * world + rank, (s + 1) * world + rank))
-            for s in range(plan.pp_size - 1)]
+    return [
+        min(topology.bandwidth(link) for link in topology.hop(s * world + rank, (s + 1) * world + rank))
+        for s in range(plan.pp_size - 1)
+    ]
 
 
 def pipeline_sends(plan: Plan, cost_model: CostModel, rank: int) -> list[list[float]]:
@@ -89,11 +103,14 @@ def _settle(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], dict[i
     machine's compute among the ranks busy at once where they share one (`Hardware.compute_slots`)."""
     duration, start = _settle_links(plan, cost_model)
     slots = cost_model.hardware.compute_slots
-    return (duration, start) if slots is None or not plan.micro_batches else _share_compute(plan, duration, start, slots)
+    return (
+        (duration, start) if slots is None or not plan.micro_batches else _share_compute(plan, duration, start, slots)
+    )
 
 
-def _share_compute(plan: Plan, alone: dict[int, float], start: dict[int, float],
-                   slots: float) -> tuple[dict[int, float], dict[int, float]]:
+def _share_compute(
+    plan: Plan, alone: dict[int, float], start: dict[int, float], slots: float
+) -> tuple[dict[int, float], dict[int, float]]:
     """Each micro-batch's duration alone times max(1, busy / slots), where busy is the mean number of
     processes in micro-batches over its span (its own included; a pipeline's pp stages are pp processes,
     counted busy together): processor sharing, averaged over the span. The timeline is re-run with the new
@@ -147,10 +164,15 @@ def _durations(plan: Plan, cost_model: CostModel, bandwidth: dict[int, float]) -
     return out
 
 
-def _shared_time(m: MicroBatch, cost_model: CostModel, seq_time: np.ndarray, lens: np.ndarray, bandwidth: float) -> float:
+def _shared_time(
+    m: MicroBatch, cost_model: CostModel, seq_time: np.ndarray, lens: np.ndarray, bandwidth: float
+) -> float:
     d, ids = len(m.ranks), list(m.sequences)
     compute = float(seq_time[ids].sum()) / d + float(cost_model.ring_compute_time(m.tokens_per_rank, d))
-    ring = float(cost_model.ring_bytes(m.tokens_per_rank, d)) / bandwidth + cost_model.layers * 3 * (d - 1) * cost_model.latency
+    ring = (
+        float(cost_model.ring_bytes(m.tokens_per_rank, d)) / bandwidth
+        + cost_model.layers * 3 * (d - 1) * cost_model.latency
+    )
     offload = float(cost_model.offload_time(lens[ids], m.offload_ratio).sum()) / d if m.offload_ratio > 0 else 0.0
     return max(compute, ring, offload)
 
@@ -178,8 +200,9 @@ class _LinkSharing:
         bandwidth_of = np.array([topology.bandwidth(lk) for lk, ids in shared for _ in ids], np.float64)
         return cls(len(shared), link, ring, hops, bandwidth_of)
 
-    def bandwidth(self, alone: dict[int, float], start: dict[int, float], duration: dict[int, float],
-                  pp: int) -> dict[int, float]:
+    def bandwidth(
+        self, alone: dict[int, float], start: dict[int, float], duration: dict[int, float], pp: int
+    ) -> dict[int, float]:
         """Each ring's bytes/s per rank when every link's bandwidth is split among the hops of all rings
         whose spans overlap on it: the slowest of its links (`alone` covers those it has to itself).
         Ring j overlaps ring i iff begin_j < end_i and not end_j <= begin_i; both counts are prefix sums
@@ -188,21 +211,24 @@ class _LinkSharing:
         end = begin + np.array([duration[i] for i in self.ring.tolist()]) / pp
         offset = self.link * (float(end.max()) + 1.0)
         begins, ends = offset + begin, offset + end
-        total = (self._hops_below(begins, ends, offset, "left") - self._hops_below(ends, begins, offset, "right"))
+        total = self._hops_below(begins, ends, offset, "left") - self._hops_below(ends, begins, offset, "right")
         out = dict(alone)
         for i, bw in zip(self.ring.tolist(), (self.bandwidth_of / total).tolist()):
             if bw < out[i]:
                 out[i] = bw
         return out
 
-    def _hops_below(self, keys: np.ndarray, limits: np.ndarray, offset: np.ndarray,
-                    side: Literal["left", "right"]) -> np.ndarray:
+    def _hops_below(
+        self, keys: np.ndarray, limits: np.ndarray, offset: np.ndarray, side: Literal["left", "right"]
+    ) -> np.ndarray:
         """Per pair: the hops of the pairs on the same link whose key is below its limit (or equal, "right")."""
         order = np.argsort(keys, kind="stable")
         cumulative = np.concatenate(([0.0], np.cumsum(self.hops[order])))
         sorted_keys = keys[order]
-        return (cumulative[np.searchsorted(sorted_keys, limits, side=side)]
-                - cumulative[np.searchsorted(sorted_keys, offset, side="left")])
+        return (
+            cumulative[np.searchsorted(sorted_keys, limits, side=side)]
+            - cumulative[np.searchsorted(sorted_keys, offset, side="left")]
+        )
 
 
 def _starts(plan: Plan, duration: dict[int, float]) -> dict[int, float]:
@@ -262,26 +288,36 @@ def _pipeline_runs(plan: Plan, cost_model: CostModel, duration: dict[int, float]
     chained = chained_micro_batches(plan)
     runs = []
     for rank, ids in enumerate(plan.schedule):
-        runs.append(one_f_one_b([duration[i] for i in ids], plan.pp_size,
-                                pipeline_sends(plan, cost_model, rank) if sends else 0.0,
-                                [i in shared_ids for i in ids], [i in chained for i in ids]))
+        runs.append(
+            one_f_one_b(
+                [duration[i] for i in ids],
+                plan.pp_size,
+                pipeline_sends(plan, cost_model, rank) if sends else 0.0,
+                [i in shared_ids for i in ids],
+                [i in chained for i in ids],
+            )
+        )
     return runs
 
 
-def _step_end(plan: Plan, cost_model: CostModel, duration: dict[int, float], clock: list[float],
-              runs: list[PipelineRun]) -> float:
+def _step_end(
+    plan: Plan, cost_model: CostModel, duration: dict[int, float], clock: list[float], runs: list[PipelineRun]
+) -> float:
     """With pp > 1 each rank's pipeline adds its 1F1B fill and drain (`runs`, `_pipeline_runs`); then the
     gradient all-reduce over all ranks."""
     if runs:
         # each pipeline's 1F1B run adds its fill and drain to its micro-batches' time / pp
-        clock = [c + run.makespan - sum(duration[i] for i in ids) / plan.pp_size
-                 for c, run, ids in zip(clock, runs, plan.schedule)]
+        clock = [
+            c + run.makespan - sum(duration[i] for i in ids) / plan.pp_size
+            for c, run, ids in zip(clock, runs, plan.schedule)
+        ]
     sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
     return max(clock, default=0.0) + sync
 
 
-def _timeline(plan: Plan, cost_model: CostModel, duration: dict[int, float], start: dict[int, float],
-              sends: bool) -> Timeline:
+def _timeline(
+    plan: Plan, cost_model: CostModel, duration: dict[int, float], start: dict[int, float], sends: bool
+) -> Timeline:
     """The spans of every micro-batch on every rank, then the all-reduce."""
     spans: list[Span] = []
     for m in plan.micro_batches:

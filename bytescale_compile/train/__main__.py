@@ -45,10 +45,14 @@ data server of --loader ray that died for good."""
 
 def build_parser() -> argparse.ArgumentParser:
     """--config plus one option per TrainConfig field (None when not given, so the file's value stands)."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE.toml", help="settings as a flat TOML table (keys as below, "
-                                                             "with underscores); options given here override it")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="settings as a flat TOML table (keys as below, with underscores); options given here override it",
+    )
     for f in fields(TrainConfig):
         flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type == "bool":

@@ -25,8 +25,17 @@ from ..planner.plan import MicroBatch
 from ..runtime.context import MicroBatchContext
 from ..runtime.layout import zigzag_layout
 
-__all__ = ["BatchError", "BatchLike", "ListBatch", "MicroBatchInputs", "ModelProtocolError", "RankWork", "TokenReader",
-           "build_micro_batch", "num_targets"]
+__all__ = [
+    "BatchError",
+    "BatchLike",
+    "ListBatch",
+    "MicroBatchInputs",
+    "ModelProtocolError",
+    "RankWork",
+    "TokenReader",
+    "build_micro_batch",
+    "num_targets",
+]
 
 IGNORE_INDEX = -100
 TokenReader = Callable[[int, int, int], torch.Tensor]
@@ -72,14 +81,18 @@ class ListBatch:
         self.sequences = [torch.as_tensor(s) for s in sequences]
         for i, seq in enumerate(self.sequences):
             if seq.dim() != 1 or seq.numel() == 0:
-                raise BatchError(f"sequence {i} has shape {tuple(seq.shape)}: each sequence must be a non-empty 1-D "
-                                 f"tensor of token ids")
+                raise BatchError(
+                    f"sequence {i} has shape {tuple(seq.shape)}: each sequence must be a non-empty 1-D "
+                    f"tensor of token ids"
+                )
             if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
                 raise BatchError(f"sequence {i} holds {seq.dtype} values: token ids must be integers")
             low, high = int(seq.min()), int(seq.max())
             if low < 0 or (vocab_size is not None and high >= vocab_size):
-                raise BatchError(f"sequence {i} holds token id {low if low < 0 else high}, outside the model's "
-                                 f"vocabulary of {vocab_size} (ids 0 to {(vocab_size or 1) - 1})")
+                raise BatchError(
+                    f"sequence {i} holds token id {low if low < 0 else high}, outside the model's "
+                    f"vocabulary of {vocab_size} (ids 0 to {(vocab_size or 1) - 1})"
+                )
         self.lengths = np.array([s.numel() for s in self.sequences], dtype=np.int64)
 
     def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -102,8 +115,12 @@ class MicroBatchInputs:
     def model_kwargs(self, device: torch.device | None = None, labels: bool = False) -> dict[str, torch.Tensor]:
         """The model protocol's kwargs on `device`; `labels` adds `labels` = `shift_labels` (what a Hugging Face
         forward reads its targets from)."""
-        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                  "shift_labels": self.shift_labels, "num_items_in_batch": self.num_items_in_batch}
+        kwargs = {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "shift_labels": self.shift_labels,
+            "num_items_in_batch": self.num_items_in_batch,
+        }
         kwargs = {name: t.to(device) for name, t in kwargs.items()} if device is not None else kwargs
         return {**kwargs, "labels": kwargs["shift_labels"]} if labels else kwargs
 
@@ -122,7 +139,9 @@ def _chunk(read: TokenReader, seq: int, seq_len: int, start: int, end: int) -> t
     return tokens[: end - start], labels
 
 
-def build_micro_batch(mb: MicroBatch, rank: int, lengths: np.ndarray, read: TokenReader, num_items: int) -> MicroBatchInputs:
+def build_micro_batch(
+    mb: MicroBatch, rank: int, lengths: np.ndarray, read: TokenReader, num_items: int
+) -> MicroBatchInputs:
     """This rank's inputs for micro-batch `mb` of a plan over the global batch `lengths`."""
     if rank not in mb.ranks:
         raise ValueError(f"rank {rank} is not among micro-batch {mb.id}'s ranks {list(mb.ranks)}")
@@ -145,6 +164,9 @@ def build_micro_batch(mb: MicroBatch, rank: int, lengths: np.ndarray, read: Toke
             ids.append(tokens)
             labels.append(next_tokens)
             positions.append(torch.arange(n))
-        context = MicroBatchContext(cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(lens)])), micro_batch_id=mb.id)
-    return MicroBatchInputs(mb, torch.cat(ids)[None], torch.cat(positions)[None], torch.cat(labels)[None],
-                            torch.tensor(num_items), context)
+        context = MicroBatchContext(
+            cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(lens)])), micro_batch_id=mb.id
+        )
+    return MicroBatchInputs(
+        mb, torch.cat(ids)[None], torch.cat(positions)[None], torch.cat(labels)[None], torch.tensor(num_items), context
+    )

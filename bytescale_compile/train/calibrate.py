@@ -65,18 +65,26 @@ class Calibration:
         """Each measurement next to what the fitted model predicts for it (all ranks busy, as measured)."""
         model, world = self.cost_model, self.world_size
         busy = max(1.0, world / model.hardware.compute_slots) if model.hardware.compute_slots else 1.0
-        rows = [f"cost model calibrated in this job, {world} rank(s) at once: whole model fwd+bwd per micro-batch"
-                + (f", {model.hardware.compute_slots:g} ranks' worth of cores" if busy > 1 else "")]
-        rows += [f"  {s:>7} tokens {t * 1e3:>9.1f} ms (fit {float(model.seq_time(s)) * busy * 1e3:.1f})"
-                 for s, t in zip(self.lengths, self.times)]
+        rows = [
+            f"cost model calibrated in this job, {world} rank(s) at once: whole model fwd+bwd per micro-batch"
+            + (f", {model.hardware.compute_slots:g} ranks' worth of cores" if busy > 1 else "")
+        ]
+        rows += [
+            f"  {s:>7} tokens {t * 1e3:>9.1f} ms (fit {float(model.seq_time(s)) * busy * 1e3:.1f})"
+            for s, t in zip(self.lengths, self.times)
+        ]
         if self.shared_seconds is not None:
             held = local_tokens([self.shared_length], world)
             fit = float(model.seq_time(self.shared_length)) / world + float(model.ring_compute_time(held, world))
-            rows.append(f"  {self.shared_length:>7} tokens split over all ranks {self.shared_seconds * 1e3:>9.1f} ms "
-                        f"(fit {fit * busy * 1e3:.1f}: ring overhead {model.ring_overhead * 1e9:.0f} ns per token, "
-                        f"layer and ring step)")
-        rows.append(f"  ring P2P {self.p2p_bandwidth / 1e9:.3g} GB/s, latency {self.p2p_latency * 1e6:.0f} us; gradient "
-                    f"all-reduce {self.allreduce_seconds * 1e3:.1f} ms (predicted {model.allreduce_time() * 1e3:.1f})")
+            rows.append(
+                f"  {self.shared_length:>7} tokens split over all ranks {self.shared_seconds * 1e3:>9.1f} ms "
+                f"(fit {fit * busy * 1e3:.1f}: ring overhead {model.ring_overhead * 1e9:.0f} ns per token, "
+                f"layer and ring step)"
+            )
+        rows.append(
+            f"  ring P2P {self.p2p_bandwidth / 1e9:.3g} GB/s, latency {self.p2p_latency * 1e6:.0f} us; gradient "
+            f"all-reduce {self.allreduce_seconds * 1e3:.1f} ms (predicted {model.allreduce_time() * 1e3:.1f})"
+        )
         return "\n".join(rows)
 
 
@@ -95,8 +103,10 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if runtime.pp_size > 1:
-        raise ValueError("calibrate a Runtime over the whole model, not a pipeline stage: the cost model is per "
-                         "layer, and pipelines of any pp_size plan with it")
+        raise ValueError(
+            "calibrate a Runtime over the whole model, not a pipeline stage: the cost model is per "
+            "layer, and pipelines of any pp_size plan with it"
+        )
     lengths = tuple(int(s) for s in (lengths or calibration_lengths(runtime.capacity)))
     if len(set(lengths)) < 3 or min(lengths) < 2:
         raise ValueError(f"calibration needs at least 3 distinct lengths >= 2 to fit T(s), got {list(lengths)}")
@@ -114,7 +124,7 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     bandwidth, latency = _ring_exchange(world, runtime.rank, repeats)
     table = gather([*times, allreduce, bandwidth, latency], runtime.rank, world, runtime.device).mean(axis=0).tolist()
     allreduce, bandwidth, latency = table[-3:]
-    times, shared = table[:len(lengths)], (table[len(lengths)] if ring else None)
+    times, shared = table[: len(lengths)], (table[len(lengths)] if ring else None)
     slots = _compute_slots(runtime)
     alone = min(1.0, slots / world) if slots is not None else 1.0
     model = _refit(runtime.cost_model, lengths, [t * alone for t in times], bandwidth, latency, world, slots)
@@ -193,6 +203,7 @@ def _ring_exchange(world: int, rank: int, repeats: int) -> tuple[float, float]:
             ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
+
         return run
 
     latency, seconds = _timed_rounds([exchange(1), exchange(P2P_BYTES)], repeats)
@@ -208,15 +219,35 @@ def _compute_slots(runtime: Runtime) -> float | None:
     return slots if runtime.world_size > slots else None
 
 
-def _refit(base: CostModel, lengths: Sequence[int], times: Sequence[float], bandwidth: float, latency: float,
-           world: int, slots: float | None) -> CostModel:
+def _refit(
+    base: CostModel,
+    lengths: Sequence[int],
+    times: Sequence[float],
+    bandwidth: float,
+    latency: float,
+    world: int,
+    slots: float | None,
+) -> CostModel:
     """`base` with T(s) = whole-model time / layers, and (with several ranks) the measured ring bandwidth and
     latency, which `allreduce_time` uses too (it comes out about half the measured all-reduce on gloo)."""
     alpha1, beta1, gamma = (c / base.layers for c in fit_time(lengths, times))
     hardware = base.hardware
     if world > 1:
-        hardware = dataclasses.replace(hardware, name=f"{hardware.name}, calibrated", network_bandwidth=bandwidth,
-                                       latency=max(latency, 1e-9), topology=None, compute_slots=slots)
+        hardware = dataclasses.replace(
+            hardware,
+            name=f"{hardware.name}, calibrated",
+            network_bandwidth=bandwidth,
+            latency=max(latency, 1e-9),
+            topology=None,
+            compute_slots=slots,
+        )
     logger.info("calibrated T(s) per layer: %.4g s^2 + %.4g s + %.4g", alpha1, beta1, gamma)
-    return dataclasses.replace(base, alpha1=alpha1, beta1=beta1, gamma=gamma, hardware=hardware,
-                               source=f"{base.source}, calibrated", device=base.device or "calibrated in the job")
+    return dataclasses.replace(
+        base,
+        alpha1=alpha1,
+        beta1=beta1,
+        gamma=gamma,
+        hardware=hardware,
+        source=f"{base.source}, calibrated",
+        device=base.device or "calibrated in the job",
+    )

@@ -130,6 +130,7 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
 
 # -- distributed helpers --------------------------------------------------------------------------------
 
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -186,8 +187,9 @@ class _Layout:
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> _Layout:
         spec = stage_spec(model)
-        return cls(_world_size(), spec.pp_size if spec is not None else 1,
-                   isinstance(optimizer, ZeroRedundancyOptimizer))
+        return cls(
+            _world_size(), spec.pp_size if spec is not None else 1, isinstance(optimizer, ZeroRedundancyOptimizer)
+        )
 
     def describe(self) -> str:
         if self.zero:
@@ -254,17 +256,22 @@ class _AppState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         if self.zero is not None:
             _sync_hyperparameters(self.zero, to_local=True)
-        return {part: {self._saved_name(part, key): value for key, value in state.items()}
-                for part, state in self._local_state().items()}
+        return {
+            part: {self._saved_name(part, key): value for key, value in state.items()}
+            for part, state in self._local_state().items()
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        local = {part: {self._saved_name(part, key): key for key in state}
-                 for part, state in self._local_state().items()}
-        model_state, optim_state = ({local[part][key]: value for key, value in state_dict[part].items()}
-                                    for part in ("model", "optim"))
+        local = {
+            part: {self._saved_name(part, key): key for key in state} for part, state in self._local_state().items()
+        }
+        model_state, optim_state = (
+            {local[part][key]: value for key, value in state_dict[part].items()} for part in ("model", "optim")
+        )
         with _named_groups_only(self.local):
-            set_state_dict(self.model, self.local, model_state_dict=model_state, optim_state_dict=optim_state,
-                           options=_OPTIONS)
+            set_state_dict(
+                self.model, self.local, model_state_dict=model_state, optim_state_dict=optim_state, options=_OPTIONS
+            )
         if self.zero is not None:
             _sync_hyperparameters(self.zero, to_local=False)
 
@@ -291,6 +298,7 @@ def _write_file(path: Path, text: str) -> None:
 
 # -- manifest -------------------------------------------------------------------------------------------
 
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -304,7 +312,8 @@ def _write_manifest(directory: Path, layout: _Layout) -> None:
     layout; the manifest and the COMPLETE marker themselves are not listed."""
     files = {
         f.relative_to(directory).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
-        for f in sorted(directory.rglob("*")) if f.is_file() and f.name not in (MANIFEST_FILE, COMPLETE_MARKER)
+        for f in sorted(directory.rglob("*"))
+        if f.is_file() and f.name not in (MANIFEST_FILE, COMPLETE_MARKER)
     }
     manifest = {"version": _MANIFEST_VERSION, **asdict(layout), "files": files}
     _write_file(directory / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
@@ -314,16 +323,20 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError as e:
-        raise CheckpointError(f"checkpoint directory {path}: manifest {MANIFEST_FILE} missing (saved by an older "
-                              "version, or damaged): its files cannot be verified") from e
+        raise CheckpointError(
+            f"checkpoint directory {path}: manifest {MANIFEST_FILE} missing (saved by an older "
+            "version, or damaged): its files cannot be verified"
+        ) from e
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint directory {path}: unreadable {MANIFEST_FILE}: {e}") from e
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lists no files")
     if manifest.get("version") != _MANIFEST_VERSION:
-        raise CheckpointError(f"checkpoint directory {path} is in checkpoint format {manifest.get('version')}, this "
-                              f"version reads format {_MANIFEST_VERSION} only (optimizer state by parameter name): "
-                              "continue that run with the version that saved it, or start a new run in another --out")
+        raise CheckpointError(
+            f"checkpoint directory {path} is in checkpoint format {manifest.get('version')}, this "
+            f"version reads format {_MANIFEST_VERSION} only (optimizer state by parameter name): "
+            "continue that run with the version that saved it, or start a new run in another --out"
+        )
     return manifest
 
 
@@ -339,14 +352,18 @@ def verify_checkpoint(path: str | Path) -> None:
             raise CheckpointError(f"checkpoint directory {path}: file {name} is missing")
         size = file.stat().st_size
         if size != entry["size"]:
-            raise CheckpointError(f"checkpoint directory {path}: file {name} has {size} bytes, the manifest "
-                                  f"says {entry['size']}")
+            raise CheckpointError(
+                f"checkpoint directory {path}: file {name} has {size} bytes, the manifest says {entry['size']}"
+            )
         if _sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint directory {path}: file {name} checksum differs from the manifest "
-                                  "(sha256): it was modified or corrupted after the save")
+            raise CheckpointError(
+                f"checkpoint directory {path}: file {name} checksum differs from the manifest "
+                "(sha256): it was modified or corrupted after the save"
+            )
 
 
 # -- save -----------------------------------------------------------------------------------------------
+
 
 def save_checkpoint(
     root: str | Path,
@@ -411,11 +428,12 @@ def save_checkpoint(
 
 # -- find -----------------------------------------------------------------------------------------------
 
+
 def _step_of(path: Path) -> int | None:
     name = path.name
     if not name.startswith(_PREFIX):
         return None
-    digits = name[len(_PREFIX):]
+    digits = name[len(_PREFIX) :]
     return int(digits) if digits.isdigit() else None  # ".tmp" / ".old" suffixes are not digits
 
 
@@ -457,8 +475,10 @@ def _choose(root: Path) -> CheckpointChoice:
         return CheckpointChoice(path, tuple(skipped))
     if skipped:
         tried = "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
-        raise CheckpointError(f"no checkpoint under {root} verifies, tried {len(skipped)}: {tried}. Delete the "
-                              "damaged ones to start over, or restore them from a copy")
+        raise CheckpointError(
+            f"no checkpoint under {root} verifies, tried {len(skipped)}: {tried}. Delete the "
+            "damaged ones to start over, or restore them from a copy"
+        )
     return CheckpointChoice(None, ())
 
 
@@ -472,6 +492,7 @@ def select_checkpoint(root: str | Path) -> CheckpointChoice:
 def remove_stale_tmp(root: str | Path) -> list[Path]:
     """Delete the `.tmp` directories crashed saves left under `root` (rank 0; every rank must call it and
     gets the list). Call it before any save starts: a `.tmp` is also a save in progress."""
+
     def remove() -> list[Path]:
         stale = sorted(p for p in Path(root).glob(f"{_PREFIX}*{_TMP_SUFFIX}") if p.is_dir())
         for path in stale:
@@ -483,6 +504,7 @@ def remove_stale_tmp(root: str | Path) -> list[Path]:
 
 
 # -- load -----------------------------------------------------------------------------------------------
+
 
 def _short(e: BaseException) -> str:
     """One line per failing rank instead of DCP's tracebacks (the chained exception keeps them)."""
@@ -510,30 +532,41 @@ def _check_layout(path: Path, now: _Layout) -> None:
     except KeyError as e:
         raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lacks {e} (damaged?)") from e
     if saved.world_size != now.world_size:
-        raise CheckpointError(f"checkpoint directory {path} was saved by {saved.world_size} rank(s), this run has "
-                              f"{now.world_size}: resume with {saved.world_size} (torchrun --nproc_per_node), or "
-                              "start a new run in another --out")
+        raise CheckpointError(
+            f"checkpoint directory {path} was saved by {saved.world_size} rank(s), this run has "
+            f"{now.world_size}: resume with {saved.world_size} (torchrun --nproc_per_node), or "
+            "start a new run in another --out"
+        )
     if saved != now:
-        raise CheckpointError(f"checkpoint directory {path} holds {saved.describe()}, but this run has "
-                              f"{now.describe()}: resume with the ZeRO setting (--zero), pipeline stages (--pp) and "
-                              "number of ranks it was saved with")
+        raise CheckpointError(
+            f"checkpoint directory {path} holds {saved.describe()}, but this run has "
+            f"{now.describe()}: resume with the ZeRO setting (--zero), pipeline stages (--pp) and "
+            "number of ranks it was saved with"
+        )
 
 
 def _check_model_shapes(path: Path, model_state: dict[str, Any], whole: bool = True) -> None:
     """The checkpoint's model tensors must be this model's, by name and shape (DCP's metadata has both); a
     pipeline stage (`whole=False`) checks its own tensors only."""
     prefix = f"{_APP}.model."
-    saved = {key[len(prefix):]: list(meta.size)
-             for key, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-             if key.startswith(prefix) and hasattr(meta, "size")}
+    saved = {
+        key[len(prefix) :]: list(meta.size)
+        for key, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(meta, "size")
+    }
     now = {name: list(t.shape) for name, t in model_state.items() if isinstance(t, torch.Tensor)}
     names = saved.keys() | now.keys() if whole else now.keys()
-    differences = [f"{name}: saved {saved.get(name, 'absent')}, this model {now.get(name, 'absent')}"
-                   for name in sorted(names) if saved.get(name) != now.get(name)]
+    differences = [
+        f"{name}: saved {saved.get(name, 'absent')}, this model {now.get(name, 'absent')}"
+        for name in sorted(names)
+        if saved.get(name) != now.get(name)
+    ]
     if differences:
         shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
-        raise CheckpointError(f"checkpoint directory {path} holds another model ({len(differences)} tensor(s) "
-                              f"differ: {shown}): resume with the model it was saved with")
+        raise CheckpointError(
+            f"checkpoint directory {path} holds another model ({len(differences)} tensor(s) "
+            f"differ: {shown}): resume with the model it was saved with"
+        )
 
 
 def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

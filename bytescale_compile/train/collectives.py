@@ -12,7 +12,7 @@ from torch import nn
 
 __all__ = ["BUCKET_BYTES", "gather", "sync_gradients"]
 
-BUCKET_BYTES = 25 * 2 ** 20
+BUCKET_BYTES = 25 * 2**20
 """Gradients are all-reduced in flat buckets of about this many bytes."""
 
 
@@ -42,7 +42,7 @@ def _all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> 
     dist.all_reduce(flat, group=group)
     offset = 0
     for p, g in zip(params, grads):
-        g.copy_(flat[offset: offset + p.numel()].view_as(g))
+        g.copy_(flat[offset : offset + p.numel()].view_as(g))
         offset += p.numel()
     return flat.numel() * flat.element_size()
 

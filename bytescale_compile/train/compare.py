@@ -15,7 +15,7 @@ from .metrics import StepRecord
 
 __all__ = ["StrategySummary", "comparison", "summarize"]
 
-_MIB = 2 ** 20
+_MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,21 @@ def summarize(records: Sequence[StepRecord], eval_loss: float | None, skip: int 
     tokens = sum(r.tokens for r in steady)
     measured, predicted = sum(r.time for r in steady), sum(r.predicted_time for r in steady)
     return StrategySummary(
-        strategy=steady[0].strategy, first_step=steady[0].step, last_step=steady[-1].step,
-        tokens_per_second=tokens / measured, busy_spread=statistics.mean(r.busy_spread for r in steady),
-        p2p_mib=statistics.mean(r.p2p_bytes for r in steady) / _MIB, step_time=measured / len(steady),
+        strategy=steady[0].strategy,
+        first_step=steady[0].step,
+        last_step=steady[-1].step,
+        tokens_per_second=tokens / measured,
+        busy_spread=statistics.mean(r.busy_spread for r in steady),
+        p2p_mib=statistics.mean(r.p2p_bytes for r in steady) / _MIB,
+        step_time=measured / len(steady),
         predicted_tokens_per_second=tokens / predicted,
         predicted_busy_spread=statistics.mean(r.predicted_busy_spread for r in steady),
         predicted_p2p_mib=statistics.mean(r.predicted_p2p_bytes for r in steady) / _MIB,
-        predicted_step_time=predicted / len(steady), final_loss=records[-1].loss, eval_loss=eval_loss,
-        auto_choices=dict(Counter(r.auto_choice for r in records if r.auto_choice is not None)))
+        predicted_step_time=predicted / len(steady),
+        final_loss=records[-1].loss,
+        eval_loss=eval_loss,
+        auto_choices=dict(Counter(r.auto_choice for r in records if r.auto_choice is not None)),
+    )
 
 
 def comparison(summaries: Sequence[StrategySummary]) -> str:
@@ -77,16 +84,24 @@ def comparison(summaries: Sequence[StrategySummary]) -> str:
     ]
     for s in summaries:
         held_out = f"{s.eval_loss:>11.4f}" if s.eval_loss is not None else f"{'-':>11}"
-        lines.append(f"{s.label:<{width}} {s.tokens_per_second:>10,.0f} {s.busy_spread:>13.2f} {s.p2p_mib:>13.1f} "
-                     f"{s.step_time:>7.2f}  {s.predicted_tokens_per_second:>10,.0f} {s.predicted_busy_spread:>13.2f} "
-                     f"{s.predicted_p2p_mib:>13.1f} {s.predicted_step_time:>7.2f} {s.final_loss:>12.4f} {held_out}")
+        lines.append(
+            f"{s.label:<{width}} {s.tokens_per_second:>10,.0f} {s.busy_spread:>13.2f} {s.p2p_mib:>13.1f} "
+            f"{s.step_time:>7.2f}  {s.predicted_tokens_per_second:>10,.0f} {s.predicted_busy_spread:>13.2f} "
+            f"{s.predicted_p2p_mib:>13.1f} {s.predicted_step_time:>7.2f} {s.final_loss:>12.4f} {held_out}"
+        )
     if summaries:
-        lines.append(f"(means over steps {summaries[0].first_step}..{summaries[0].last_step}; the first step of a "
-                     f"run compiles)")
+        lines.append(
+            f"(means over steps {summaries[0].first_step}..{summaries[0].last_step}; the first step of a run compiles)"
+        )
     static = next((s for s in summaries if s.strategy == STATIC), None)
     others = [s for s in summaries if s.strategy != STATIC]
     if static is not None and others:
-        lines.append("speedup over static: " + ", ".join(
-            f"{s.strategy} {s.tokens_per_second / static.tokens_per_second:.2f}x measured, "
-            f"{s.predicted_tokens_per_second / static.predicted_tokens_per_second:.2f}x predicted" for s in others))
+        lines.append(
+            "speedup over static: "
+            + ", ".join(
+                f"{s.strategy} {s.tokens_per_second / static.tokens_per_second:.2f}x measured, "
+                f"{s.predicted_tokens_per_second / static.predicted_tokens_per_second:.2f}x predicted"
+                for s in others
+            )
+        )
     return "\n".join(lines)

@@ -17,8 +17,20 @@ from typing import Any
 from ..planner import BALANCE, RUNTIME_STRATEGIES
 from ..units import parse_size
 
-__all__ = ["ALL_STRATEGIES", "ConfigError", "DTYPES", "LOADERS", "NEVER_CHANGED", "NOT_COMPARED", "SIZES", "TrainConfig",
-           "check_resume_config", "config_changes", "load_config", "to_toml"]
+__all__ = [
+    "ALL_STRATEGIES",
+    "ConfigError",
+    "DTYPES",
+    "LOADERS",
+    "NEVER_CHANGED",
+    "NOT_COMPARED",
+    "SIZES",
+    "TrainConfig",
+    "check_resume_config",
+    "config_changes",
+    "load_config",
+    "to_toml",
+]
 
 DTYPES = ("fp32", "bf16")
 """fp32: everything in fp32. bf16: autocast forward in bf16; fp32 master weights, gradients, optimizer and loss."""
@@ -30,8 +42,20 @@ SIZES = ("global_tokens", "capacity", "max_len", "eval_tokens")
 """Token counts that also accept K/M suffixes ("16K")."""
 NOT_SAVED = ("allow_config_change",)
 """Switches of one invocation, left out of config.toml."""
-NOT_COMPARED = ("out", "steps", "resume", "allow_config_change", "checkpoint_every", "eval_every", "eval_tokens",
-                "loader", "ray_address", "ray_cpus", "data_servers", "prefetch_steps")
+NOT_COMPARED = (
+    "out",
+    "steps",
+    "resume",
+    "allow_config_change",
+    "checkpoint_every",
+    "eval_every",
+    "eval_tokens",
+    "loader",
+    "ray_address",
+    "ray_cpus",
+    "data_servers",
+    "prefetch_steps",
+)
 """Settings a resume may change freely: where and how far to run, and when to checkpoint and evaluate (the
 steps run so far do not depend on them, nor on the loader, which draws the same batches; decay_steps is compared resolved, so a longer --steps with the
 default decay_steps is a change of the LR schedule)."""
@@ -52,19 +76,26 @@ class TrainConfig:
     """Every setting of a training run (each field's help is the command line's). `model` and `data` are
     required; the rest have defaults."""
 
-    model: str = _setting("", "a directory with a Hugging Face config.json (weights loaded if present, else random "
-                                "init), a preset of bytescale_compile/models/llama.py (tiny, small), or MODULE:FACTORY")
-    data: str = _setting("", "prefix of a dataset from `bytescale-compile data prepare`; PREFIX_eval is the held-out "
-                             "split")
+    model: str = _setting(
+        "",
+        "a directory with a Hugging Face config.json (weights loaded if present, else random "
+        "init), a preset of bytescale_compile/models/llama.py (tiny, small), or MODULE:FACTORY",
+    )
+    data: str = _setting(
+        "", "prefix of a dataset from `bytescale-compile data prepare`; PREFIX_eval is the held-out split"
+    )
     out: str = _setting("runs/train", "output directory: metrics.jsonl, config.toml, checkpoints/, final/")
     tokenizer: str | None = _setting(None, "tokenizer saved into final/ (default: the one the dataset records)")
     steps: int = _setting(100, "optimizer steps")
     global_tokens: int = _setting(32768, "tokens per optimizer step over all ranks (K/M suffixes allowed)")
     capacity: int = _setting(4096, "tokens per rank per micro-batch, C")
     max_len: int = _setting(8192, "context length: longer sequences are truncated; the static strategy's row")
-    strategy: str = _setting(BALANCE, "HDP plan: balance, naive, static, auto (the fastest candidate under the "
-                                        "cost model, per step), or all (each of them from the same weights on the "
-                                        "same batches, then a comparison)")
+    strategy: str = _setting(
+        BALANCE,
+        "HDP plan: balance, naive, static, auto (the fastest candidate under the "
+        "cost model, per step), or all (each of them from the same weights on the "
+        "same batches, then a comparison)",
+    )
     dtype: str = _setting("fp32", "fp32, or bf16: autocast forward, fp32 master weights, optimizer and loss")
     lr: float = _setting(3e-4, "peak learning rate")
     min_lr_ratio: float = _setting(0.1, "the cosine ends at lr times this")
@@ -77,28 +108,47 @@ class TrainConfig:
     eval_every: int = _setting(0, "held-out loss every N steps and after the last (0: never)")
     eval_tokens: int | None = _setting(None, "held-out tokens per evaluation (default: global_tokens)")
     checkpoint_every: int = _setting(0, "checkpoint every N steps (0: never)")
-    resume: bool = _setting(False, "continue from the newest checkpoint in the output directory that verifies "
-                                   "(its files match their sha256 manifest)")
-    allow_config_change: bool = _setting(False, "on --resume, accept settings that differ from the output "
-                                                "directory's config.toml (each is printed); the model and the "
-                                                "number of ranks can never change")
+    resume: bool = _setting(
+        False,
+        "continue from the newest checkpoint in the output directory that verifies "
+        "(its files match their sha256 manifest)",
+    )
+    allow_config_change: bool = _setting(
+        False,
+        "on --resume, accept settings that differ from the output "
+        "directory's config.toml (each is printed); the model and the "
+        "number of ranks can never change",
+    )
     zero: bool = _setting(False, "ZeRO-1: shard the optimizer state over the ranks (with --pp: over each stage's)")
-    pp: int = _setting(1, "pipeline stages per HDP rank: the job's processes are pp x HDP ranks (stage-major), the "
-                          "model split at decoder layers, each stage run in 1F1B")
+    pp: int = _setting(
+        1,
+        "pipeline stages per HDP rank: the job's processes are pp x HDP ranks (stage-major), the "
+        "model split at decoder layers, each stage run in 1F1B",
+    )
     seed: int = _setting(0, "initialisation and batch order")
-    cost_model: str | None = _setting(None, "profiled cost model JSON (`bytescale-compile profile`; default: "
-                                            "analytic from the model config)")
-    calibrate: bool = _setting(False, "before training, time the model on every rank at once under the job's own "
-                                      "load and refit the cost model's T(s), ring bandwidth and latency to it "
-                                      "(saved as calibrated_cost_model.json in --out)")
-    loader: str = _setting("local", "local: every rank samples and plans each batch itself; ray: data servers, one "
-                                    "scheduler that plans, and ranks that fetch only their micro-batches' tokens, "
-                                    "prefetched (pip install 'bytescale_compile[ray]')")
+    cost_model: str | None = _setting(
+        None, "profiled cost model JSON (`bytescale-compile profile`; default: analytic from the model config)"
+    )
+    calibrate: bool = _setting(
+        False,
+        "before training, time the model on every rank at once under the job's own "
+        "load and refit the cost model's T(s), ring bandwidth and latency to it "
+        "(saved as calibrated_cost_model.json in --out)",
+    )
+    loader: str = _setting(
+        "local",
+        "local: every rank samples and plans each batch itself; ray: data servers, one "
+        "scheduler that plans, and ranks that fetch only their micro-batches' tokens, "
+        "prefetched (pip install 'bytescale_compile[ray]')",
+    )
     ray_address: str | None = _setting(None, "--loader ray: the Ray cluster to join (default: start a local head)")
     ray_cpus: int | None = _setting(None, "--loader ray: CPUs of the local head it starts (default: all)")
     data_servers: int = _setting(2, "--loader ray: data server actors, each owning a contiguous part of --data")
-    prefetch_steps: int = _setting(2, "--loader ray: planned steps the scheduler keeps ready ahead of the ranks, "
-                                      "which fetch one step ahead (0: no prefetching at all)")
+    prefetch_steps: int = _setting(
+        2,
+        "--loader ray: planned steps the scheduler keeps ready ahead of the ranks, "
+        "which fetch one step ahead (0: no prefetching at all)",
+    )
 
     def __post_init__(self) -> None:
         for key in ("model", "data", "out", "tokenizer", "cost_model", "ray_address"):
@@ -120,8 +170,10 @@ class TrainConfig:
             if getattr(self, key) is not None:
                 _check_int(key, getattr(self, key), 1)
         if self.warmup >= self.schedule_steps:
-            raise ConfigError(f"warmup ({self.warmup}) must be below decay_steps ({self.schedule_steps}), "
-                              f"so that the cosine has steps to decay over")
+            raise ConfigError(
+                f"warmup ({self.warmup}) must be below decay_steps ({self.schedule_steps}), "
+                f"so that the cosine has steps to decay over"
+            )
         _check_float("lr", self.lr, 0.0, math.inf, low_open=True)
         _check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         _check_float("weight_decay", self.weight_decay, 0.0, math.inf)
@@ -154,10 +206,16 @@ def _check_int(key: str, value: object, low: int) -> None:
         raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
 
 
-def _check_float(key: str, value: object, low: float, high: float, low_open: bool = False,
-                 high_open: bool = False) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)):
+def _check_float(
+    key: str, value: object, low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> None:
+    if not (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
+        and (value < high if high_open else value <= high)
+    ):
         if high == math.inf:
             bounds = f"{'>' if low_open else '>='} {low}"
         else:
@@ -215,6 +273,7 @@ def to_toml(config: TrainConfig) -> str:
 
 def config_changes(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple[Any, Any]]:
     """{setting: (saved, now)} for every setting a resume compares (see NOT_COMPARED)."""
+
     def view(config: TrainConfig) -> dict[str, Any]:
         values = {k: v for k, v in config.to_dict().items() if k not in NOT_COMPARED}
         return {**values, "decay_steps": config.schedule_steps}
@@ -232,13 +291,17 @@ def check_resume_config(saved: TrainConfig, now: TrainConfig, source: str | Path
     never = [line for key, line in zip(changes, lines) if key in NEVER_CHANGED]
     listed = "".join(f"\n  {line}" for line in lines)
     if never:
-        raise ConfigError(f"--resume cannot change {', '.join(never)} (saved in {source}): the checkpoints hold that "
-                          f"model's weights; resume with it, or start a new run in another --out. All differences:"
-                          f"{listed}")
+        raise ConfigError(
+            f"--resume cannot change {', '.join(never)} (saved in {source}): the checkpoints hold that "
+            f"model's weights; resume with it, or start a new run in another --out. All differences:"
+            f"{listed}"
+        )
     if lines and not now.allow_config_change:
-        raise ConfigError(f"--resume with settings that differ from {source}:{listed}\nresume with the saved "
-                          "settings, pass --allow-config-change to accept the change, or start a new run in another "
-                          "--out")
+        raise ConfigError(
+            f"--resume with settings that differ from {source}:{listed}\nresume with the saved "
+            "settings, pass --allow-config-change to accept the change, or start a new run in another "
+            "--out"
+        )
     return lines
 
 

@@ -51,8 +51,20 @@ from .executor import Executor, WholeModelExecutor
 from .pipeline import PipelineExecutor
 from .stages import stage_spec
 
-__all__ = ["Runtime", "StepStats", "RankWork", "BatchLike", "ListBatch", "ModelProtocolError", "BatchError",
-           "SkippedStepsError", "CostModelWarning", "prediction_off", "PREDICTION_TOLERANCE", "RUNTIME_STRATEGIES"]
+__all__ = [
+    "Runtime",
+    "StepStats",
+    "RankWork",
+    "BatchLike",
+    "ListBatch",
+    "ModelProtocolError",
+    "BatchError",
+    "SkippedStepsError",
+    "CostModelWarning",
+    "prediction_off",
+    "PREDICTION_TOLERANCE",
+    "RUNTIME_STRATEGIES",
+]
 
 
 class SkippedStepsError(RuntimeError):
@@ -138,8 +150,9 @@ class RankFigures:
     forward_backward_time: np.ndarray
 
     @classmethod
-    def gather(cls, work: RankWork, forward_backward_time: float, rank: int, world_size: int,
-               device: torch.device) -> RankFigures:
+    def gather(
+        cls, work: RankWork, forward_backward_time: float, rank: int, world_size: int, device: torch.device
+    ) -> RankFigures:
         mine = {**dataclasses.asdict(work), "forward_backward_time": forward_backward_time}
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(*gather([float(mine[name]) for name in names], rank, world_size, device).T)
@@ -158,10 +171,20 @@ class Runtime:
     (`train/pipeline.py`), and the optimizer holds the stage's parameters only.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
-                 cost_model: CostModel | None = None, strategy: str = "balance", *, capacity: int = 8192,
-                 max_grad_norm: float | None = 1.0, context_length: int | None = None,
-                 mixed_precision: torch.dtype | None = None, max_skipped_steps: int = 3) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: Config | None = None,
+        cost_model: CostModel | None = None,
+        strategy: str = "balance",
+        *,
+        capacity: int = 8192,
+        max_grad_norm: float | None = 1.0,
+        context_length: int | None = None,
+        mixed_precision: torch.dtype | None = None,
+        max_skipped_steps: int = 3,
+    ) -> None:
         if strategy not in RUNTIME_STRATEGIES:
             raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
         if mixed_precision not in (None, torch.bfloat16, torch.float16):
@@ -180,8 +203,9 @@ class Runtime:
         self.global_world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.mixed_precision = mixed_precision
-        self.executor: Executor = (WholeModelExecutor if stage_spec(self.model) is None
-                                   else PipelineExecutor)(self.model, mixed_precision)
+        self.executor: Executor = (WholeModelExecutor if stage_spec(self.model) is None else PipelineExecutor)(
+            self.model, mixed_precision
+        )
         """Runs this rank's micro-batches: of the whole model, or of its pipeline stage."""
         self.device = self.executor.device
         self.pp_size = self.executor.pp_size
@@ -204,9 +228,17 @@ class Runtime:
         every sequence runs alone on one rank, and one longer than the capacity is refused.
         """
         blockers = self.shard_blockers()
-        result = plan(lengths, self.world_size, self.capacity, self.cost_model, strategy=self.strategy,
-                      pp_size=self.pp_size, context_length=self.context_length,
-                      shard_blocker="; ".join(blockers) or None, step_time=step_time)
+        result = plan(
+            lengths,
+            self.world_size,
+            self.capacity,
+            self.cost_model,
+            strategy=self.strategy,
+            pp_size=self.pp_size,
+            context_length=self.context_length,
+            shard_blocker="; ".join(blockers) or None,
+            step_time=step_time,
+        )
         result.validate()
         return result
 
@@ -214,18 +246,24 @@ class Runtime:
         """`given`, validated and checked to be a plan of `lengths` for this world size."""
         given.validate()
         if (given.world_size, given.pp_size) != (self.world_size, self.pp_size):
-            raise BatchError(f"the given plan is for {given.world_size} HDP ranks x pp_size {given.pp_size}, this run "
-                             f"has {self.world_size} x {self.pp_size}")
+            raise BatchError(
+                f"the given plan is for {given.world_size} HDP ranks x pp_size {given.pp_size}, this run "
+                f"has {self.world_size} x {self.pp_size}"
+            )
         if list(given.sequences) != np.asarray(lengths).tolist():
-            raise BatchError(f"the given plan is of sequence lengths {list(given.sequences)[:8]}..., not the batch's "
-                             f"{np.asarray(lengths).tolist()[:8]}... ({len(given.sequences)} vs {len(lengths)} "
-                             f"sequences): plan and batch are of different steps")
+            raise BatchError(
+                f"the given plan is of sequence lengths {list(given.sequences)[:8]}..., not the batch's "
+                f"{np.asarray(lengths).tolist()[:8]}... ({len(given.sequences)} vs {len(lengths)} "
+                f"sequences): plan and batch are of different steps"
+            )
         blockers = self.shard_blockers()
         joint = next((mb for mb in given.micro_batches if len(mb.ranks) > 1 or len(mb.sequences) > 1), None)
         if blockers and joint is not None:
-            raise BatchError(f"the given plan runs micro-batch {joint.id} ({len(joint.sequences)} sequence(s) on ranks "
-                             f"{list(joint.ranks)}), but this model takes one sequence per micro-batch on one rank: "
-                             f"{'; '.join(blockers)}")
+            raise BatchError(
+                f"the given plan runs micro-batch {joint.id} ({len(joint.sequences)} sequence(s) on ranks "
+                f"{list(joint.ranks)}), but this model takes one sequence per micro-batch on one rank: "
+                f"{'; '.join(blockers)}"
+            )
         return given
 
     def shard_blockers(self) -> list[str]:
@@ -245,8 +283,12 @@ class Runtime:
         positions = torch.arange(4, device=self.device).repeat(2)[None]
         labels = torch.zeros_like(positions)
         labels[:, 3::4] = -100
-        kwargs = {"input_ids": torch.zeros_like(positions), "position_ids": positions, "shift_labels": labels,
-                  "num_items_in_batch": torch.tensor(6, device=self.device)}
+        kwargs = {
+            "input_ids": torch.zeros_like(positions),
+            "position_ids": positions,
+            "shift_labels": labels,
+            "num_items_in_batch": torch.tensor(6, device=self.device),
+        }
         if self.executor.hf_labels:
             kwargs["labels"] = labels
         kwargs = self.executor.probe_inputs(kwargs)
@@ -275,16 +317,28 @@ class Runtime:
         self.steps += 1
         self._count_skip(skipped, loss, grad_norm)
         auto = step_plan.meta.get("auto", {})
-        stats = StepStats(step=self.steps, strategy=self.strategy, loss=loss,
-                          tokens=int(np.asarray(batch.lengths).sum()), time=time.perf_counter() - start,
-                          plan_time=plan_time, busy=ranks.busy.tolist(),
-                          micro_batches=ranks.micro_batches.astype(int).tolist(), p2p_bytes=int(ranks.p2p_bytes.sum()),
-                          allreduce_bytes=allreduce_bytes, offloaded_bytes=int(ranks.offloaded_bytes.sum()),
-                          peak_saved_bytes=ranks.peak_saved_bytes.astype(int).tolist(),
-                          plan=step_plan, grad_norm=grad_norm, skipped=skipped,
-                          predicted_time=step_time(step_plan, self.cost_model), auto_choice=auto.get("chosen"),
-                          auto_speedup=auto.get("speedup_over_static"), stage_bytes=int(ranks.stage_bytes.sum()),
-                          bubbles=self.executor.bubbles(ranks.busy, float(ranks.forward_backward_time.max())))
+        stats = StepStats(
+            step=self.steps,
+            strategy=self.strategy,
+            loss=loss,
+            tokens=int(np.asarray(batch.lengths).sum()),
+            time=time.perf_counter() - start,
+            plan_time=plan_time,
+            busy=ranks.busy.tolist(),
+            micro_batches=ranks.micro_batches.astype(int).tolist(),
+            p2p_bytes=int(ranks.p2p_bytes.sum()),
+            allreduce_bytes=allreduce_bytes,
+            offloaded_bytes=int(ranks.offloaded_bytes.sum()),
+            peak_saved_bytes=ranks.peak_saved_bytes.astype(int).tolist(),
+            plan=step_plan,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            predicted_time=step_time(step_plan, self.cost_model),
+            auto_choice=auto.get("chosen"),
+            auto_speedup=auto.get("speedup_over_static"),
+            stage_bytes=int(ranks.stage_bytes.sum()),
+            bubbles=self.executor.bubbles(ranks.busy, float(ranks.forward_backward_time.max())),
+        )
         self._compare_with_prediction(stats)
         return stats
 
@@ -301,12 +355,13 @@ class Runtime:
         self._timed.append(stats)
         if len(self._timed) < _COMPARED_CALLS[-1] or self.global_rank != 0:
             return
-        compared = self._timed[_COMPARED_CALLS[0] - 1:]
+        compared = self._timed[_COMPARED_CALLS[0] - 1 :]
         measured, predicted = sum(s.time for s in compared), sum(s.predicted_time for s in compared)
         if prediction_off(measured, predicted):
             steps = f"steps {compared[0].step}-{compared[-1].step}"
-            warnings.warn(_prediction_message(steps, measured, predicted, self.cost_model), CostModelWarning,
-                          stacklevel=3)
+            warnings.warn(
+                _prediction_message(steps, measured, predicted, self.cost_model), CostModelWarning, stacklevel=3
+            )
 
     def evaluate(self, batch: BatchLike | Sequence[torch.Tensor]) -> float:
         """The token-level loss of `batch` (the same on every rank): planned and run like a step, in eval mode
@@ -322,14 +377,17 @@ class Runtime:
             raise SkippedStepsError(
                 f"steps {self._skipped_in_a_row} were all skipped (last loss {loss}, gradient norm {grad_norm}); the "
                 f"parameters are unchanged since step {self._skipped_in_a_row[0] - 1}: check the data (a batch with "
-                f"no target gives 0/0) and the learning rate, or resume from a checkpoint")
+                f"no target gives 0/0) and the learning rate, or resume from a checkpoint"
+            )
 
     def _clip_gradients(self) -> float:
         """Clip the summed gradients to `max_grad_norm` over the whole model (every stage); their norm before.
         A non-finite norm skips the step, so its gradients are left as they are."""
         norm = self.executor.grad_norm(self.params)
         if self.max_grad_norm is not None and math.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, torch.tensor(norm, device=self.device))
+            torch.nn.utils.clip_grads_with_norm_(
+                self.params, self.max_grad_norm, torch.tensor(norm, device=self.device)
+            )
         return norm
 
 
@@ -354,10 +412,12 @@ def prediction_off(measured: float, predicted: float, tolerance: float = PREDICT
 
 def _prediction_message(steps: str, measured: float, predicted: float, cost_model: CostModel) -> str:
     how = f"{measured / predicted:.3g}x slower" if measured > predicted else f"{predicted / measured:.3g}x faster"
-    return (f"{steps} took {measured:.3g} s, {how} than the {predicted:.3g} s that cost model "
-            f"{cost_model.source!r} (hardware {cost_model.hardware.name!r}) predicts: plans balanced by it may be "
-            f"poor. Fit one on this machine with `bytescale-compile profile MODULE:FACTORY --out cost.json` and pass "
-            f"it (Runtime(cost_model=CostModel.load('cost.json')), or cost_model in the training config)")
+    return (
+        f"{steps} took {measured:.3g} s, {how} than the {predicted:.3g} s that cost model "
+        f"{cost_model.source!r} (hardware {cost_model.hardware.name!r}) predicts: plans balanced by it may be "
+        f"poor. Fit one on this machine with `bytescale-compile profile MODULE:FACTORY --out cost.json` and pass "
+        f"it (Runtime(cost_model=CostModel.load('cost.json')), or cost_model in the training config)"
+    )
 
 
 def default_cost_model(model: nn.Module) -> CostModel:
@@ -371,7 +431,9 @@ def _vocab_size(model: nn.Module) -> int | None:
     `vocab_size` (a pipeline stage after the first, which holds no embedding, checks the batch alike); None
     without either."""
     getter = getattr(model, "get_input_embeddings", None)
-    embedding = getter() if callable(getter) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    embedding = (
+        getter() if callable(getter) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    )
     if isinstance(embedding, nn.Embedding):
         return embedding.num_embeddings
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)

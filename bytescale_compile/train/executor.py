@@ -95,13 +95,19 @@ class Executor(ABC):
         return get_act_ctx(len(mine), ratios)
 
 
-def rank_work(act_ctx: ActivationContext, *, loss: float, busy: float, p2p_bytes: int,
-              stage_bytes: int = 0) -> RankWork:
+def rank_work(
+    act_ctx: ActivationContext, *, loss: float, busy: float, p2p_bytes: int, stage_bytes: int = 0
+) -> RankWork:
     """What a step's micro-batches under `act_ctx` did, with its offloading figures."""
-    return RankWork(loss=loss, busy=busy, micro_batches=len(act_ctx.stats), p2p_bytes=p2p_bytes,
-                    offloaded_bytes=sum(s.offloaded_bytes for s in act_ctx.stats),
-                    peak_saved_bytes=max((s.peak_resident_bytes for s in act_ctx.stats), default=0),
-                    stage_bytes=stage_bytes)
+    return RankWork(
+        loss=loss,
+        busy=busy,
+        micro_batches=len(act_ctx.stats),
+        p2p_bytes=p2p_bytes,
+        offloaded_bytes=sum(s.offloaded_bytes for s in act_ctx.stats),
+        peak_saved_bytes=max((s.peak_resident_bytes for s in act_ctx.stats), default=0),
+        stage_bytes=stage_bytes,
+    )
 
 
 class WholeModelExecutor(Executor):
@@ -166,7 +172,9 @@ class WholeModelExecutor(Executor):
         if not isinstance(loss, torch.Tensor):
             model = type(self.model.original_module).__name__
             given = "input_ids, position_ids, shift_labels, num_items_in_batch" + (", labels" if self.hf_labels else "")
-            raise ModelProtocolError(f"{model} returned no loss (output.loss is {loss!r}) although the runtime passed "
-                                     f"{given}: its forward must compute the summed next-token loss from shift_labels "
-                                     f"(or labels) divided by num_items_in_batch")
+            raise ModelProtocolError(
+                f"{model} returned no loss (output.loss is {loss!r}) although the runtime passed "
+                f"{given}: its forward must compute the summed next-token loss from shift_labels "
+                f"(or labels) divided by num_items_in_batch"
+            )
         return loss

@@ -48,10 +48,12 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
         options["device_id"] = device
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                    is_master=False, timeout=timeout)
+        agent_store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+        )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        options.update(store=dist.PrefixStore(f"bytescale/attempt_{attempt}", agent_store), rank=rank,
-                       world_size=world_size)
+        options.update(
+            store=dist.PrefixStore(f"bytescale/attempt_{attempt}", agent_store), rank=rank, world_size=world_size
+        )
     dist.init_process_group(backend, timeout=timeout, **options)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)

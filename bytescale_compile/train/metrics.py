@@ -65,32 +65,55 @@ class StepRecord:
     """The simulator's stage-by-stage bubble rate of each pipeline for the same plan."""
 
     @classmethod
-    def from_stats(cls, stats: StepStats, lr: float, cost_model: CostModel, data_wait_s: float = 0.0,
-                   plan_time_s: float | None = None) -> StepRecord:
+    def from_stats(
+        cls,
+        stats: StepStats,
+        lr: float,
+        cost_model: CostModel,
+        data_wait_s: float = 0.0,
+        plan_time_s: float | None = None,
+    ) -> StepRecord:
         """`cost_model` must be the Runtime's: the busy spread and P2P bytes are simulated with it, next to the
         step time the Runtime predicted with it. `plan_time_s`: the scheduler's (default: the Runtime's own)."""
         timeline = simulate(stats.plan, cost_model)
         busy = busy_times(timeline)
         busy = busy[busy > 0]
-        return cls(step=stats.step, strategy=stats.strategy, loss=stats.loss, tokens=stats.tokens,
-                   tokens_per_second=stats.tokens_per_second, lr=lr, time=stats.time, grad_norm=stats.grad_norm,
-                   skipped=stats.skipped, busy_spread=stats.busy_spread, micro_batches=stats.micro_batches,
-                   p2p_bytes=stats.p2p_bytes, offloaded_bytes=stats.offloaded_bytes,
-                   predicted_time=stats.predicted_time,
-                   predicted_busy_spread=float(busy.max() / busy.min()) if busy.size else 1.0,
-                   predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model), data_wait_s=data_wait_s,
-                   plan_time_s=stats.plan_time if plan_time_s is None else plan_time_s, auto_choice=stats.auto_choice,
-                   auto_speedup=stats.auto_speedup, stage_bytes=stats.stage_bytes, bubbles=stats.bubbles,
-                   predicted_bubbles=timeline.bubbles if stats.bubbles is not None else None)
+        return cls(
+            step=stats.step,
+            strategy=stats.strategy,
+            loss=stats.loss,
+            tokens=stats.tokens,
+            tokens_per_second=stats.tokens_per_second,
+            lr=lr,
+            time=stats.time,
+            grad_norm=stats.grad_norm,
+            skipped=stats.skipped,
+            busy_spread=stats.busy_spread,
+            micro_batches=stats.micro_batches,
+            p2p_bytes=stats.p2p_bytes,
+            offloaded_bytes=stats.offloaded_bytes,
+            predicted_time=stats.predicted_time,
+            predicted_busy_spread=float(busy.max() / busy.min()) if busy.size else 1.0,
+            predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model),
+            data_wait_s=data_wait_s,
+            plan_time_s=stats.plan_time if plan_time_s is None else plan_time_s,
+            auto_choice=stats.auto_choice,
+            auto_speedup=stats.auto_speedup,
+            stage_bytes=stats.stage_bytes,
+            bubbles=stats.bubbles,
+            predicted_bubbles=timeline.bubbles if stats.bubbles is not None else None,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if value is not None or key not in _OPTIONAL}
 
     def summary(self) -> str:
-        line = (f"[{self.strategy}] step {self.step}: loss {self.loss:.4f}, lr {self.lr:.2e}, {self.tokens} tokens, "
-                f"{self.tokens_per_second:,.0f} tokens/s, {self.time:.2f} s (predicted {self.predicted_time:.2f}), "
-                f"busy max/min {self.busy_spread:.2f}, "
-                f"micro-batches per rank {self.micro_batches}")
+        line = (
+            f"[{self.strategy}] step {self.step}: loss {self.loss:.4f}, lr {self.lr:.2e}, {self.tokens} tokens, "
+            f"{self.tokens_per_second:,.0f} tokens/s, {self.time:.2f} s (predicted {self.predicted_time:.2f}), "
+            f"busy max/min {self.busy_spread:.2f}, "
+            f"micro-batches per rank {self.micro_batches}"
+        )
         if self.bubbles is not None and self.predicted_bubbles is not None:
             pairs = ", ".join(f"{m:.2f}/{p:.2f}" for m, p in zip(self.bubbles, self.predicted_bubbles))
             line += f", bubble per pipeline {pairs} (measured/predicted)"
@@ -141,8 +164,11 @@ class MetricsLog:
 def _lines_through(path: Path, step: int) -> list[str]:
     if not path.is_file():
         return []
-    return [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= step]
+    return [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
 
 
 def _tensorboard(log_dir: Path, first_step: int) -> Any:
@@ -164,8 +190,18 @@ def progress(steps: range, description: str, enabled: bool) -> Iterator[int]:
         from tqdm import tqdm
     except ImportError:
         return iter(steps)
-    return iter(tqdm(steps, desc=description, initial=steps.start - 1, total=steps.stop - 1, file=sys.stderr,
-                     leave=False, dynamic_ncols=True, disable=None))
+    return iter(
+        tqdm(
+            steps,
+            desc=description,
+            initial=steps.start - 1,
+            total=steps.stop - 1,
+            file=sys.stderr,
+            leave=False,
+            dynamic_ncols=True,
+            disable=None,
+        )
+    )
 
 
 def echo(line: str, enabled: bool) -> None:

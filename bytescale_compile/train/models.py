@@ -20,8 +20,12 @@ __all__ = ["PRESETS", "LoadedModel", "ModelSourceError", "load_model"]
 
 PRESETS = {"tiny": "bytescale_compile.models.llama:tiny", "small": "bytescale_compile.models.llama:small"}
 """Our LLaMA (`bytescale_compile/models/llama.py`), shipped in the package."""
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class ModelSourceError(ValueError):
@@ -58,19 +62,23 @@ def _from_factory(spec: str) -> LoadedModel:
 
 def _from_directory(path: Path) -> LoadedModel:
     if not path.exists():
-        raise ModelSourceError(f"model {str(path)!r} is neither a directory nor a preset ({', '.join(PRESETS)}) nor "
-                               f"MODULE:FACTORY")
+        raise ModelSourceError(
+            f"model {str(path)!r} is neither a directory nor a preset ({', '.join(PRESETS)}) nor MODULE:FACTORY"
+        )
     if not (path / "config.json").is_file():
-        raise ModelSourceError(f"model directory {path} has no config.json: pass a directory written by "
-                               f"save_pretrained (or holding just a Hugging Face config.json for random init)")
+        raise ModelSourceError(
+            f"model directory {path} has no config.json: pass a directory written by "
+            f"save_pretrained (or holding just a Hugging Face config.json for random init)"
+        )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         pretrained = any((path / name).is_file() for name in _WEIGHT_FILES)
         if pretrained:
-            module = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
-                                                          dtype=torch.float32)
+            module = AutoModelForCausalLM.from_pretrained(
+                path, config=config, local_files_only=True, dtype=torch.float32
+            )
         else:
             module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
@@ -82,6 +90,8 @@ def _from_directory(path: Path) -> LoadedModel:
 def _vocab_size(module: nn.Module, spec: str) -> int:
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
     if not isinstance(vocab, int):
-        raise ModelSourceError(f"model {spec!r} ({type(module).__name__}) has no integer config.vocab_size, which "
-                               f"the run checks the data's token ids against")
+        raise ModelSourceError(
+            f"model {spec!r} ({type(module).__name__}) has no integer config.vocab_size, which "
+            f"the run checks the data's token ids against"
+        )
     return vocab

@@ -22,18 +22,27 @@ __all__ = ["LRSchedule", "build_optimizer", "param_groups"]
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Trainable parameters with >= 2 dimensions (decayed), then the rest (norms, biases: not decayed)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                    zero: bool = False, process_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    zero: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> torch.optim.Optimizer:
     """AdamW over `param_groups`; with `zero`, ZeRO-1 (each rank of `process_group`, default all, keeps and
     updates its shard of the state; a pipeline stage passes its `stage_group`)."""
     groups = [g for g in param_groups(model, weight_decay) if g["params"]]
     if zero:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=process_group,
-                                       lr=lr, betas=betas)
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=torch.optim.AdamW, process_group=process_group, lr=lr, betas=betas
+        )
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 

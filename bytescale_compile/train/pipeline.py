@@ -51,8 +51,15 @@ from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, bu
 from .executor import Executor, rank_work
 from .stages import StageSpec, full_model_name, split_stages, stage_inputs, stage_spec
 
-__all__ = ["PipelineExecutor", "PipelineSetupError", "StageTransferError", "check_stage_plan", "gather_stage_weights",
-           "pipeline_stage", "stage_group"]
+__all__ = [
+    "PipelineExecutor",
+    "PipelineSetupError",
+    "StageTransferError",
+    "check_stage_plan",
+    "gather_stage_weights",
+    "pipeline_stage",
+    "stage_group",
+]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """Activation dtypes a header can name, by index."""
@@ -95,12 +102,16 @@ def pipeline_stage(model: nn.Module, pp_size: int) -> nn.Module:
     if pp_size == 1:
         return model
     if not dist.is_initialized():
-        raise PipelineSetupError(f"pp_size {pp_size} needs torch.distributed initialised with pp_size x HDP "
-                                 f"processes (torchrun --nproc_per_node)")
+        raise PipelineSetupError(
+            f"pp_size {pp_size} needs torch.distributed initialised with pp_size x HDP "
+            f"processes (torchrun --nproc_per_node)"
+        )
     world = dist.get_world_size()
     if world % pp_size:
-        raise PipelineSetupError(f"{world} processes cannot hold pipelines of {pp_size} stages: run a multiple of "
-                                 f"{pp_size} processes (pp_size x HDP ranks)")
+        raise PipelineSetupError(
+            f"{world} processes cannot hold pipelines of {pp_size} stages: run a multiple of "
+            f"{pp_size} processes (pp_size x HDP ranks)"
+        )
     return split_stages(model, pp_size)[dist.get_rank() // (world // pp_size)]
 
 
@@ -125,8 +136,11 @@ def gather_stage_weights(model: nn.Module, stage: nn.Module) -> None:
         return
     hdp = dist.get_world_size() // spec.pp_size
     plain = getattr(stage, "original_module", stage)
-    mine = ({full_model_name(spec, name): t.detach().cpu() for name, t in plain.state_dict().items()}
-            if dist.get_rank() % hdp == 0 else {})
+    mine = (
+        {full_model_name(spec, name): t.detach().cpu() for name, t in plain.state_dict().items()}
+        if dist.get_rank() % hdp == 0
+        else {}
+    )
     gathered: list[dict[str, torch.Tensor]] | None = None
     if dist.get_rank() == 0:
         gathered = [{} for _ in range(dist.get_world_size())]
@@ -151,14 +165,20 @@ def check_stage_plan(plan: Plan, spec: StageSpec, world_size: int, rank: int) ->
 def _check_fit(plan: Plan, spec: StageSpec, world_size: int, rank: int) -> None:
     """The plan's pipelines, the job's processes and this rank's stage module fit together."""
     if plan.pp_size != spec.pp_size:
-        raise PipelineSetupError(f"the plan has pp_size {plan.pp_size} but the stage module is stage {spec.index} "
-                                 f"of {spec.pp_size}: split the model with split_stages(model, plan.pp_size)")
+        raise PipelineSetupError(
+            f"the plan has pp_size {plan.pp_size} but the stage module is stage {spec.index} "
+            f"of {spec.pp_size}: split the model with split_stages(model, plan.pp_size)"
+        )
     if plan.world_size * plan.pp_size != world_size:
-        raise PipelineSetupError(f"the plan's {plan.world_size} HDP ranks x pp_size {plan.pp_size} need "
-                                 f"{plan.world_size * plan.pp_size} processes, but the job has {world_size}")
+        raise PipelineSetupError(
+            f"the plan's {plan.world_size} HDP ranks x pp_size {plan.pp_size} need "
+            f"{plan.world_size * plan.pp_size} processes, but the job has {world_size}"
+        )
     if rank // plan.world_size != spec.index:
-        raise PipelineSetupError(f"global rank {rank} runs stage {rank // plan.world_size} (stage-major: rank = "
-                                 f"stage * {plan.world_size} + HDP rank) but holds stage module {spec.index}")
+        raise PipelineSetupError(
+            f"global rank {rank} runs stage {rank // plan.world_size} (stage-major: rank = "
+            f"stage * {plan.world_size} + HDP rank) but holds stage module {spec.index}"
+        )
 
 
 class PipelineExecutor(Executor):
@@ -172,21 +192,29 @@ class PipelineExecutor(Executor):
     def __init__(self, stage: OptimizedModule, mixed_precision: torch.dtype | None = None) -> None:
         spec = stage_spec(stage)
         if spec is None:
-            raise PipelineSetupError(f"{type(stage).__name__} has no StageSpec .spec: pass a module from "
-                                     f"split_stages(model, pp_size), optionally through optimize()")
+            raise PipelineSetupError(
+                f"{type(stage).__name__} has no StageSpec .spec: pass a module from "
+                f"split_stages(model, pp_size), optionally through optimize()"
+            )
         if not dist.is_initialized():
-            raise PipelineSetupError(f"a pipeline of {spec.pp_size} stages needs torch.distributed initialised with "
-                                     f"pp_size x HDP processes (torchrun --nproc_per_node)")
+            raise PipelineSetupError(
+                f"a pipeline of {spec.pp_size} stages needs torch.distributed initialised with "
+                f"pp_size x HDP processes (torchrun --nproc_per_node)"
+            )
         super().__init__(stage, mixed_precision)
         self.spec, self.pp_size = spec, spec.pp_size
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size % spec.pp_size:
-            raise PipelineSetupError(f"{self.world_size} processes cannot hold pipelines of {spec.pp_size} stages: "
-                                     f"the job needs a multiple of {spec.pp_size}")
+            raise PipelineSetupError(
+                f"{self.world_size} processes cannot hold pipelines of {spec.pp_size} stages: "
+                f"the job needs a multiple of {spec.pp_size}"
+            )
         self.hdp = self.world_size // spec.pp_size
         if self.rank // self.hdp != spec.index:
-            raise PipelineSetupError(f"global rank {self.rank} runs stage {self.rank // self.hdp} (stage-major, "
-                                     f"{self.hdp} HDP ranks) but holds stage module {spec.index}")
+            raise PipelineSetupError(
+                f"global rank {self.rank} runs stage {self.rank // self.hdp} (stage-major, "
+                f"{self.hdp} HDP ranks) but holds stage module {spec.index}"
+            )
         self.hdp_rank = self.rank % self.hdp
         self.sync_group = stage_group(spec)
         self.hidden_size = int(stage.config.hidden_size)
@@ -198,8 +226,10 @@ class PipelineExecutor(Executor):
         _check_fit(plan, self.spec, self.world_size, self.rank)
         lengths = [int(n) for n in np.asarray(batch.lengths)]
         if lengths != plan.sequences:
-            raise PlanError(f"the plan was made for sequence lengths {plan.sequences[:8]}... but the batch has "
-                            f"{lengths[:8]}...: plan this batch")
+            raise PlanError(
+                f"the plan was made for sequence lengths {plan.sequences[:8]}... but the batch has "
+                f"{lengths[:8]}...: plan this batch"
+            )
 
     def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
         """This stage's F and B ops of its pipeline, in `stage_order`; gradients accumulate in `.grad`."""
@@ -208,8 +238,9 @@ class PipelineExecutor(Executor):
         act_ctx = self.act_ctx(mine)
         self.model.train()
         tally = self._run(order, mine, batch, act_ctx)
-        return rank_work(act_ctx, loss=tally.loss, busy=tally.busy, p2p_bytes=tally.ring_bytes,
-                         stage_bytes=tally.stage_bytes)
+        return rank_work(
+            act_ctx, loss=tally.loss, busy=tally.busy, p2p_bytes=tally.ring_bytes, stage_bytes=tally.stage_bytes
+        )
 
     def evaluate(self, plan: Plan, batch: BatchLike) -> float:
         """This rank's summed loss of `plan`'s micro-batches (0 before the last stage): the forwards of
@@ -257,8 +288,9 @@ class PipelineExecutor(Executor):
     def _ops(self, plan: Plan) -> tuple[list[MicroBatch], list[Op]]:
         mine = plan.micro_batches_of(self.hdp_rank)
         chained = chained_micro_batches(plan)
-        return mine, stage_order(self.spec.index, self.spec.pp_size, [mb.shared for mb in mine],
-                                 [mb.id in chained for mb in mine])
+        return mine, stage_order(
+            self.spec.index, self.spec.pp_size, [mb.shared for mb in mine], [mb.id in chained for mb in mine]
+        )
 
     def _run(self, order: list[Op], mine: list[MicroBatch], batch: BatchLike, act_ctx: ActivationContext) -> _Tally:
         num_items = num_targets(batch.lengths)
@@ -278,8 +310,9 @@ class PipelineExecutor(Executor):
             request.wait()
         return tally
 
-    def _forward(self, inputs: MicroBatchInputs, act_ctx: ActivationContext, sends: _Sends,
-                 tally: _Tally) -> tuple[_InFlight, float]:
+    def _forward(
+        self, inputs: MicroBatchInputs, act_ctx: ActivationContext, sends: _Sends, tally: _Tally
+    ) -> tuple[_InFlight, float]:
         """F: receive (after the first stage), run the stage, send on (before the last); the seconds waited."""
         mb, waited, received = inputs.micro_batch, 0.0, None
         if not self.spec.is_first:
@@ -298,8 +331,9 @@ class PipelineExecutor(Executor):
         tally.ring_bytes += context.ring_stats.bytes_sent
         return _InFlight(context, received, out), waited
 
-    def _backward(self, mb: MicroBatch, state: _InFlight, act_ctx: ActivationContext, sends: _Sends,
-                  tally: _Tally) -> float:
+    def _backward(
+        self, mb: MicroBatch, state: _InFlight, act_ctx: ActivationContext, sends: _Sends, tally: _Tally
+    ) -> float:
         """B: back-propagate the loss or the next stage's gradient, send the input's gradient back; the seconds
         waited."""
         waited, sent_before = 0.0, state.context.ring_stats.bytes_sent
@@ -325,16 +359,19 @@ class PipelineExecutor(Executor):
     def _loss(self, output: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor):
-            raise ModelProtocolError(f"the last stage ({type(self.model).__name__}) returned no loss (output.loss is "
-                                     f"{loss!r}): split the model with split_stages(), whose last stage computes it")
+            raise ModelProtocolError(
+                f"the last stage ({type(self.model).__name__}) returned no loss (output.loss is "
+                f"{loss!r}): split the model with split_stages(), whose last stage computes it"
+            )
         return loss
 
     def _send(self, tensor: torch.Tensor, peer: int, mb: MicroBatch, sends: _Sends) -> int:
         """Post a header (micro-batch id, shape, dtype) and the tensor to `peer`, kept in `sends` with their
         requests until sent; the bytes sent."""
         payload = tensor.detach().contiguous()
-        header = torch.tensor([mb.id, *payload.shape, _DTYPES.index(payload.dtype)], dtype=torch.int64,
-                              device=payload.device)
+        header = torch.tensor(
+            [mb.id, *payload.shape, _DTYPES.index(payload.dtype)], dtype=torch.int64, device=payload.device
+        )
         sends += [(dist.isend(header, peer), header), (dist.isend(payload, peer), payload)]
         return payload.numel() * payload.element_size()
 
@@ -348,7 +385,8 @@ class PipelineExecutor(Executor):
             raise StageTransferError(
                 f"rank {self.rank} (stage {self.spec.index}) expected the {what} of micro-batch {mb.id} with shape "
                 f"{list(shape)} from rank {peer}, got micro-batch {got_id} with shape {got_shape} (dtype code "
-                f"{dtype}): the stage ranks run different plans or batches")
+                f"{dtype}): the stage ranks run different plans or batches"
+            )
         tensor = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
         dist.recv(tensor, src=peer)
         return tensor, time.perf_counter() - began

@@ -54,12 +54,14 @@ class Projection:
 
     def report(self) -> str:
         """The projection as printed after the demo's comparison, labelled as simulated throughout."""
-        lines = [f"SIMULATED projection, not measured: {self.model} on {self.ranks} HDP ranks x TP {self.tp_size} "
-                 f"({self.ranks * self.tp_size} GPUs) of the {self.hardware} preset, C = {self.capacity}, context "
-                 f"{self.context_length};",
-                 f"one global batch of {self.tokens:,} tokens: {self.sequences} sequence lengths drawn with "
-                 f"replacement from this run's data",
-                 f"{'strategy':<22} {'simulated step s':>16} {'speedup over static':>20}"]
+        lines = [
+            f"SIMULATED projection, not measured: {self.model} on {self.ranks} HDP ranks x TP {self.tp_size} "
+            f"({self.ranks * self.tp_size} GPUs) of the {self.hardware} preset, C = {self.capacity}, context "
+            f"{self.context_length};",
+            f"one global batch of {self.tokens:,} tokens: {self.sequences} sequence lengths drawn with "
+            f"replacement from this run's data",
+            f"{'strategy':<22} {'simulated step s':>16} {'speedup over static':>20}",
+        ]
         for s in self.steps:
             label = f"{s.strategy} ({s.chosen})" if s.chosen else s.strategy
             lines.append(f"{label:<22} {s.step_time:>16.4g} {s.speedup:>19.2f}x")
@@ -77,11 +79,18 @@ def resample_lengths(lengths: np.ndarray, tokens: int, seed: int = 0) -> np.ndar
     drawn = np.empty(0, dtype=np.int64)
     while drawn.sum() < tokens:
         drawn = np.concatenate([drawn, lengths[rng.integers(0, lengths.size, size=batch)]])
-    return drawn[:int(np.searchsorted(np.cumsum(drawn), tokens)) + 1]
+    return drawn[: int(np.searchsorted(np.cumsum(drawn), tokens)) + 1]
 
 
-def project(shape: ModelShape, lengths: Sequence[int] | np.ndarray, tokens: int, capacity: int,
-            context_length: int, strategies: Sequence[str] = PROJECTED_STRATEGIES, seed: int = 0) -> Projection:
+def project(
+    shape: ModelShape,
+    lengths: Sequence[int] | np.ndarray,
+    tokens: int,
+    capacity: int,
+    context_length: int,
+    strategies: Sequence[str] = PROJECTED_STRATEGIES,
+    seed: int = 0,
+) -> Projection:
     """Plan and simulate one global batch of `tokens` tokens, resampled from `lengths` truncated to
     `context_length`, at `RANKS` ranks of `HARDWARE` with each strategy; the speedups are over static."""
     cost_model = CostModel.analytic(shape, Hardware.preset(HARDWARE, tp_size=TP_SIZE))
@@ -90,8 +99,10 @@ def project(shape: ModelShape, lengths: Sequence[int] | np.ndarray, tokens: int,
     static = next((o.step_time for o in outcomes if o.name == STATIC), None)
     if static is None:
         raise ValueError(f"strategies {list(strategies)} must include static: the speedups are over it")
-    steps = [ProjectedStep(o.name, o.step_time, static / o.step_time, o.plan.meta.get("auto", {}).get("chosen"))
-             for o in outcomes]
+    steps = [
+        ProjectedStep(o.name, o.step_time, static / o.step_time, o.plan.meta.get("auto", {}).get("chosen"))
+        for o in outcomes
+    ]
     model = f"{shape.name} ({shape.layers} layers, hidden {shape.hidden})"
     return Projection(model, RANKS, TP_SIZE, HARDWARE, capacity, context_length, int(lens.sum()), len(lens), steps)
 
@@ -100,5 +111,11 @@ def project_run(config: TrainConfig, model: nn.Module, lengths: np.ndarray, worl
     """A run's projection: its model's shape, its data's `lengths`, its capacity and context length, and its tokens
     per rank (`global_tokens / world_size`) at `RANKS` ranks. `ModelConfigError` when the model's config does not
     give its shape."""
-    return project(model_shape(model), lengths, config.global_tokens * RANKS // world_size, config.capacity,
-                   config.max_len, seed=config.seed)
+    return project(
+        model_shape(model),
+        lengths,
+        config.global_tokens * RANKS // world_size,
+        config.capacity,
+        config.max_len,
+        seed=config.seed,
+    )

@@ -41,9 +41,21 @@ from ..sim.simulator import step_time
 from .config import ConfigError
 from .engine import BatchError
 
-__all__ = ["DataServerError", "GET_TIMEOUT_S", "LoadedStep", "NAMESPACE", "PlanSettings", "PlannedStep",
-           "RayUnavailableError", "RemoteBatch", "RemoteBatches", "check_ray", "connect_ray", "scheduler_for",
-           "server_bounds"]
+__all__ = [
+    "DataServerError",
+    "GET_TIMEOUT_S",
+    "LoadedStep",
+    "NAMESPACE",
+    "PlanSettings",
+    "PlannedStep",
+    "RayUnavailableError",
+    "RemoteBatch",
+    "RemoteBatches",
+    "check_ray",
+    "connect_ray",
+    "scheduler_for",
+    "server_bounds",
+]
 
 NAMESPACE = "bytescale_compile"
 GET_TIMEOUT_S = 120.0
@@ -52,7 +64,6 @@ SERVER_MAX_RESTARTS = 3
 _CONNECT_TIMEOUT_S = 5.0
 INSTALL_HINT = "pip install 'bytescale_compile[ray]'"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
-
 
 
 class RayUnavailableError(ConfigError):
@@ -115,8 +126,10 @@ class RemoteBatch:
 
     def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         if seq not in self.sequences:
-            raise BatchError(f"sequence {seq} of the global batch was not sent to rank {self.rank} (it holds "
-                             f"{sorted(self.sequences)}): the plan it runs is not the one its data was fetched for")
+            raise BatchError(
+                f"sequence {seq} of the global batch was not sent to rank {self.rank} (it holds "
+                f"{sorted(self.sequences)}): the plan it runs is not the one its data was fetched for"
+            )
         return self.sequences[seq][start:end]
 
 
@@ -145,8 +158,10 @@ def check_ray(address: str | None) -> None:
         with socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S):
             pass
     except (OSError, ValueError) as e:
-        raise RayUnavailableError(f"--ray-address {address}: no Ray cluster answers there ({e}); start one with "
-                                  f"`ray start --head` or leave --ray-address out to start one on this machine") from e
+        raise RayUnavailableError(
+            f"--ray-address {address}: no Ray cluster answers there ({e}); start one with "
+            f"`ray start --head` or leave --ray-address out to start one on this machine"
+        ) from e
 
 
 def connect_ray(address: str | None, num_cpus: int | None) -> bool:
@@ -182,7 +197,7 @@ class DataServer:
         self.lo, self.hi = lo, hi
 
     def lengths(self) -> np.ndarray:
-        return np.array(self.dataset.lengths[self.lo:self.hi])
+        return np.array(self.dataset.lengths[self.lo : self.hi])
 
     def read(self, requests: list[tuple[int, int]]) -> np.ndarray:
         """The first `used` tokens of each (sequence id, used) concatenated, int64: one zero-copy object."""
@@ -205,16 +220,29 @@ class _Metadata:
 class Scheduler:
     """Starts the servers, gathers their lengths, draws and plans steps ahead; see the module docstring."""
 
-    def __init__(self, name: str, prefix: str, servers: int, global_tokens: int, seed: int, max_len: int | None,
-                 sampler_state: dict, first_step: int, settings: PlanSettings, prefetch_steps: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        prefix: str,
+        servers: int,
+        global_tokens: int,
+        seed: int,
+        max_len: int | None,
+        sampler_state: dict,
+        first_step: int,
+        settings: PlanSettings,
+        prefetch_steps: int,
+    ) -> None:
         import ray
 
         server_class, _ = _remote_classes()
         num_sequences = len(TokenDataset.open(prefix))
         bounds = server_bounds(num_sequences, servers)
         self.bounds = bounds
-        self.servers = [server_class.options(name=f"{name}-server-{i}").remote(prefix, int(lo), int(hi))
-                        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        self.servers = [
+            server_class.options(name=f"{name}-server-{i}").remote(prefix, int(lo), int(hi))
+            for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+        ]
         lengths = np.concatenate(ray.get([s.lengths.remote() for s in self.servers], timeout=GET_TIMEOUT_S))
         metadata = cast(TokenDataset, _Metadata(Path(prefix), lengths))  # no batch's tokens are read here
         self.sampler = GlobalBatchSampler(metadata, global_tokens, seed=seed, max_len=max_len)
@@ -267,33 +295,61 @@ class Scheduler:
         batch = next(self._batches)
         began = time.perf_counter()
         s = self.settings
-        step_plan = plan(batch.lengths, s.world_size, s.capacity, s.cost_model, strategy=s.strategy,
-                         pp_size=s.pp_size, context_length=s.context_length, shard_blocker=s.shard_blocker,
-                         step_time=step_time)
+        step_plan = plan(
+            batch.lengths,
+            s.world_size,
+            s.capacity,
+            s.cost_model,
+            strategy=s.strategy,
+            pp_size=s.pp_size,
+            context_length=s.context_length,
+            shard_blocker=s.shard_blocker,
+            step_time=step_time,
+        )
         step_plan.validate()
-        return PlannedStep(step, batch.indices, batch.lengths, step_plan, time.perf_counter() - began,
-                           self.sampler.state_dict())
+        return PlannedStep(
+            step, batch.indices, batch.lengths, step_plan, time.perf_counter() - began, self.sampler.state_dict()
+        )
 
 
-def scheduler_for(run_dir: Path, dataset: TokenDataset, servers: int, global_tokens: int, seed: int,
-                  max_len: int | None, sampler_state: dict, first_step: int, settings: PlanSettings,
-                  prefetch_steps: int) -> Any:
+def scheduler_for(
+    run_dir: Path,
+    dataset: TokenDataset,
+    servers: int,
+    global_tokens: int,
+    seed: int,
+    max_len: int | None,
+    sampler_state: dict,
+    first_step: int,
+    settings: PlanSettings,
+    prefetch_steps: int,
+) -> Any:
     """The run's scheduler actor: created by the first rank that asks, found by the others. Its name holds the run
     directory and the starting point, so a resume never finds the scheduler of an earlier, crashed attempt."""
     _, scheduler_class = _remote_classes()
     key = f"{Path(run_dir).resolve()}|{first_step}|{sorted(sampler_state.items())}"
     name = "scheduler-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     return scheduler_class.options(name=name, get_if_exists=True).remote(
-        name, str(dataset.prefix), servers, global_tokens, seed, max_len, sampler_state, first_step, settings,
-        prefetch_steps)
+        name,
+        str(dataset.prefix),
+        servers,
+        global_tokens,
+        seed,
+        max_len,
+        sampler_state,
+        first_step,
+        settings,
+        prefetch_steps,
+    )
 
 
 class RemoteBatches(Iterator[LoadedStep]):
     """This rank's steps from the scheduler, from `first_step` on, each fetched one step ahead in a background
     thread (`prefetch`; without it, when asked for)."""
 
-    def __init__(self, scheduler: Any, rank: int, first_step: int, pin_memory: bool = False,
-                 prefetch: bool = True) -> None:
+    def __init__(
+        self, scheduler: Any, rank: int, first_step: int, pin_memory: bool = False, prefetch: bool = True
+    ) -> None:
         self.scheduler, self.rank, self.pin_memory, self.prefetch = scheduler, rank, pin_memory, prefetch
         self.servers, self.bounds = _get(scheduler.layout.remote(), "the scheduler")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-batches")
@@ -340,8 +396,9 @@ def _get(ref: Any, what: str) -> Any:
     except GetTimeoutError as e:
         raise DataServerError(f"{what} did not answer within {GET_TIMEOUT_S:.0f} s") from e
     except RayActorError as e:
-        raise DataServerError(f"{what} died and could not be restarted ({SERVER_MAX_RESTARTS} restarts at most): "
-                              f"{e}") from e
+        raise DataServerError(
+            f"{what} died and could not be restarted ({SERVER_MAX_RESTARTS} restarts at most): {e}"
+        ) from e
     except RayTaskError as e:
         if isinstance(e.cause, Exception):
             raise e.cause from None

@@ -40,8 +40,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 import torch
 from torch import nn
 
-__all__ = ["StageSpec", "StageOutput", "UnsupportedModelError", "full_model_name", "is_hf_model", "stage_spec",
-           "stage_specs", "split_stages", "stage_inputs"]
+__all__ = [
+    "StageSpec",
+    "StageOutput",
+    "UnsupportedModelError",
+    "full_model_name",
+    "is_hf_model",
+    "stage_spec",
+    "stage_specs",
+    "split_stages",
+    "stage_inputs",
+]
 
 _FIRST_STAGE_KWARGS = ("input_ids", "position_ids")
 _LAYER_NAME = re.compile(r"^((?:model\.)?layers)\.(\d+)\.")
@@ -89,8 +98,10 @@ def stage_specs(num_layers: int, pp_size: int) -> list[StageSpec]:
     if pp_size < 1:
         raise ValueError(f"pp_size must be at least 1, got {pp_size}")
     if pp_size > num_layers:
-        raise ValueError(f"pp_size {pp_size} is larger than the model's {num_layers} decoder layers: "
-                         f"every pipeline stage needs at least one layer")
+        raise ValueError(
+            f"pp_size {pp_size} is larger than the model's {num_layers} decoder layers: "
+            f"every pipeline stage needs at least one layer"
+        )
     base, extra = divmod(num_layers, pp_size)
     specs, start = [], 0
     for index in range(pp_size):
@@ -100,8 +111,9 @@ def stage_specs(num_layers: int, pp_size: int) -> list[StageSpec]:
     return specs
 
 
-def stage_inputs(spec: StageSpec, model_kwargs: Mapping[str, Any],
-                 hidden_states: torch.Tensor | None = None) -> dict[str, Any]:
+def stage_inputs(
+    spec: StageSpec, model_kwargs: Mapping[str, Any], hidden_states: torch.Tensor | None = None
+) -> dict[str, Any]:
     """The kwargs stage `spec` takes, from the model protocol's kwargs and the previous stage's output."""
     if spec.is_first:
         return dict(model_kwargs) if spec.is_last else {k: model_kwargs[k] for k in _FIRST_STAGE_KWARGS}
@@ -137,8 +149,10 @@ def split_stages(model: nn.Module, pp_size: int) -> list[nn.Module]:
 
 def _check_whole_model(model: nn.Module) -> None:
     if hasattr(model, "original_module") and hasattr(model, "compile_config"):
-        raise TypeError("split_stages() takes the plain model: split it first, then optimize() each stage "
-                        "(an optimized model's compiled graphs span every layer)")
+        raise TypeError(
+            "split_stages() takes the plain model: split it first, then optimize() each stage "
+            "(an optimized model's compiled graphs span every layer)"
+        )
     if isinstance(model, (_HFStageForward, _LlamaStage)):
         raise TypeError(f"split_stages() takes the whole model, got stage {model.spec.index} of {model.spec.pp_size}")
 
@@ -160,7 +174,8 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
             raise UnsupportedModelError(
                 f"Model {type(model).__name__} has no .model.layers ModuleList: pipeline stages are cut from "
                 f"Hugging Face decoders laid out as LlamaForCausalLM (model.embed_tokens, model.layers, model.norm, "
-                f"lm_head)")
+                f"lm_head)"
+            )
         _require(base, ("embed_tokens",), f"{type(model).__name__}.model")
         if not any(isinstance(getattr(base, n, None), nn.Module) for n in _FINAL_NORMS):
             _require(base, _FINAL_NORMS[:1], f"{type(model).__name__}.model")
@@ -168,8 +183,10 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
         return layers
     _require(model, ("embed_tokens", "rotary", "layers", "norm", "lm_head"), type(model).__name__)
     if not isinstance(model.layers, nn.ModuleList):
-        raise UnsupportedModelError(f"Model {type(model).__name__}.layers is a {type(model.layers).__name__}, "
-                                    f"not the ModuleList of decoder layers pipeline stages are cut from")
+        raise UnsupportedModelError(
+            f"Model {type(model).__name__}.layers is a {type(model.layers).__name__}, "
+            f"not the ModuleList of decoder layers pipeline stages are cut from"
+        )
     return model.layers
 
 
@@ -178,7 +195,8 @@ def _require(module: object, names: tuple[str, ...], where: str) -> None:
     if missing:
         raise UnsupportedModelError(
             f"Model {where} has no {', '.join('.' + n for n in missing)}: pipeline stages need an embedding, a "
-            f"ModuleList of decoder layers, a final norm and an lm_head (LLaMA's layout)")
+            f"ModuleList of decoder layers, a final norm and an lm_head (LLaMA's layout)"
+        )
 
 
 def _check_ownership(model: nn.Module, stages: list[nn.Module]) -> None:
@@ -191,11 +209,14 @@ def _check_ownership(model: nn.Module, stages: list[nn.Module]) -> None:
                 raise UnsupportedModelError(
                     f"Model {type(model).__name__}: parameter {' = '.join(names)} is shared by stages "
                     f"{owner[id(p)]} and {k} (tied embeddings?); untie it (e.g. tie_word_embeddings=False) "
-                    f"before splitting into pipeline stages")
+                    f"before splitting into pipeline stages"
+                )
     orphans = [n for n, p in model.named_parameters() if id(p) not in owner]
     if orphans:
-        raise UnsupportedModelError(f"Model {type(model).__name__}: parameters {orphans[:5]} belong to no pipeline "
-                                    f"stage (only embedding, decoder layers, final norm and lm_head are placed)")
+        raise UnsupportedModelError(
+            f"Model {type(model).__name__}: parameters {orphans[:5]} belong to no pipeline "
+            f"stage (only embedding, decoder layers, final norm and lm_head are placed)"
+        )
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -238,9 +259,14 @@ class _LlamaStage(nn.Module):
             self.norm = llama.norm
             self.lm_head = llama.lm_head
 
-    def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
-                num_items_in_batch: torch.Tensor | None = None) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | None = None,
+    ) -> Any:
         x = self.embed_tokens(input_ids) if self.spec.is_first else cast(torch.Tensor, hidden_states)
         if position_ids is None:
             position_ids = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[:2])
@@ -252,8 +278,9 @@ class _LlamaStage(nn.Module):
         return self._output(self.lm_head(self.norm(x)), shift_labels, num_items_in_batch)
 
     @staticmethod
-    def _output(logits: torch.Tensor, shift_labels: torch.Tensor | None,
-                num_items_in_batch: torch.Tensor | None) -> Any:
+    def _output(
+        logits: torch.Tensor, shift_labels: torch.Tensor | None, num_items_in_batch: torch.Tensor | None
+    ) -> Any:
         """The model's loss, op for op, so the fused-loss pass matches it as in the full model."""
         loss = None
         if shift_labels is not None:
@@ -261,8 +288,9 @@ class _LlamaStage(nn.Module):
             if num_items_in_batch is None:
                 loss = nn.functional.cross_entropy(flat_logits, shift_labels.view(-1), ignore_index=-100)
             else:
-                loss = nn.functional.cross_entropy(flat_logits, shift_labels.view(-1), ignore_index=-100,
-                                                   reduction="sum")
+                loss = nn.functional.cross_entropy(
+                    flat_logits, shift_labels.view(-1), ignore_index=-100, reduction="sum"
+                )
                 loss = loss / num_items_in_batch
         return StageOutput(loss, logits)
 
@@ -282,14 +310,21 @@ class _HFStageForward(_ModelMixin):
     model: nn.Module
     lm_head: nn.Module | None
 
-    def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **loss_kwargs: Any) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **loss_kwargs: Any,
+    ) -> Any:
         if self.spec.is_last:
-            return super().forward(inputs_embeds=hidden_states, position_ids=position_ids, use_cache=False,
-                                   **loss_kwargs)
+            return super().forward(
+                inputs_embeds=hidden_states, position_ids=position_ids, use_cache=False, **loss_kwargs
+            )
         if loss_kwargs:
-            raise TypeError(f"stage {self.spec.index} of {self.spec.pp_size} computes no loss; "
-                            f"it got {sorted(loss_kwargs)}")
+            raise TypeError(
+                f"stage {self.spec.index} of {self.spec.pp_size} computes no loss; it got {sorted(loss_kwargs)}"
+            )
         out = self.model(input_ids=input_ids, inputs_embeds=hidden_states, position_ids=position_ids, use_cache=False)
         return out.last_hidden_state
 
@@ -352,7 +387,8 @@ def _check_embeds_pass_through(model: nn.Module) -> None:
     if not torch.equal(out.last_hidden_state, x):
         raise UnsupportedModelError(
             f"Model {type(model).__name__}.model changes inputs_embeds before its first decoder layer (a scale, "
-            f"dropout or position embedding in its forward): a pipeline stage after the first would apply it again")
+            f"dropout or position embedding in its forward): a pipeline stage after the first would apply it again"
+        )
 
 
 def _sliced_config(config: Any, layers: range) -> Any:

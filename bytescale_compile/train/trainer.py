@@ -57,8 +57,19 @@ from .pipeline import gather_stage_weights, pipeline_stage, stage_group
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
 from .stages import UnsupportedModelError, split_stages, stage_spec
 
-__all__ = ["CALIBRATED_COST_MODEL", "CHECKPOINTS_DIR", "CONFIG_FILE", "FINAL_DIR", "RunInputs", "RunResult", "VocabularyError", "evaluate",
-           "run", "run_dir", "setup"]
+__all__ = [
+    "CALIBRATED_COST_MODEL",
+    "CHECKPOINTS_DIR",
+    "CONFIG_FILE",
+    "FINAL_DIR",
+    "RunInputs",
+    "RunResult",
+    "VocabularyError",
+    "evaluate",
+    "run",
+    "run_dir",
+    "setup",
+]
 
 CONFIG_FILE = "config.toml"
 CALIBRATED_COST_MODEL = "calibrated_cost_model.json"
@@ -107,12 +118,16 @@ def run_dir(config: TrainConfig, strategy: str) -> Path:
 
 def setup(config: TrainConfig) -> RunInputs:
     """Open and check the datasets, build the model, resolve the tokenizer and the cost model."""
-    train_data = _open_dataset(config.data, "--data",
-                               "make it with `bytescale-compile data prepare --input ... --tokenizer DIR --out PREFIX`")
+    train_data = _open_dataset(
+        config.data, "--data", "make it with `bytescale-compile data prepare --input ... --tokenizer DIR --out PREFIX`"
+    )
     eval_data = None
     if config.eval_every:
-        eval_data = _open_dataset(eval_prefix(config.data), "the held-out split of --data",
-                                  "prepare the data with --eval-fraction > 0, or set eval_every = 0")
+        eval_data = _open_dataset(
+            eval_prefix(config.data),
+            "the held-out split of --data",
+            "prepare the data with --eval-fraction > 0, or set eval_every = 0",
+        )
         _check_same_tokens(train_data, eval_data)
     model = load_model(config.model, config.seed)
     _check_vocabulary(train_data, model)
@@ -125,8 +140,10 @@ def setup(config: TrainConfig) -> RunInputs:
     if not config.resume:
         for strategy in config.strategies:
             if found := latest_checkpoint(run_dir(config, strategy) / CHECKPOINTS_DIR):
-                raise ConfigError(f"{found} is a checkpoint of an earlier run: pass --resume to continue it, or "
-                                  f"another --out for a new run")
+                raise ConfigError(
+                    f"{found} is a checkpoint of an earlier run: pass --resume to continue it, or "
+                    f"another --out for a new run"
+                )
     changes = tuple(_resume_config_changes(config)) if config.resume else ()
     return RunInputs(config, train_data, eval_data, model, tokenizer, cost, changes)
 
@@ -136,8 +153,9 @@ def _resume_config_changes(config: TrainConfig) -> list[str]:
     saved_path = Path(config.out) / CONFIG_FILE
     if not saved_path.is_file():
         if any(latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR) for s in config.strategies):
-            logger.warning("%s is missing: the settings of this resume cannot be compared with the saved run's",
-                           saved_path)
+            logger.warning(
+                "%s is missing: the settings of this resume cannot be compared with the saved run's", saved_path
+            )
         return []
     try:
         saved = load_config(saved_path)
@@ -155,9 +173,11 @@ def _open_dataset(prefix: str | Path, what: str, hint: str) -> TokenDataset:
 
 def _check_same_tokens(train: TokenDataset, held_out: TokenDataset) -> None:
     if (train.tokenizer, train.vocab_size) != (held_out.tokenizer, held_out.vocab_size):
-        raise VocabularyError(f"{held_out.prefix} (vocab {held_out.vocab_size}, tokenizer {held_out.tokenizer}) was "
-                              f"not tokenized like {train.prefix} (vocab {train.vocab_size}, tokenizer "
-                              f"{train.tokenizer}): prepare both with the same tokenizer")
+        raise VocabularyError(
+            f"{held_out.prefix} (vocab {held_out.vocab_size}, tokenizer {held_out.tokenizer}) was "
+            f"not tokenized like {train.prefix} (vocab {train.vocab_size}, tokenizer "
+            f"{train.tokenizer}): prepare both with the same tokenizer"
+        )
 
 
 def _check_pipeline(pp: int, model: LoadedModel) -> None:
@@ -165,8 +185,10 @@ def _check_pipeline(pp: int, model: LoadedModel) -> None:
     splits into them."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % pp:
-        raise ConfigError(f"pp = {pp} needs a multiple of {pp} processes (pp x HDP ranks), but the job has {world}: "
-                          f"run torchrun --nproc_per_node with a multiple of {pp}")
+        raise ConfigError(
+            f"pp = {pp} needs a multiple of {pp} processes (pp x HDP ranks), but the job has {world}: "
+            f"run torchrun --nproc_per_node with a multiple of {pp}"
+        )
     try:
         split_stages(model.module, pp)
     except (UnsupportedModelError, ValueError) as e:
@@ -176,10 +198,12 @@ def _check_pipeline(pp: int, model: LoadedModel) -> None:
 def _check_vocabulary(data: TokenDataset, model: LoadedModel) -> None:
     if data.vocab_size > model.vocab_size:
         source = data.tokenizer.name_or_path if data.tokenizer else "bytes"
-        raise VocabularyError(f"dataset {data.prefix} has a vocabulary of {data.vocab_size} ({source}), more than "
-                              f"model {model.spec}'s vocab_size of {model.vocab_size}: its token ids would index past "
-                              f"the embedding. Use a model with vocab_size >= {data.vocab_size}, or data tokenized "
-                              f"for this model")
+        raise VocabularyError(
+            f"dataset {data.prefix} has a vocabulary of {data.vocab_size} ({source}), more than "
+            f"model {model.spec}'s vocab_size of {model.vocab_size}: its token ids would index past "
+            f"the embedding. Use a model with vocab_size >= {data.vocab_size}, or data tokenized "
+            f"for this model"
+        )
 
 
 def _final_tokenizer(config: TrainConfig, data: TokenDataset, model: LoadedModel) -> LoadedTokenizer | None:
@@ -190,15 +214,20 @@ def _final_tokenizer(config: TrainConfig, data: TokenDataset, model: LoadedModel
     try:
         loaded = load_tokenizer(path)
     except TokenizerError as e:
-        raise TokenizerError(f"{e} (the tokenizer final/ gets: pass --tokenizer DIR with the one {data.prefix} was "
-                             f"prepared with)") from e
+        raise TokenizerError(
+            f"{e} (the tokenizer final/ gets: pass --tokenizer DIR with the one {data.prefix} was prepared with)"
+        ) from e
     if data.tokenizer is not None and loaded.info.sha256 != data.tokenizer.sha256:
-        raise TokenizerError(f"tokenizer {path} is not the one {data.prefix} was prepared with "
-                             f"({data.tokenizer.name_or_path}, sha256 {data.tokenizer.sha256[:12]}..., found "
-                             f"{loaded.info.sha256[:12]}...): pass --tokenizer with that tokenizer")
+        raise TokenizerError(
+            f"tokenizer {path} is not the one {data.prefix} was prepared with "
+            f"({data.tokenizer.name_or_path}, sha256 {data.tokenizer.sha256[:12]}..., found "
+            f"{loaded.info.sha256[:12]}...): pass --tokenizer with that tokenizer"
+        )
     if loaded.vocab_size > model.vocab_size:
-        raise VocabularyError(f"tokenizer {path} has {loaded.vocab_size} tokens, more than model {model.spec}'s "
-                              f"vocab_size of {model.vocab_size}")
+        raise VocabularyError(
+            f"tokenizer {path} has {loaded.vocab_size} tokens, more than model {model.spec}'s "
+            f"vocab_size of {model.vocab_size}"
+        )
     return loaded
 
 
@@ -236,8 +265,13 @@ def _calibrated(inputs: RunInputs, optimized: OptimizedModule) -> CostModel:
     """The cost model refitted on every rank at once (`train/calibrate.py`), printed and saved by rank 0.
     Its runtime steps no optimizer: a plain SGD stands in for the one each strategy builds."""
     config = inputs.config
-    runtime = Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model,
-                      capacity=config.capacity, mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None)
+    runtime = Runtime(
+        optimized,
+        torch.optim.SGD(optimized.parameters(), lr=0.0),
+        cost_model=inputs.cost_model,
+        capacity=config.capacity,
+        mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
+    )
     result = calibrate(runtime, seed=config.seed)
     if _is_rank0():
         result.cost_model.save(Path(config.out) / CALIBRATED_COST_MODEL)
@@ -274,17 +308,32 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunR
     """One strategy's run; `optimized` is the whole model or, with pipelines, this rank's stage."""
     config, directory, rank0 = inputs.config, run_dir(inputs.config, strategy), _is_rank0()
     spec = stage_spec(optimized)
-    optimizer = build_optimizer(optimized.original_module, config.lr, config.weight_decay, (config.beta1, config.beta2),
-                                config.zero, stage_group(spec) if spec is not None else None)
+    optimizer = build_optimizer(
+        optimized.original_module,
+        config.lr,
+        config.weight_decay,
+        (config.beta1, config.beta2),
+        config.zero,
+        stage_group(spec) if spec is not None else None,
+    )
     schedule = LRSchedule(config.lr, config.warmup, config.schedule_steps, config.min_lr_ratio)
-    runtime = Runtime(optimized, optimizer, cost_model=inputs.cost_model, strategy=strategy, capacity=config.capacity,
-                      max_grad_norm=config.max_grad_norm,
-                      context_length=config.max_len if strategy in (STATIC, AUTO) else None,
-                      mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None)
+    runtime = Runtime(
+        optimized,
+        optimizer,
+        cost_model=inputs.cost_model,
+        strategy=strategy,
+        capacity=config.capacity,
+        max_grad_norm=config.max_grad_norm,
+        context_length=config.max_len if strategy in (STATIC, AUTO) else None,
+        mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
+    )
     sampler = GlobalBatchSampler(inputs.train_data, config.global_tokens, seed=config.seed, max_len=config.max_len)
     """The local loader's, and in either case what a checkpoint's batch position is checked against."""
-    held_out = eval_batches(inputs.eval_data, config.global_tokens, config.max_len,
-                            config.eval_tokens or config.global_tokens) if inputs.eval_data else []
+    held_out = (
+        eval_batches(inputs.eval_data, config.global_tokens, config.max_len, config.eval_tokens or config.global_tokens)
+        if inputs.eval_data
+        else []
+    )
     for stale in remove_stale_tmp(directory / CHECKPOINTS_DIR):
         echo(f"[{strategy}] removed {stale}, left by an interrupted checkpoint save", rank0)
     done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR) if config.resume else 0
@@ -294,24 +343,35 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunR
         for step in progress(range(done + 1, config.steps + 1), strategy, rank0):
             lr = schedule.apply(optimizer, step)
             loaded = next(batches)
-            record = StepRecord.from_stats(runtime.step(loaded.batch, plan=loaded.plan), lr, inputs.cost_model,
-                                           loaded.data_wait_s, loaded.plan_time_s if loaded.plan is not None else None)
+            record = StepRecord.from_stats(
+                runtime.step(loaded.batch, plan=loaded.plan),
+                lr,
+                inputs.cost_model,
+                loaded.data_wait_s,
+                loaded.plan_time_s if loaded.plan is not None else None,
+            )
             if held_out and (step % config.eval_every == 0 or step == config.steps):
                 record.eval_loss = eval_loss = evaluate(runtime, held_out)
             log.write(record)
             records.append(record)
             echo(record.summary(), rank0)
             if config.checkpoint_every and step % config.checkpoint_every == 0:
-                save_checkpoint(directory / CHECKPOINTS_DIR, step, runtime.model, optimizer,
-                                {"step": step, "sampler": loaded.sampler_state, "config": config.to_dict()})
+                save_checkpoint(
+                    directory / CHECKPOINTS_DIR,
+                    step,
+                    runtime.model,
+                    optimizer,
+                    {"step": step, "sampler": loaded.sampler_state, "config": config.to_dict()},
+                )
     log.close()
     final = _save_final(optimized, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
     return RunResult(strategy, directory, records, eval_loss, final)
 
 
 @contextlib.contextmanager
-def _steps(inputs: RunInputs, runtime: Runtime, sampler: GlobalBatchSampler, directory: Path,
-           first_step: int) -> Iterator[Iterator[LoadedStep]]:
+def _steps(
+    inputs: RunInputs, runtime: Runtime, sampler: GlobalBatchSampler, directory: Path, first_step: int
+) -> Iterator[Iterator[LoadedStep]]:
     """The steps from `first_step` on: drawn and planned on this rank (local), or by the scheduler actor with
     only this rank's tokens fetched (ray), which rank 0 stops once every rank is done."""
     config = inputs.config
@@ -320,12 +380,34 @@ def _steps(inputs: RunInputs, runtime: Runtime, sampler: GlobalBatchSampler, dir
         return
     import ray
 
-    settings = PlanSettings(runtime.world_size, runtime.capacity, inputs.cost_model, runtime.strategy,
-                            runtime.context_length, "; ".join(runtime.shard_blockers()) or None, runtime.pp_size)
-    scheduler = scheduler_for(directory, inputs.train_data, config.data_servers, config.global_tokens, config.seed,
-                              config.max_len, sampler.state_dict(), first_step, settings, config.prefetch_steps)
-    batches = RemoteBatches(scheduler, runtime.rank, first_step, pin_memory=runtime.device.type == "cuda",
-                            prefetch=config.prefetch_steps > 0)
+    settings = PlanSettings(
+        runtime.world_size,
+        runtime.capacity,
+        inputs.cost_model,
+        runtime.strategy,
+        runtime.context_length,
+        "; ".join(runtime.shard_blockers()) or None,
+        runtime.pp_size,
+    )
+    scheduler = scheduler_for(
+        directory,
+        inputs.train_data,
+        config.data_servers,
+        config.global_tokens,
+        config.seed,
+        config.max_len,
+        sampler.state_dict(),
+        first_step,
+        settings,
+        config.prefetch_steps,
+    )
+    batches = RemoteBatches(
+        scheduler,
+        runtime.rank,
+        first_step,
+        pin_memory=runtime.device.type == "cuda",
+        prefetch=config.prefetch_steps > 0,
+    )
     try:
         yield batches
         batches.close()

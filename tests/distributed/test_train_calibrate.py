@@ -1,0 +1,125 @@
+"""The job's own calibration of the cost model (train/calibrate.py) and what the simulator does with it:
+ranks sharing one machine's cores, and the compute a ring adds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bytescale_compile as bsc
+from bytescale_compile.models.llama import tiny
+from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, plan
+from bytescale_compile.planner.common import micro_batch_time
+from bytescale_compile.sim.simulator import simulate, step_time
+from bytescale_compile.testing import run_distributed
+from bytescale_compile.train.calibrate import calibrate, calibration_lengths
+from tests.helpers import hf_llama
+
+LENGTHS = (16, 32, 64)
+
+
+def _model(slots: float | None = None, ring_overhead: float = 0.0) -> CostModel:
+    """1 s per token per layer, one layer, no ring bytes or latency worth counting."""
+    hardware = Hardware(name="test", network_bandwidth=1e18, latency=1e-18, compute_slots=slots)
+    return CostModel(0.0, 1.0, 0.0, 1.0, 0.0, 1, 0, 1.0, hardware, "test", ring_overhead=ring_overhead)
+
+
+def _packed_plan(work: list[list[int]]) -> Plan:
+    """Rank r runs one packed micro-batch per length in work[r]; est_time = its length (the model's T)."""
+    mbs, schedule, lens = [], [], []
+    for rank, lengths in enumerate(work):
+        schedule.append([])
+        for n in lengths:
+            mbs.append(MicroBatch(len(mbs), (rank,), (len(lens),), 0.0, n, float(n)))
+            schedule[-1].append(len(mbs) - 1)
+            lens.append(n)
+    return Plan("balance", len(work), 100, 1, lens, mbs, schedule)
+
+
+def test_ranks_sharing_two_slots_run_at_half_speed_only_while_more_than_two_are_busy():
+    equal = _packed_plan([[10], [10], [10], [10]])
+    assert step_time(equal, _model()) == pytest.approx(10.0)
+    assert step_time(equal, _model(slots=2)) == pytest.approx(20.0)
+    assert step_time(equal, _model(slots=4)) == pytest.approx(10.0)
+    # Rank 0's second micro-batch runs alone once the others are done: slowed while 4 are busy, then not.
+    tail = _packed_plan([[10, 10], [10], [10], [10]])
+    assert step_time(tail, _model(slots=2)) == pytest.approx(30.0, rel=0.02)
+    spans = {s.micro_batch: s.end - s.start for s in simulate(tail, _model(slots=2)).spans if s.rank == 0}
+    assert spans[0] == pytest.approx(20.0, rel=0.02) and spans[1] == pytest.approx(10.0, rel=0.02)
+
+
+def test_ring_overhead_is_compute_per_token_held_layer_and_ring_step():
+    base, costly = _model(), _model(ring_overhead=0.5)
+    lens = torch.tensor([40]).numpy()
+    assert micro_batch_time(base, lens, 4, 0.0) == pytest.approx(10.0)
+    assert micro_batch_time(costly, lens, 4, 0.0) == pytest.approx(10.0 + 0.5 * 3 * 10)
+    planned = plan([40], 4, 10, costly, strategy="balance")
+    assert [m.est_time for m in planned.micro_batches] == [pytest.approx(25.0)]
+    assert step_time(planned, costly) == pytest.approx(25.0)
+
+
+def test_compute_slots_and_ring_overhead_survive_save_and_load(tmp_path):
+    model = _model(slots=2.5, ring_overhead=3e-6)
+    model.save(tmp_path / "m.json")
+    assert CostModel.load(tmp_path / "m.json") == model
+    with pytest.raises(ValueError, match="compute_slots must be a positive number"):
+        Hardware(compute_slots=0.0)
+
+
+def test_calibration_lengths_span_the_capacity():
+    assert calibration_lengths(2048) == (256, 512, 1024, 2048)
+    assert calibration_lengths(8) == (16, 32, 64)
+    with pytest.raises(ValueError, match="at least 3 distinct lengths"):
+        calibrate(bsc.Runtime(tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1), capacity=64), lengths=[8, 8, 16])
+
+
+def test_calibration_fits_the_whole_model_and_trains_nothing():
+    torch.manual_seed(0)
+    model = hf_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.1), capacity=64)
+    result = calibrate(runtime, lengths=LENGTHS, repeats=1)
+    fitted = result.cost_model
+    assert result.world_size == 1 and result.shared_seconds is None
+    assert fitted.hardware == runtime.cost_model.hardware, "one rank measures no link"
+    assert (fitted.alpha2, fitted.layers, fitted.kv_bytes_per_token) == (
+        runtime.cost_model.alpha2,
+        runtime.cost_model.layers,
+        runtime.cost_model.kv_bytes_per_token,
+    )
+    assert fitted.seq_time(64) >= fitted.seq_time(16) > 0
+    assert fitted.seq_time(64) == pytest.approx(result.times[-1], rel=0.5)
+    assert "calibrated" in fitted.source and "64 tokens" in result.summary()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"calibration changed {name}"
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters()), "calibration left gradients"
+
+
+def _calibrate_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = tiny()
+    runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.1), capacity=64)
+    result = calibrate(runtime, lengths=LENGTHS, repeats=1)
+    fitted = result.cost_model
+    assert result.shared_length == world * 64 // 2 and result.shared_seconds > 0
+    assert fitted.hardware.network_bandwidth == result.p2p_bandwidth and fitted.hardware.topology is None
+    assert fitted.ring_overhead >= 0
+    slots = fitted.hardware.compute_slots
+    assert slots is None or slots < world
+    mine = torch.tensor(
+        [fitted.alpha1, fitted.beta1, fitted.gamma, fitted.ring_overhead, result.p2p_bandwidth], dtype=torch.float64
+    )
+    first = mine.clone()
+    torch.distributed.broadcast(first, 0)
+    assert torch.equal(mine, first), "every rank must plan with the same cost model"
+    unshardable = tiny()
+    runtime = bsc.Runtime(
+        bsc.optimize(unshardable, attention=False), torch.optim.SGD(unshardable.parameters(), lr=0.1), capacity=64
+    )
+    result = calibrate(runtime, lengths=LENGTHS, repeats=1)
+    assert result.shared_seconds is None and result.cost_model.ring_overhead == 0.0, "such a model never rings"
+
+
+@pytest.mark.slow
+def test_calibration_on_two_ranks_measures_the_ring_and_agrees_on_every_rank():
+    run_distributed(_calibrate_worker, 2)
