@@ -196,13 +196,13 @@ def _softmax_behind(node: fx.Node) -> fx.Node | None:
     """The softmax whose probabilities `node` multiplies with values (`probs @ v`), if it is one."""
     if not is_call(node, *_MATMUL, methods=("matmul", "bmm")):
         return None
-    probs = node.args[0]
+    probs = arg(node, 0, "input")  # keyword-only calls (`torch.matmul(input=p, other=v)`) too
     while isinstance(probs, fx.Node):
         if is_call(probs, *_SOFTMAX, methods=("softmax",)):
             return probs
         if not (is_call(probs, F.dropout, operator.getitem, methods=_CASTS + _RESHAPES)):
             return None
-        probs = probs.args[0]
+        probs = arg(probs, 0, "input")
     return None
 
 

@@ -28,6 +28,15 @@ class KeywordMaskedFill(nn.Module):
         return torch.softmax((q @ q.transpose(-2, -1)).masked_fill(mask, value=float("-inf")), -1) @ q
 
 
+class KeywordMatmul(nn.Module):
+    def forward(self, q):
+        t = q.shape[2]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        return torch.matmul(
+            input=torch.softmax((q @ q.transpose(-2, -1)).masked_fill(mask, float("-inf")), -1), other=q
+        )
+
+
 class InPlaceThenAttention(nn.Module):
     """`y.mul_(2)` has an unused result; removing it as dead code would change the answer."""
 
@@ -77,6 +86,7 @@ CASES = {
     "sdpa keywords": (KeywordSDPA(), (q,), ("attention", 1, None)),
     "v head dim": (ValueHeadDim(), (q, torch.randn(1, 2, 8, 3)), ("attention", 1, None)),
     "masked_fill value=": (KeywordMaskedFill(), (q,), ("attention", 1, None)),
+    "matmul keywords": (KeywordMatmul(), (q,), ("attention", 0, "matcher could not analyse")),
     "in-place kept": (InPlaceThenAttention(), (q,), ("attention", 1, None)),
     "bool segment mask": (SegmentMask(cast=False), (q, packed), ("attention", 1, None)),
     "float segment mask": (SegmentMask(cast=True), (q, packed), ("attention", 0, "is not where(bool_mask, 0, -inf")),
