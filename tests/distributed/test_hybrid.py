@@ -63,22 +63,17 @@ def test_a_packed_row_is_refused_naming_the_layers(name):
     assert bsc.explain(optimized, **protocol_batch([9, 7], VOCAB, hf=True)).token_mixers_left_alone()
 
 
-def test_a_sequence_longer_than_capacity_is_refused_before_any_step():
+def test_a_sequence_longer_than_capacity_and_a_given_plan_that_packs_are_refused_before_any_step():
     model = build_hybrid("lfm2")
     before = copy.deepcopy(model.state_dict())
     runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.5), capacity=CAPACITY)
     with pytest.raises(PlanError, match=r"sequence 0 has 150 tokens.*capacity 64.*`model\.layers\.0\.conv`"):
         runtime.step([torch.randint(0, VOCAB, (n,)) for n in (150, 9)])
-    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
-
-
-def test_a_given_plan_that_packs_is_refused():
-    model = build_hybrid("lfm2")
-    runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.5), capacity=CAPACITY)
     packed = plan([9, 14], 1, CAPACITY, CostModel.preset("llama-7b"), strategy="balance")
     assert any(len(mb.sequences) > 1 for mb in packed.micro_batches)
     with pytest.raises(BatchError, match=r"one sequence per micro-batch.*`model\.layers\.0\.conv`"):
         runtime.step([torch.randint(0, VOCAB, (n,)) for n in (9, 14)], plan=packed)
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
 
 
 def _batch() -> list[torch.Tensor]:
