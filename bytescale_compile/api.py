@@ -56,6 +56,8 @@ class OptimizedModule(nn.Module):
         self._report = CompileReport()
         self._pending: list[GraphReport] = []
         self._compiled_graphs: list[GraphReport] = []
+        self._mixers_left_alone: dict[str, list[str]] = {}
+        """Token mixers left alone in every graph compiled so far, updated when one compiles (not per call)."""
         graph_ids = itertools.count()
         self._backends = {mode: Backend(config, mode, self._pending.append, graph_ids) for mode in (True, False)}
         self._compiled = {
@@ -114,6 +116,7 @@ class OptimizedModule(nn.Module):
         if self._pending:
             self._report = CompileReport(graphs=list(self._pending))
             self._compiled_graphs += self._pending
+            self._mixers_left_alone = CompileReport(graphs=self._compiled_graphs).token_mixers_left_alone()
         return out
 
     def _refuse_packed_mixers(self, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -123,7 +126,7 @@ class OptimizedModule(nn.Module):
         Hugging Face's eager forward is as wrong there (no `seq_idx`), so the eager model is no reference to
         fall back on. Costs a device sync, and only for such models.
         """
-        mixers = CompileReport(graphs=self._compiled_graphs).token_mixers_left_alone() if self._compiled_graphs else {}
+        mixers = self._mixers_left_alone
         if not mixers:
             return
         arguments = self.__signature__.bind_partial(*args, **kwargs).arguments
