@@ -42,7 +42,7 @@ from bytescale_compile.kernels.dispatch import (
     segment_causal_attention_fwd,
 )
 from bytescale_compile.ops.autocast import register_autocast_rule, to_autocast_dtype
-from bytescale_compile.runtime.context import ContextError, MicroBatchContext, current_context
+from bytescale_compile.runtime.context import ContextError, MicroBatchContext, current_context, restarts
 from bytescale_compile.runtime.dist_attn import ring_attention_bwd, ring_attention_fwd
 
 __all__ = ["attention", "attention_backward"]
@@ -105,19 +105,10 @@ def _restarts(position_ids: Tensor, batch: int, tokens: int) -> list[Tensor] | N
     key = None if position_ids.is_inference() else (position_ids._version, batch, tokens)
     if key is not None and _last_restarts and _last_restarts[0]() is position_ids and _last_restarts[1] == key:
         return _last_restarts[2]
-    bounds = _read_restarts(position_ids, batch, tokens)
+    bounds = restarts(position_ids, batch, tokens)
     if key is not None:
         _last_restarts = (weakref.ref(position_ids), key, bounds)
     return bounds
-
-
-def _read_restarts(position_ids: Tensor, batch: int, tokens: int) -> list[Tensor] | None:
-    pos = position_ids.reshape(-1, tokens).expand(batch, tokens).cpu()
-    starts = pos[:, 1:] != pos[:, :-1] + 1
-    if not bool(starts.any()):
-        return None
-    edge = torch.tensor([tokens])
-    return [torch.cat([torch.zeros(1, dtype=torch.long), row.nonzero().flatten() + 1, edge]) for row in starts]
 
 
 def _check_args(q: Tensor, k: Tensor, v: Tensor, window: int | None, softcap: float | None) -> None:

@@ -20,7 +20,18 @@ import torch
 from .dist_attn import DEFAULT_TIMEOUT_S, RingStats
 from .layout import ZigzagLayout
 
-__all__ = ["MicroBatchContext", "current_context", "micro_batch", "ContextError", "enter", "innermost", "leave"]
+__all__ = [
+    "MicroBatchContext",
+    "current_context",
+    "micro_batch",
+    "ContextError",
+    "enter",
+    "innermost",
+    "leave",
+    "RowPacking",
+    "row_packing",
+    "restarts",
+]
 
 _T = TypeVar("_T")
 
@@ -161,3 +172,51 @@ def micro_batch(
         yield ctx
     finally:
         leave(ctx)
+
+
+def restarts(position_ids: torch.Tensor, batch: int, tokens: int) -> list[torch.Tensor] | None:
+    """Per row, the cu_seqlens of the sequences packed in it: a sequence starts where a position is not its
+    predecessor's plus one (Hugging Face's padding-free format). None when no row packs several sequences."""
+    pos = position_ids.reshape(-1, tokens).expand(batch, tokens).cpu()
+    starts = pos[:, 1:] != pos[:, :-1] + 1
+    if not bool(starts.any()):
+        return None
+    edge = torch.tensor([tokens])
+    return [torch.cat([torch.zeros(1, dtype=torch.long), row.nonzero().flatten() + 1, edge]) for row in starts]
+
+
+@dataclass(frozen=True)
+class RowPacking:
+    """The packed sequences of each row of a call made outside any micro-batch context.
+
+    An optimized model called on rows that pack sequences (`position_ids` restarting) reads them once and
+    makes them ambient for the forward: the convolution and scan ops do not see `position_ids`. The ops return
+    where the pieces start, so their backward needs nothing ambient.
+    """
+
+    cu_seqlens: tuple[torch.Tensor, ...]
+
+    def row(self, index: int, tokens: int) -> torch.Tensor:
+        cu = self.cu_seqlens[index]
+        if int(cu[-1]) != tokens:
+            raise ContextError(
+                f"the packed row has {int(cu[-1])} tokens (from position_ids) but a mixer input has {tokens}"
+            )
+        return cu
+
+
+@contextlib.contextmanager
+def row_packing(position_ids: torch.Tensor | None, tokens: int) -> Iterator[RowPacking | None]:
+    """Make the sequences packed in the rows of `position_ids` ambient (nothing when no row packs several)."""
+    found = (
+        None if position_ids is None else restarts(position_ids, int(position_ids.reshape(-1, tokens).shape[0]), tokens)
+    )
+    if found is None:
+        yield None
+        return
+    packing = RowPacking(tuple(found))
+    enter(packing)
+    try:
+        yield packing
+    finally:
+        leave(packing)

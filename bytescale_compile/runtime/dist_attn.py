@@ -44,6 +44,8 @@ __all__ = [
     "RingError",
     "RingTimeoutError",
     "DEFAULT_TIMEOUT_S",
+    "Ring",
+    "make_ring",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -75,10 +77,15 @@ class RingStats:
     blocks_skipped: int = 0
     sends_skipped: int = 0
     receives_skipped: int = 0
+    mixer_bytes_sent: int = 0
+    """Of `bytes_sent`: the convolution halos and scan state summaries of `dist_mixers`, and their gradients."""
 
 
 @dataclass(frozen=True)
-class _Ring:
+class Ring:
+    """This rank's view of one ring group: its peers, the layout, and the P2P with timeouts and named faults
+    (`runtime/dist_mixers.py` moves the recurrent mixers' halos and states through it too)."""
+
     group: tuple[int, ...]
     index: int
     layout: ZigzagLayout
@@ -176,13 +183,13 @@ class _Ring:
         return RingError(f"{where} lost a peer while exchanging {what}: {reported}")
 
 
-def _make_ring(
+def make_ring(
     layout: ZigzagLayout,
     group: list[int] | tuple[int, ...],
     timeout_s: float,
     stats: RingStats | None,
     window: int | None,
-) -> _Ring:
+) -> Ring:
     group = tuple(int(r) for r in group)
     if len(set(group)) != len(group):
         raise RingError(f"ring group {list(group)} lists a rank twice")
@@ -202,13 +209,13 @@ def _make_ring(
     me = dist.get_rank() if dist.is_initialized() else group[0]
     if me not in group:
         raise RingError(f"rank {me} is not in ring group {list(group)}")
-    return _Ring(group, group.index(me), layout, window, datetime.timedelta(seconds=timeout_s), stats or RingStats())
+    return Ring(group, group.index(me), layout, window, datetime.timedelta(seconds=timeout_s), stats or RingStats())
 
 
 # --- input checks ---------------------------------------------------------------------------------
 
 
-def _local_problem(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> str | None:
+def _local_problem(ring: Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> str | None:
     """Why this rank's q/k/v and attention arguments cannot enter the ring, or None."""
     tokens = ring.layout.rank(ring.index).num_tokens
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -238,7 +245,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _descriptor(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> dict[str, Any]:
+def _descriptor(ring: Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> dict[str, Any]:
     """What every rank of the group must agree on, in words."""
 
     def dim(x: Tensor, i: int) -> int | None:
@@ -257,7 +264,7 @@ def _descriptor(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | N
     }
 
 
-def _check_inputs(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None, exchange: bool) -> None:
+def _check_inputs(ring: Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None, exchange: bool) -> None:
     """Check this rank's inputs and, with `exchange`, that the whole group agrees; every rank raises alike."""
     problem = _local_problem(ring, q, k, v, softcap)
     if exchange and ring.size > 1:
@@ -266,7 +273,7 @@ def _check_inputs(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float |
         raise RingError(problem)
 
 
-def _check_group_agrees(ring: _Ring, mine: dict[str, Any], problem: str | None, device: torch.device) -> None:
+def _check_group_agrees(ring: Ring, mine: dict[str, Any], problem: str | None, device: torch.device) -> None:
     """Exchange descriptors and local problems with every group member; raise the same error on all of them."""
     theirs = _exchange_with_group(ring, json.dumps({"descriptor": mine, "problem": problem}).encode(), device)
     received = {r: json.loads(payload) for r, payload in sorted(theirs.items())}
@@ -291,7 +298,7 @@ def _shown(value: Any, limit: int = 8) -> str:
     return "none" if value is None else str(value)
 
 
-def _exchange_with_group(ring: _Ring, payload: bytes, device: torch.device) -> dict[int, bytes]:
+def _exchange_with_group(ring: Ring, payload: bytes, device: torch.device) -> dict[int, bytes]:
     """Every group member's `payload` (this rank's included): sizes first, then the bytes.
 
     The buffers live on the inputs' device: NCCL takes no CPU tensors.
@@ -306,7 +313,7 @@ def _exchange_with_group(ring: _Ring, payload: bytes, device: torch.device) -> d
     return {ring.me: payload, **{r: bytes(data[r].cpu().tolist()) for r in peers}}
 
 
-def _all_to_peers(ring: _Ring, mine: Tensor, theirs: dict[int, Tensor]) -> list[Any]:
+def _all_to_peers(ring: Ring, mine: Tensor, theirs: dict[int, Tensor]) -> list[Any]:
     ops = [dist.P2POp(dist.isend, mine, r) for r in theirs] + [dist.P2POp(dist.irecv, t, r) for r, t in theirs.items()]
     return ring.start(ops, "the input descriptor", tuple(theirs))
 
@@ -362,7 +369,7 @@ class _Step:
     blocks: tuple[Block, ...]
 
 
-def _kv_steps(ring: _Ring, k: Tensor, v: Tensor) -> Iterator[_Step]:
+def _kv_steps(ring: Ring, k: Tensor, v: Tensor) -> Iterator[_Step]:
     """Every step's K/V and blocks; step s+1's transfer is posted before step s is handed out."""
     rows = _Rows(k.shape[1], k.shape[2], v.shape[2])
     local = ring.layout.blocks(ring.index, ring.index, ring.window)
@@ -439,7 +446,7 @@ def ring_attention_fwd(
     `softcap` Gemma2's logit soft-capping. `check` trades a descriptor with the group first, so inputs
     that differ across ranks raise `RingError` on all of them before any K/V moves.
     """
-    ring = _make_ring(layout, group, timeout_s, stats, window)
+    ring = make_ring(layout, group, timeout_s, stats, window)
     _check_inputs(ring, q, k, v, softcap, exchange=check)
     attn = _Attention(q.shape[-1] ** -0.5 if scale is None else scale, softcap)
     ring.stats.calls += 1
@@ -481,7 +488,7 @@ def ring_attention_bwd(
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of this rank's tokens; each rank's dK/dV rows of another's keys go straight back to it in fp32."""
-    ring = _make_ring(layout, group, timeout_s, stats, window)
+    ring = make_ring(layout, group, timeout_s, stats, window)
     _check_inputs(ring, q, k, v, softcap, exchange=False)
     attn = _Attention(q.shape[-1] ** -0.5 if scale is None else scale, softcap)
     rows = _Rows(k.shape[1], k.shape[2], v.shape[2])
@@ -522,14 +529,14 @@ def ring_attention_bwd(
 class _Returning:
     """The dK/dV rows of this rank's keys that the peer `step` places after it computed, on their way back."""
 
-    ring: _Ring
+    ring: Ring
     step: int
     works: list[Any]
     buffer: Tensor | None
     ranges: tuple[tuple[int, int], ...]
 
     @classmethod
-    def post(cls, ring: _Ring, step: int, part: Tensor) -> _Returning:
+    def post(cls, ring: Ring, step: int, part: Tensor) -> _Returning:
         """Send this step's dK/dV rows `part` back to their owner; receive ours from where this step's K/V went."""
         ours = ring.outgoing(step)
         buffer = part.new_empty((ours.num_rows, part.shape[1])) if ours.num_rows else None

@@ -447,7 +447,7 @@ def test_wait_tells_timeouts_by_the_rings_deadline_not_the_message(monkeypatch, 
     `RingError`, whatever the backend's message says; on NCCL the watchdog's errors are `RingError`s."""
     from bytescale_compile.runtime import dist_attn
 
-    ring = dist_attn._make_ring(zigzag_layout([8], 1), [0], 0.05, None, None)
+    ring = dist_attn.make_ring(zigzag_layout([8], 1), [0], 0.05, None, None)
     monkeypatch.setattr(dist_attn.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist_attn.dist, "get_backend", lambda: backend)
     with pytest.raises(RingError) as err:
@@ -460,7 +460,7 @@ def test_wait_blocks_the_cpu_only_off_nccl(monkeypatch, backend, timeout):
     """On NCCL the wait is stream-ordered (no CPU-blocking timeout); elsewhere it waits `timeout_s`."""
     from bytescale_compile.runtime import dist_attn
 
-    ring = dist_attn._make_ring(zigzag_layout([8], 1), [0], 1.0, None, None)
+    ring = dist_attn.make_ring(zigzag_layout([8], 1), [0], 1.0, None, None)
     monkeypatch.setattr(dist_attn.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist_attn.dist, "get_backend", lambda: backend)
     work = _FailingWork(None)

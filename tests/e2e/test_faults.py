@@ -512,7 +512,7 @@ _HARD_LIMIT_S = 120.0
 def _die_at_post(call: int) -> None:
     """Make this rank exit without cleanup right before its `call`-th ring post (1 and 2: the forward's K/V of
     steps 1 and 2; 3 and 4: the backward's; 5 and 6: its dK/dV going back)."""
-    original, calls = dist_attn._Ring.post, []
+    original, calls = dist_attn.Ring.post, []
 
     def post(ring: Any, *args: Any) -> list[Any]:
         calls.append(1)
@@ -520,7 +520,7 @@ def _die_at_post(call: int) -> None:
             os._exit(1)
         return original(ring, *args)
 
-    dist_attn._Ring.post = post
+    dist_attn.Ring.post = post
 
 
 def _killed_peer_worker(rank: int, port: int, die_at: int, results: Any) -> None:
@@ -591,7 +591,7 @@ def test_posting_to_a_lost_peer_raises_ring_error(monkeypatch):
 
     monkeypatch.setattr(dist_attn.dist, "P2POp", lambda op, tensor, peer: (op, tensor, peer))
     monkeypatch.setattr(dist_attn.dist, "batch_isend_irecv", closed)
-    ring = dist_attn._make_ring(zigzag_layout([8], 1), [0], 1.0, None, None)
+    ring = dist_attn.make_ring(zigzag_layout([8], 1), [0], 1.0, None, None)
     with pytest.raises(
         RingError,
         match=r"ring group \[0\]: rank 0 lost a peer while exchanging dK/dV rows: "

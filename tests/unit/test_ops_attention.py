@@ -452,8 +452,8 @@ def test_position_ids_are_read_to_the_host_once_while_unchanged(monkeypatch) -> 
     from bytescale_compile.ops import attention as op_module
 
     reads = []
-    read = op_module._read_restarts
-    monkeypatch.setattr(op_module, "_read_restarts", lambda *args: reads.append(1) or read(*args))
+    read = op_module.restarts
+    monkeypatch.setattr(op_module, "restarts", lambda *args: reads.append(1) or read(*args))
     q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
     first = [attention(q, k, v, SCALE, position_ids)[0] for _ in range(3)]
