@@ -13,10 +13,14 @@ from torch import nn
 
 from .capture import Backend, ShardingError
 from .capture.layers import mark_repeated_layers
+from .capture.mixers import AdaptedMixer, adapt_mixers
 from .config import Config
 from .passes.report import CompileReport, GraphReport
+from .runtime.context import MicroBatchContext, current_context, row_packing
 
 __all__ = ["optimize", "explain", "OptimizedModule", "RecompileLimitError"]
+
+logger = logging.getLogger(__name__)
 
 RECOMPILE_LIMIT = 64
 """Compilations of one forward allowed per process, across all optimized instances of the class."""
@@ -53,6 +57,16 @@ class OptimizedModule(nn.Module):
         self.__signature__ = inspect.signature(model.forward)
         if config.compile_layers_once:
             mark_repeated_layers(model)
+        self.mixers_adapted: list[AdaptedMixer] = []
+        """Hugging Face mixer modules whose convolution and scan now run as segment-aware ops."""
+        self.mixers_not_adapted: list[tuple[str, str]] = []
+        """(module path, reason) of known mixer modules left as they are."""
+        if config.token_mixers:
+            self.mixers_adapted, self.mixers_not_adapted = adapt_mixers(model)
+            for path, reason in self.mixers_not_adapted:
+                logger.warning(
+                    "token mixer `%s` stays as it is (%s): the model will be neither packed nor sharded", path, reason
+                )
         self._report = CompileReport()
         self._pending: list[GraphReport] = []
         self._compiled_graphs: list[GraphReport] = []
@@ -79,6 +93,11 @@ class OptimizedModule(nn.Module):
         return CompileReport(graphs=self._compiled_graphs).shard_blockers()
 
     @property
+    def compiled_graphs(self) -> list[GraphReport]:
+        """The reports of every graph compiled so far (`report` holds only the latest call's)."""
+        return list(self._compiled_graphs)
+
+    @property
     def compilations(self) -> int:
         """Graphs compiled so far (each recompilation and each graph-break piece counts)."""
         return sum(b.compilations for b in self._backends.values())
@@ -101,10 +120,13 @@ class OptimizedModule(nn.Module):
                 _mark_token_dim_dynamic(t)
         self._pending.clear()
         try:
-            with torch._dynamo.config.patch(
-                fail_on_recompile_limit_hit=True,
-                recompile_limit=RECOMPILE_LIMIT,
-                ignore_logging_functions=_ignored_logging_functions(),
+            with (
+                self._row_packing(args, kwargs),
+                torch._dynamo.config.patch(
+                    fail_on_recompile_limit_hit=True,
+                    recompile_limit=RECOMPILE_LIMIT,
+                    ignore_logging_functions=_ignored_logging_functions(),
+                ),
             ):
                 out = self._compiled[self._orig_mod.training](*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
@@ -119,6 +141,28 @@ class OptimizedModule(nn.Module):
             self._mixers_left_alone = CompileReport(graphs=self._compiled_graphs).token_mixers_left_alone()
         return out
 
+    def _position_ids(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        arguments = self.__signature__.bind_partial(*args, **kwargs).arguments
+        return arguments.get("position_ids", kwargs.get("position_ids"))  # also through **kwargs (Mamba2)
+
+    def _row_packing(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The sequences packed in each row, ambient for the mixer ops, when the call packs them outside a
+        micro-batch context (the ops cannot see `position_ids`); a host read of position_ids per such call."""
+        ctx: MicroBatchContext | None = current_context()
+        position_ids = self._position_ids(args, kwargs)
+        input_ids = self.__signature__.bind_partial(*args, **kwargs).arguments.get("input_ids")
+        if isinstance(position_ids, torch.Tensor) and isinstance(input_ids, torch.Tensor):
+            if position_ids.shape[-1] != input_ids.shape[-1]:
+                raise ValueError(
+                    f"position_ids has {position_ids.shape[-1]} tokens per row but input_ids has "
+                    f"{input_ids.shape[-1]}: they must describe the same tokens"
+                )
+        if not self.mixers_adapted or not isinstance(position_ids, torch.Tensor) or position_ids.dim() < 1:
+            return row_packing(None, 0)
+        if ctx is not None and (ctx.is_ring or ctx.cu_seqlens is not None):
+            return row_packing(None, 0)
+        return row_packing(position_ids, position_ids.shape[-1])
+
     def _refuse_packed_mixers(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """Raise `ShardingError` for a row that packs sequences (position_ids restart inside it) when a token
         mixer the compiler left alone would read across them. Raised before any backward: the result is unused.
@@ -129,8 +173,7 @@ class OptimizedModule(nn.Module):
         mixers = self._mixers_left_alone
         if not mixers:
             return
-        arguments = self.__signature__.bind_partial(*args, **kwargs).arguments
-        position_ids = arguments.get("position_ids", kwargs.get("position_ids"))  # also through **kwargs (Mamba2)
+        position_ids = self._position_ids(args, kwargs)
         if (
             isinstance(position_ids, torch.Tensor)
             and position_ids.dim() >= 1

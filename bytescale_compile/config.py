@@ -22,6 +22,10 @@ class Config:
     """What `optimize()` rewrites and how it captures.
 
     attention: rewrite causal attention into the `bytescale::attention` op (packed, later ring).
+    token_mixers: swap the short convolutions and scans of known Hugging Face hybrid mixers (Mamba, Mamba2,
+        gated delta rule, LFM2's convolution) for the segment-aware `bytescale::causal_conv1d` and
+        `bytescale::scan` (packed, and sharded with halos and states). Off, they are left alone, and a model
+        with any is neither packed nor sharded.
     fused_loss: rewrite `lm_head` + cross-entropy into `bytescale::fused_linear_cross_entropy`
         (training mode only: in eval mode the logits are returned as usual).
     loss_chunk_size: tokens per chunk of the fused loss; memory of its logits is chunk × vocab.
@@ -43,6 +47,7 @@ class Config:
     """
 
     attention: bool = True
+    token_mixers: bool = True
     fused_loss: bool = True
     loss_chunk_size: int = DEFAULT_CHUNK_SIZE
     dynamic: bool = True

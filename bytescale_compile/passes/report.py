@@ -32,6 +32,9 @@ class Rewrite:
     target: str
     source: str
     detail: str = ""
+    boundary_bytes: int = 0
+    """Bytes the new op moves per chunk boundary when a sequence is shared by ranks, whatever its length: a
+    convolution's halo or a scan's state summary (0 for attention, whose K/V bytes grow with the tokens)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class CompileReport:
         "layer 3 (`model.layers.3.self_attn`): sliding window 4096, rewritten", or
         "layer 0 (`model.layers.0.conv`): left alone: convolution over tokens (kernel 3)"."""
         sites = [(r.source, f"{r.detail or 'causal'}, rewritten") for r in self.rewrites(ATTENTION_PASS)]
+        sites += [(source, f"{', '.join(patterns)}, rewritten") for source, patterns in self.mixers_rewritten().items()]
         sites += [(s.source, f"left alone: {s.reason}") for s in self.skipped(ATTENTION_PASS)]
         sites += [
             (source, f"left alone: {', '.join(patterns)}")
@@ -168,6 +172,22 @@ class CompileReport:
             for source, patterns in self.token_mixers_left_alone().items()
         ]
         return list(dict.fromkeys(blockers))
+
+    def mixers_rewritten(self) -> dict[str, list[str]]:
+        """Module path -> what each segment-aware convolution or scan there computes (`bytescale::causal_conv1d`,
+        `bytescale::scan`)."""
+        found: dict[str, list[str]] = {}
+        for r in self.rewrites(TOKEN_MIXERS_PASS):
+            if r.detail not in found.setdefault(r.source, []):
+                found[r.source].append(r.detail)
+        return found
+
+    def mixer_costs(self) -> tuple[int, int]:
+        """(layers whose mixers are segment-aware convolutions or scans, bytes one chunk boundary of a shared
+        sequence moves over all of them): what the cost model charges for them instead of K/V."""
+        layers = {_layer_key(r.source)[0] for r in self.rewrites(TOKEN_MIXERS_PASS)}
+        per_call = {(r.source, r.detail): r.boundary_bytes for r in self.rewrites(TOKEN_MIXERS_PASS)}
+        return len(layers), sum(per_call.values())
 
     def token_mixers_left_alone(self) -> dict[str, list[str]]:
         """Module path -> what each token mixer the analysis left alone there does."""

@@ -19,6 +19,9 @@ A token dim is one whose size is an expression of the token count T (dim 1 of `i
 ceil(T / 64) chunks and 2 T all count, so reshapes into chunks keep their tokens visible. With a static token
 dimension (`Config(dynamic=False)`) dims equal to T count, which may over-report. Every op found is left
 alone and reported; the runtime then neither packs nor shards the model.
+
+The mixers of known Hugging Face modules were swapped for the segment-aware `bytescale::causal_conv1d` and
+`bytescale::scan` before capture (`capture/mixers.py`); the pass lists each of those calls as rewritten.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from typing import Any, cast
 import torch
 from torch import fx
 
+from ..ops.mixers import boundary_bytes
 from .graph import ATTENTION_SITE, source_module, value
 from .manager import PassContext
 from .regions import Region, find_regions
 from .report import TOKEN_MIXERS_PASS as NAME
-from .report import PassResult, Skipped
+from .report import PassResult, Rewrite, Skipped
 
 __all__ = ["find_token_mixers", "NAME"]
 
@@ -97,12 +101,18 @@ class _Found:
 def find_token_mixers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Report every token-mixing op of `gm` that is not a rewritten attention, with its module and pattern."""
     result = PassResult(NAME)
+    graphs: list[tuple[fx.Graph, Callable[[str], list[str]]]] = [(gm.graph, lambda source: [source])]
+    graphs += [(r.body.graph, _layer_sources(r)) for r in find_regions(gm)]
+    for graph, sources in graphs:
+        for node in graph.nodes:
+            rewritten = _segment_aware(node)
+            if rewritten is not None:
+                for source in sources(source_module(node)):
+                    result.rewrites.append(Rewrite(node.name, str(node.target), source, *rewritten))
     tokens = _TokenDims.of(gm)
     if tokens is None:
         return result
     reported: set[tuple[str, str]] = set()
-    graphs: list[tuple[fx.Graph, Callable[[str], list[str]]]] = [(gm.graph, lambda source: [source])]
-    graphs += [(r.body.graph, _layer_sources(r)) for r in find_regions(gm)]
     for graph, sources in graphs:
         attention_sites = {source_module(n) for n in graph.nodes if n.meta.get(ATTENTION_SITE)}
         for node, found in _mixers(graph, tokens):
@@ -114,6 +124,23 @@ def find_token_mixers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     reported.add((source, what))
                     result.skipped.append(Skipped(node.name, _op_name(node) or str(node.target), source, what))
     return result
+
+
+_SCAN_PATTERNS = {"ssd": "Mamba2 SSD scan", "selective": "selective scan (Mamba)", "gated_delta": "gated delta rule"}
+
+
+def _segment_aware(node: fx.Node) -> tuple[str, int] | None:
+    """What a call of our segment-aware mixer ops computes, as the report names it, and the bytes a chunk
+    boundary moves for it (`ops.mixers.boundary_bytes`); None for any other node."""
+    if node.op != "call_function":
+        return None
+    if node.target in (torch.ops.bytescale.causal_conv1d, torch.ops.bytescale.causal_conv1d.default):
+        x, w = value(node.args[0]), value(node.args[1])
+        return f"causal convolution (kernel {w.shape[1]})", boundary_bytes("conv", [x, w])
+    if node.target in (torch.ops.bytescale.scan, torch.ops.bytescale.scan.default):
+        kind, inputs = str(node.args[0]), [value(a) for a in cast(list, node.args[1])]
+        return _SCAN_PATTERNS.get(kind, kind), boundary_bytes(kind, inputs)
+    return None
 
 
 def _layer_sources(region: Region) -> Callable[[str], list[str]]:
@@ -187,7 +214,7 @@ def _classify(node: fx.Node, tokens: _TokenDims) -> _Found | None:
     restarts, routing indices) computes where tokens go, not what they carry; the attention pass proves masks.
     """
     name = _op_name(node)
-    if name is None or not any(t.is_floating_point() for t in _tensors(value(node))):
+    if name is None or not any(t.is_floating_point() for t in _tensors(value(node))) or _segment_aware(node):
         return None
     args = list(node.args)
     x = value(args[0]) if args else None

@@ -210,3 +210,10 @@ def test_cli_profile_writes_a_loadable_cost_model(tmp_path, capsys):
         == 0
     )
     assert CostModel.load(out).source == "profiled"
+
+
+def test_position_ids_of_another_length_than_input_ids_are_refused_before_compiling():
+    optimized = bsc.optimize(tiny())
+    with pytest.raises(ValueError, match="position_ids has 12 tokens per row but input_ids has 9"):
+        optimized(input_ids=torch.zeros(1, 9, dtype=torch.long), position_ids=torch.arange(12)[None])
+    assert optimized.compilations == 0

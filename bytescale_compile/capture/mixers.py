@@ -1,0 +1,315 @@
+"""Segment-aware forwards for the token mixers of Hugging Face hybrid models, swapped in before capture.
+
+The torch paths of Hugging Face's short convolutions and linear recurrences (LFM2, Mamba, Mamba2 and its
+relatives, Jamba, Qwen3-Next) run straight across the sequences packed in a row, and over a rank's zigzag chunks
+only. `adapt_mixers` replaces the `forward` of each known mixer module with one that computes exactly what the
+module's torch path computes, except that the token convolution and the scan are `bytescale::causal_conv1d` and
+`bytescale::scan`, which know where each row's sequences start (`ops/mixers.py`). Parameters, state_dict and call
+signature stay as they are. A call these forwards do not cover (a cache for generation, packing passed as
+kwargs) goes to the class's own forward, so nothing changes silently.
+
+Classes are matched by name, so transformers is not imported here; a module is adapted only when its class
+comes from transformers and its forward has the signature these forwards mirror (transformers 5; written against 5.23).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
+
+__all__ = ["ADAPTERS", "AdaptedMixer", "MixerAdapter", "adapt_mixers"]
+
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+"""Packing passed as kwargs (Hugging Face's flattening collator) for the CUDA kernels: the ops read the packing
+from the micro-batch context or the rows' position_ids instead, so such a call goes to the class's forward."""
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "swish": F.silu}
+"""The convolution activations covered (by name, as `ACT2FN` reads `self.activation`)."""
+
+
+@dataclass(frozen=True)
+class MixerAdapter:
+    """How to adapt one Hugging Face mixer class."""
+
+    pattern: str
+    """What the compile report calls the mixer."""
+    forward: Callable[..., Any]
+    """Replaces the module's forward; same signature as the Hugging Face forward."""
+    unsupported: Callable[[nn.Module], str | None]
+    """Why this instance cannot be adapted (a config the forward does not cover), or None."""
+
+
+@dataclass(frozen=True)
+class AdaptedMixer:
+    """A module of the model whose forward now runs its token mixing as segment-aware ops."""
+
+    path: str
+    cls: str
+    pattern: str
+
+
+def _mask(hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Hugging Face's `apply_mask_to_padding_states`: zero the padding tokens of a 2D mask."""
+    if attention_mask is None:
+        return hidden_states
+    return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+
+
+def _conv(conv: nn.Conv1d, x: Tensor, activation: str | None = None) -> Tensor:
+    """Hugging Face's `causal_conv1d_fn` (in the weight's dtype, then back to x's) on token-major x [B, T, C]."""
+    y, _ = torch.ops.bytescale.causal_conv1d(x.to(conv.weight.dtype), conv.weight[:, 0], conv.bias)
+    if activation is not None:
+        y = _ACTIVATIONS[activation](y)
+    return y.to(x.dtype)
+
+
+def _not_covered(kwargs: dict[str, Any], cache: Any) -> bool:
+    """A call for the class's own forward: generation with a cache, or packing passed for the CUDA kernels."""
+    return cache is not None or any(kwargs.get(name) is not None for name in _PACKING_KWARGS)
+
+
+def _activation_unsupported(module: nn.Module) -> str | None:
+    activation = getattr(module, "activation", None)
+    if activation not in _ACTIVATIONS:
+        return f"convolution activation {activation!r}: only {sorted(_ACTIVATIONS)} are covered"
+    return None
+
+
+def _always_supported(module: nn.Module) -> None:
+    del module
+
+
+# --- LFM2 short convolution -----------------------------------------------------------------------
+
+
+def _lfm2_forward(
+    self: Any,
+    hidden_states: Tensor,
+    past_key_values: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """`Lfm2ShortConv`: y = out_proj(C * conv(B * x)), no activation."""
+    if _not_covered(kwargs, past_key_values):
+        return type(self).forward(self, hidden_states, past_key_values, attention_mask, **kwargs)
+    B, C, x = self.in_proj(_mask(hidden_states, attention_mask)).chunk(3, dim=-1)
+    return self.out_proj(C * _conv(self.conv, B * x))
+
+
+# --- Mamba2 (SSD) ---------------------------------------------------------------------------------
+
+
+def _mamba2_forward(
+    self: Any,
+    hidden_states: Tensor,
+    cache_params: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """`Mamba2Mixer` and its copies: in_proj -> (gate, conv'd x B C, dt) -> SSD + D skip -> gated RMSNorm -> out_proj."""
+    if _not_covered(kwargs, cache_params):
+        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+    batch, seq_len, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    projected = self.in_proj(_mask(hidden_states, attention_mask))
+    gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    xbc = _mask(_conv(self.conv1d, xbc, self.activation), attention_mask)
+    groups = self.n_groups * self.ssm_state_size
+    x, B, C = xbc.split([self.intermediate_size, groups, groups], dim=-1)
+    dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
+    dt = torch.clamp(dt, min=self.time_step_limit[0], max=self.time_step_limit[1])
+    x = x.reshape(batch, seq_len, self.num_heads, self.head_dim).float()
+    B, C = (t.reshape(batch, seq_len, self.n_groups, self.ssm_state_size).float() for t in (B, C))
+    A = -torch.exp(self.A_log.float())
+    y, _ = torch.ops.bytescale.scan("ssd", [x, dt.float(), A, B, C])
+    y = y + self.D[:, None] * x
+    y = self.norm(y.reshape(batch, seq_len, -1), gate)
+    return self.out_proj(y.to(dtype))
+
+
+# --- Mamba1 selective scan ------------------------------------------------------------------------
+
+
+def _selective(self: Any, hidden_states: Tensor, attention_mask: Tensor | None, norms: bool) -> Tensor:
+    """`MambaMixer`'s torch path; Jamba's adds RMSNorms on dt, B and C (`norms`)."""
+    dtype = hidden_states.dtype
+    x, gate = self.in_proj(_mask(hidden_states, attention_mask)).chunk(2, dim=-1)
+    x = _mask(_conv(self.conv1d, x, self.activation), attention_mask)
+    time_step, B, C = self.x_proj(x).split([self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
+    if norms:
+        time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
+    dt = F.linear(time_step, self.dt_proj.weight)
+    dt = F.softplus(dt + self.dt_proj.bias.to(dt.dtype))
+    A = -torch.exp(self.A_log.float())
+    y, _ = torch.ops.bytescale.scan("selective", [x, dt, A, B, C])
+    y = (y + x * self.D.float()) * F.silu(gate)
+    return self.out_proj(y.to(dtype))
+
+
+def _mamba_forward(
+    self: Any,
+    hidden_states: Tensor,
+    cache_params: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """`MambaMixer`."""
+    if _not_covered(kwargs, cache_params):
+        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+    return _selective(self, hidden_states, attention_mask, norms=False)
+
+
+def _jamba_forward(
+    self: Any,
+    hidden_states: Tensor,
+    cache_params: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """`JambaMambaMixer`."""
+    if _not_covered(kwargs, cache_params):
+        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+    return _selective(self, hidden_states, attention_mask, norms=True)
+
+
+def _jamba_unsupported(module: nn.Module) -> str | None:
+    if hasattr(module.config, "_is_quantized"):
+        return "quantized: its dt_proj runs through the quantized layer, not a plain weight"
+    return _activation_unsupported(module)
+
+
+# --- gated delta rule (Qwen3-Next, Qwen3.5) -------------------------------------------------------
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    """Hugging Face's `l2norm(x, dim=-1, eps=1e-6)` (FLA's)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _gated_delta(self: Any, mixed_qkv: Tensor, z: Tensor, b: Tensor, a: Tensor) -> Tensor:
+    """From the projections: conv -> q k v -> gated delta rule (as `torch_chunk_gated_delta_rule` prepares its
+    inputs: GQA heads repeated, fp32, q and k l2-normalised, q scaled) -> gated RMSNorm -> out_proj."""
+    batch, seq_len, _ = mixed_qkv.shape
+    mixed_qkv = _conv(self.conv1d, mixed_qkv, self.activation)
+    query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    repeat = self.num_v_heads // self.num_k_heads
+    query, key = (
+        _l2norm(t.reshape(batch, seq_len, -1, self.head_k_dim).repeat_interleave(repeat, dim=2).float())
+        for t in (query, key)
+    )
+    value = value.reshape(batch, seq_len, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+    inputs = [query * self.head_k_dim**-0.5, key, value.float(), g, beta.float()]
+    out, _ = torch.ops.bytescale.scan("gated_delta", inputs)
+    out = self.norm(out.to(mixed_qkv.dtype), z)
+    return self.out_proj(out.reshape(batch, seq_len, -1))
+
+
+def _qwen3_next_forward(
+    self: Any,
+    hidden_states: Tensor,
+    cache_params: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """`Qwen3NextGatedDeltaNet`: q k v z b a from two projections interleaved per key head."""
+    if _not_covered(kwargs, cache_params):
+        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+    hidden_states = _mask(hidden_states, attention_mask)
+    batch, seq_len, _ = hidden_states.shape
+    query, key, value, z, b, a = self.fix_query_key_value_ordering(
+        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+    )
+    mixed_qkv = torch.cat([t.reshape(batch, seq_len, -1) for t in (query, key, value)], dim=-1)
+    return _gated_delta(self, mixed_qkv, z, b, a)
+
+
+def _qwen3_5_forward(
+    self: Any,
+    hidden_states: Tensor,
+    cache_params: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """`Qwen3_5GatedDeltaNet`: q k v, z, b and a from a projection each."""
+    if _not_covered(kwargs, cache_params):
+        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+    hidden_states = _mask(hidden_states, attention_mask)
+    batch, seq_len, _ = hidden_states.shape
+    z = self.in_proj_z(hidden_states).reshape(batch, seq_len, -1, self.head_v_dim)
+    return _gated_delta(
+        self, self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    )
+
+
+_SHORT_CONV = MixerAdapter("short convolution", _lfm2_forward, _always_supported)
+_MAMBA2 = MixerAdapter("Mamba2 SSD scan", _mamba2_forward, _activation_unsupported)
+_QWEN3_5 = MixerAdapter("gated delta rule", _qwen3_5_forward, _activation_unsupported)
+
+ADAPTERS: dict[str, MixerAdapter] = {
+    "Lfm2ShortConv": _SHORT_CONV,
+    "Lfm2MoeShortConv": _SHORT_CONV,
+    "Mamba2Mixer": _MAMBA2,
+    "BambaMixer": _MAMBA2,
+    "GraniteMoeHybridMambaLayer": _MAMBA2,
+    "NemotronHMamba2Mixer": _MAMBA2,
+    "Zamba2MambaMixer": _MAMBA2,
+    "MambaMixer": MixerAdapter("selective scan (Mamba)", _mamba_forward, _activation_unsupported),
+    "JambaMambaMixer": MixerAdapter("selective scan (Mamba)", _jamba_forward, _jamba_unsupported),
+    "Qwen3NextGatedDeltaNet": MixerAdapter("gated delta rule", _qwen3_next_forward, _activation_unsupported),
+    "Qwen3_5GatedDeltaNet": _QWEN3_5,
+    "Qwen3_5MoeGatedDeltaNet": _QWEN3_5,
+}
+"""Hugging Face class name -> adapter. Each forward mirrors the class's torch path in transformers 5 (5.23)."""
+
+
+def _params(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def _cannot_adapt(module: nn.Module, adapter: MixerAdapter) -> str | None:
+    """Why no adapter can take this instance, whatever its config."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):
+        return f"{cls.__name__} from {cls.__module__}, not transformers: its forward may compute something else"
+    if _params(cls.forward) != _params(adapter.forward):
+        return f"its forward{inspect.signature(cls.forward)} is not the transformers 5 one the adapter mirrors"
+    if "forward" in vars(module):
+        return "its forward is already replaced on the instance (a hook?)"
+    if any(hasattr(m, "_hf_hook") for m in module.modules()):
+        return "accelerate hooks (device_map, offload) manage its weights"
+    return None
+
+
+def adapt_mixers(model: nn.Module) -> tuple[list[AdaptedMixer], list[tuple[str, str]]]:
+    """Adapt every known mixer module of `model` in place; returns (adapted, [(path, reason) not adapted]).
+
+    Idempotent: a module adapted before is listed as adapted again but not wrapped again, so every caller sees
+    which mixers run as segment-aware ops.
+    """
+    adapted: list[AdaptedMixer] = []
+    refused: list[tuple[str, str]] = []
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        adapter = ADAPTERS.get(name)
+        if adapter is None:
+            continue
+        bound = vars(module).get("forward")
+        if not (isinstance(bound, types.MethodType) and bound.__func__ is adapter.forward):
+            reason = _cannot_adapt(module, adapter) or adapter.unsupported(module)
+            if reason is not None:
+                refused.append((path, reason))
+                continue
+            module.forward = types.MethodType(adapter.forward, module)
+        adapted.append(AdaptedMixer(path, name, adapter.pattern))
+    return adapted, refused
