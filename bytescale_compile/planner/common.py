@@ -143,9 +143,10 @@ class PlanBuilder:
             return max(compute, offload)
         if d not in self._bandwidth:
             self._bandwidth[d] = float(cm.hardware.ring_bandwidth(d))
-        steps, held = cm.layers * 3 * (d - 1), _one_local_tokens(n, d)
-        ring = steps * (held * cm.kv_bytes_per_token / self._bandwidth[d] + cm.latency)
-        return max(compute + cm.layers * (d - 1) * held * cm.ring_overhead, ring, offload)
+        held = _one_local_tokens(n, d)
+        ring_bytes = cm.ring_layers * 3 * (d - 1) * held * cm.kv_bytes_per_token + 6 * (d - 1) * cm.mixer_state_bytes
+        ring = ring_bytes / self._bandwidth[d] + (cm.ring_layers * 3 * (d - 1) + 3 * cm.mixer_layers) * cm.latency
+        return max(compute + cm.ring_layers * (d - 1) * held * cm.ring_overhead, ring, offload)
 
     def add(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float = 0.0) -> MicroBatch:
         if len(ranks) == 1:

@@ -319,6 +319,17 @@ class CostModel:
     """Bytes of one token's hidden state at a pipeline-stage boundary (hidden x activation bytes), what a
     stage sends on per token; None: read back from alpha1, exact for analytic models only
     (`sim.simulator.boundary_bytes_per_token`)."""
+    mixer_layers: int = 0
+    """Of `layers`, those whose token mixer is a convolution or a scan (hybrid models) rather than attention: no
+    K/V travels for them, only `mixer_state_bytes` per chunk boundary (the compile report's `mixer_costs`)."""
+    mixer_state_bytes: float = 0.0
+    """Bytes one chunk boundary of a shared sequence moves forward, over all mixer layers: halos and state
+    summaries, whatever the sequence's length."""
+
+    @property
+    def ring_layers(self) -> int:
+        """Layers whose K/V travel around the ring: the attention layers."""
+        return self.layers - self.mixer_layers
 
     def __post_init__(self) -> None:
         for name in ("alpha1", "beta1", "gamma", "alpha2", "beta2", "param_bytes", "ring_overhead"):
@@ -338,6 +349,15 @@ class CostModel:
         if not isinstance(self.hardware, Hardware):
             raise TypeError(
                 f"CostModel ({self.source}): hardware must be a Hardware, got {type(self.hardware).__name__}"
+            )
+        if not (isinstance(self.mixer_layers, int) and 0 <= self.mixer_layers <= self.layers):
+            raise ValueError(
+                f"CostModel ({self.source}): mixer_layers must be an int in [0, layers={self.layers}], "
+                f"got {self.mixer_layers!r}"
+            )
+        if not (math.isfinite(self.mixer_state_bytes) and self.mixer_state_bytes >= 0):
+            raise ValueError(
+                f"CostModel ({self.source}): mixer_state_bytes must be >= 0, got {self.mixer_state_bytes!r}"
             )
         boundary = self.boundary_bytes_per_token
         if boundary is not None and not (
@@ -402,6 +422,8 @@ class CostModel:
                 device=data.get("device"),
                 ring_overhead=data["coefficients"].get("ring_overhead", 0.0),
                 boundary_bytes_per_token=data.get("boundary_bytes_per_token"),
+                mixer_layers=data.get("mixer_layers", 0),
+                mixer_state_bytes=data.get("mixer_state_bytes", 0.0),
             )
         except KeyError as e:
             raise ValueError(
@@ -423,6 +445,8 @@ class CostModel:
             "hardware": asdict(self.hardware),
             "device": self.device,
             "boundary_bytes_per_token": self.boundary_bytes_per_token,
+            "mixer_layers": self.mixer_layers,
+            "mixer_state_bytes": self.mixer_state_bytes,
         }
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
@@ -553,22 +577,32 @@ class CostModel:
 
     def ring_bytes(self, tokens_per_rank, group_size) -> np.ndarray:
         """Ring P2P bytes one rank sends for one micro-batch, all layers, fwd+bwd: each of (group_size - 1)
-        steps moves the rank's K/V once forward and K/V plus their gradients backward (3 transfers)."""
-        steps = self.layers * 3 * (np.asarray(group_size, np.float64) - 1)
-        return steps * np.asarray(tokens_per_rank, np.float64) * self.kv_bytes_per_token
+        steps moves the rank's K/V once forward and K/V plus their gradients backward (3 transfers), per
+        attention layer. A hybrid's mixer layers send each of the rank's 2 chunks' halos and states to the
+        (up to group_size - 1) ranks holding later chunks, forward, in the backward's recompute, and as
+        gradients back (3 transfers), whatever the tokens."""
+        g = np.asarray(group_size, np.float64)
+        attention = self.ring_layers * 3 * (g - 1) * np.asarray(tokens_per_rank, np.float64) * self.kv_bytes_per_token
+        return attention + 3 * 2 * (g - 1) * self.mixer_state_bytes
+
+    def ring_latency(self, group_size) -> np.ndarray:
+        """Seconds of P2P latency per rank for one micro-batch: a transfer per ring step and attention layer, and
+        one batch per mixer layer, each 3 times (forward, backward); 0 for a group of one."""
+        g = np.asarray(group_size, np.float64)
+        transfers = self.ring_layers * 3 * (g - 1) + np.where(g > 1, 3 * self.mixer_layers, 0)
+        return transfers * self.latency
 
     def ring_time(self, tokens_per_rank, group_size) -> np.ndarray:
         """Ring P2P seconds per rank for one micro-batch: `ring_bytes` at the ring's bandwidth (the
-        hardware's topology for a group of adjacent ranks, `Hardware.ring_bandwidth`), each transfer
-        paying `latency`. 0 for a group of one."""
-        steps = self.layers * 3 * (np.asarray(group_size, np.float64) - 1)
+        hardware's topology for a group of adjacent ranks, `Hardware.ring_bandwidth`), plus `ring_latency`.
+        0 for a group of one."""
         bandwidth = self.hardware.ring_bandwidth(group_size)
-        return self.ring_bytes(tokens_per_rank, group_size) / bandwidth + steps * self.latency
+        return self.ring_bytes(tokens_per_rank, group_size) / bandwidth + self.ring_latency(group_size)
 
     def ring_compute_time(self, tokens_per_rank, group_size) -> np.ndarray:
-        """Compute seconds per rank the ring adds to a micro-batch, all layers: (group_size - 1) steps of
+        """Compute seconds per rank the ring adds to a micro-batch, attention layers: (group_size - 1) steps of
         `ring_overhead` per token held. 0 for a group of one."""
-        steps = self.layers * (np.asarray(group_size, np.float64) - 1)
+        steps = self.ring_layers * (np.asarray(group_size, np.float64) - 1)
         return steps * np.asarray(tokens_per_rank, np.float64) * self.ring_overhead
 
     def offload_time(self, s, r) -> np.ndarray:

@@ -169,10 +169,7 @@ def _shared_time(
 ) -> float:
     d, ids = len(m.ranks), list(m.sequences)
     compute = float(seq_time[ids].sum()) / d + float(cost_model.ring_compute_time(m.tokens_per_rank, d))
-    ring = (
-        float(cost_model.ring_bytes(m.tokens_per_rank, d)) / bandwidth
-        + cost_model.layers * 3 * (d - 1) * cost_model.latency
-    )
+    ring = float(cost_model.ring_bytes(m.tokens_per_rank, d)) / bandwidth + float(cost_model.ring_latency(d))
     offload = float(cost_model.offload_time(lens[ids], m.offload_ratio).sum()) / d if m.offload_ratio > 0 else 0.0
     return max(compute, ring, offload)
 

@@ -72,6 +72,8 @@ class RankWork:
     peak_saved_bytes: int
     stage_bytes: int = 0
     """Hidden states and their gradients sent to the neighbouring pipeline stages (0 without pipelines)."""
+    mixer_bytes: int = 0
+    """Of `p2p_bytes`: the halos and state summaries of convolutions and scans (hybrid models)."""
 
 
 class ListBatch:

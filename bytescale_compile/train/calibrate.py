@@ -171,7 +171,7 @@ def _with_ring_overhead(model: CostModel, length: int, seconds: float, world: in
     costs nothing: the ring's bytes then hide under the compute, as the simulator assumes)."""
     held = local_tokens([length], world)
     extra = seconds - float(model.seq_time(length)) / world
-    overhead = max(extra, 0.0) / (model.layers * (world - 1) * held)
+    overhead = max(extra, 0.0) / (max(model.ring_layers, 1) * (world - 1) * held)
     return dataclasses.replace(model, ring_overhead=overhead)
 
 

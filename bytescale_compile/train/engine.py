@@ -42,6 +42,7 @@ from torch import nn
 
 from ..api import OptimizedModule, optimize
 from ..config import Config
+from ..passes.report import CompileReport
 from ..planner import RUNTIME_STRATEGIES, CostModel, Plan, plan
 from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
@@ -94,6 +95,8 @@ class StepStats:
     micro_batches: list[int]
     p2p_bytes: int
     """Ring bytes sent by all ranks together, forward and backward."""
+    mixer_bytes: int
+    """Of `p2p_bytes`: the halos and state summaries of a hybrid's convolutions and scans."""
     allreduce_bytes: int
     """Gradient bytes each rank all-reduced."""
     offloaded_bytes: int
@@ -144,6 +147,7 @@ class RankFigures:
     busy: np.ndarray
     micro_batches: np.ndarray
     p2p_bytes: np.ndarray
+    mixer_bytes: np.ndarray
     offloaded_bytes: np.ndarray
     peak_saved_bytes: np.ndarray
     stage_bytes: np.ndarray
@@ -273,7 +277,21 @@ class Runtime:
         """
         if not self.model.compilations:
             self._compile_probe()
+        self._charge_mixers()
         return self.executor.shard_blockers()
+
+    def _charge_mixers(self) -> None:
+        """Charge a hybrid's convolution and scan layers their halo and state bytes instead of K/V in the cost
+        model, from the compile report (once; whole models only: every rank then reads the same graphs, while
+        pipeline stages hold different layers and would plan differently)."""
+        if self.pp_size > 1 or self.cost_model.mixer_layers:
+            return
+        layers, state_bytes = CompileReport(graphs=self.model.compiled_graphs).mixer_costs()
+        if layers:
+            layers = min(layers, self.cost_model.layers)
+            self.cost_model = dataclasses.replace(
+                self.cost_model, mixer_layers=layers, mixer_state_bytes=float(state_bytes)
+            )
 
     def _compile_probe(self) -> None:
         """Compile the model on a tiny packed row (two sequences of 4 tokens) so planning can read its report.
@@ -327,6 +345,7 @@ class Runtime:
             busy=ranks.busy.tolist(),
             micro_batches=ranks.micro_batches.astype(int).tolist(),
             p2p_bytes=int(ranks.p2p_bytes.sum()),
+            mixer_bytes=int(ranks.mixer_bytes.sum()),
             allreduce_bytes=allreduce_bytes,
             offloaded_bytes=int(ranks.offloaded_bytes.sum()),
             peak_saved_bytes=ranks.peak_saved_bytes.astype(int).tolist(),

@@ -24,6 +24,7 @@ from torch import nn
 from ..api import OptimizedModule
 from ..planner.plan import MicroBatch, Plan
 from ..runtime.context import micro_batch
+from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
 from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
 from .stages import is_hf_model
@@ -96,14 +97,15 @@ class Executor(ABC):
 
 
 def rank_work(
-    act_ctx: ActivationContext, *, loss: float, busy: float, p2p_bytes: int, stage_bytes: int = 0
+    act_ctx: ActivationContext, *, loss: float, busy: float, ring: RingStats, stage_bytes: int = 0
 ) -> RankWork:
     """What a step's micro-batches under `act_ctx` did, with its offloading figures."""
     return RankWork(
         loss=loss,
         busy=busy,
         micro_batches=len(act_ctx.stats),
-        p2p_bytes=p2p_bytes,
+        p2p_bytes=ring.bytes_sent,
+        mixer_bytes=ring.mixer_bytes_sent,
         offloaded_bytes=sum(s.offloaded_bytes for s in act_ctx.stats),
         peak_saved_bytes=max((s.peak_resident_bytes for s in act_ctx.stats), default=0),
         stage_bytes=stage_bytes,
@@ -122,7 +124,7 @@ class WholeModelExecutor(Executor):
     def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
         num_items = num_targets(batch.lengths)
         self.model.train()
-        loss, busy, p2p = torch.zeros((), device=self.device), 0.0, 0
+        loss, busy, ring = torch.zeros((), device=self.device), 0.0, RingStats()
         mine = plan.micro_batches_of(self.rank)
         act_ctx = self.act_ctx(mine)
         for i, mb in enumerate(mine):
@@ -134,8 +136,9 @@ class WholeModelExecutor(Executor):
                 mb_loss.backward()
             loss += mb_loss.detach()
             busy += time.perf_counter() - began
-            p2p += inputs.context.ring_stats.bytes_sent
-        return rank_work(act_ctx, loss=loss.item(), busy=busy, p2p_bytes=p2p)
+            ring.bytes_sent += inputs.context.ring_stats.bytes_sent
+            ring.mixer_bytes_sent += inputs.context.ring_stats.mixer_bytes_sent
+        return rank_work(act_ctx, loss=loss.item(), busy=busy, ring=ring)
 
     def evaluate(self, plan: Plan, batch: BatchLike) -> float:
         num_items = num_targets(batch.lengths)

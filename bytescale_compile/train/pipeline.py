@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -46,6 +46,7 @@ from ..api import OptimizedModule
 from ..planner.pipeline_order import Op, chained_micro_batches, stage_order
 from ..planner.plan import MicroBatch, Plan, PlanError
 from ..runtime.context import MicroBatchContext, micro_batch
+from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
 from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
 from .executor import Executor, rank_work
@@ -93,7 +94,13 @@ class _Tally:
     loss: float = 0.0
     busy: float = 0.0
     stage_bytes: int = 0
-    ring_bytes: int = 0
+    ring: RingStats = field(default_factory=RingStats)
+    """Ring and mixer bytes this stage rank sent."""
+
+    def count(self, stats: RingStats, since: RingStats) -> None:
+        """Add what `stats` counted after `since` (a copy taken before)."""
+        self.ring.bytes_sent += stats.bytes_sent - since.bytes_sent
+        self.ring.mixer_bytes_sent += stats.mixer_bytes_sent - since.mixer_bytes_sent
 
 
 def pipeline_stage(model: nn.Module, pp_size: int) -> nn.Module:
@@ -238,9 +245,7 @@ class PipelineExecutor(Executor):
         act_ctx = self.act_ctx(mine)
         self.model.train()
         tally = self._run(order, mine, batch, act_ctx)
-        return rank_work(
-            act_ctx, loss=tally.loss, busy=tally.busy, p2p_bytes=tally.ring_bytes, stage_bytes=tally.stage_bytes
-        )
+        return rank_work(act_ctx, loss=tally.loss, busy=tally.busy, ring=tally.ring, stage_bytes=tally.stage_bytes)
 
     def evaluate(self, plan: Plan, batch: BatchLike) -> float:
         """This rank's summed loss of `plan`'s micro-batches (0 before the last stage): the forwards of
@@ -328,7 +333,7 @@ class PipelineExecutor(Executor):
             tally.loss += float(out.detach())
         else:
             tally.stage_bytes += self._send(out, self.rank + self.hdp, mb, sends)
-        tally.ring_bytes += context.ring_stats.bytes_sent
+        tally.count(context.ring_stats, RingStats())
         return _InFlight(context, received, out), waited
 
     def _backward(
@@ -336,7 +341,7 @@ class PipelineExecutor(Executor):
     ) -> float:
         """B: back-propagate the loss or the next stage's gradient, send the input's gradient back; the seconds
         waited."""
-        waited, sent_before = 0.0, state.context.ring_stats.bytes_sent
+        waited, before = 0.0, dataclasses.replace(state.context.ring_stats)
         with micro_batch(ctx=state.context), act_ctx:
             if self.spec.is_last:
                 state.output.backward()
@@ -346,7 +351,7 @@ class PipelineExecutor(Executor):
         if state.received is not None:
             input_grad = cast(torch.Tensor, state.received.grad)  # the backward above reached the stage's input
             tally.stage_bytes += self._send(input_grad, self.rank - self.hdp, mb, sends)
-        tally.ring_bytes += state.context.ring_stats.bytes_sent - sent_before
+        tally.count(state.context.ring_stats, before)
         return waited
 
     def _context(self, inputs: MicroBatchInputs) -> MicroBatchContext:

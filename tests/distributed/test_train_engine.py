@@ -55,7 +55,7 @@ def _equivalence_worker(rank: int, world: int, strategy: str, zero: bool) -> Non
 @pytest.mark.parametrize(
     "strategy,zero",
     [
-        ("balance", False),
+        pytest.param("balance", False, marks=pytest.mark.slow),  # the plain optimizer: every other runtime test
         ("balance", True),
         pytest.param("naive", False, marks=pytest.mark.slow),
         pytest.param("static", False, marks=pytest.mark.slow),

@@ -63,7 +63,9 @@ def reference():
     return _run(opt, [protocol_batch([40, 24], vocab=128)], None)[:2]
 
 
-@pytest.mark.parametrize("ratio", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize(
+    "ratio", [pytest.param(0.0, marks=pytest.mark.slow), 0.3, 0.5, pytest.param(1.0, marks=pytest.mark.slow)]
+)
 def test_losses_and_gradients_are_bit_identical(reference, ratio):
     opt = bsc.optimize(_model())
     losses, grads, act_ctx = _run(opt, [protocol_batch([40, 24], vocab=128)], [ratio])

@@ -3,6 +3,7 @@ scalar Eq. 2, max_sequence, and a profile of a tiny layer on CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from bytescale_compile.planner.common import PlanBuilder, micro_batch_time
 from bytescale_compile.planner.cost_model import CEIL_RTOL, PRESETS, CostModel, Hardware, ModelShape
 from bytescale_compile.planner.profiler import fit_cost_model, profile_layer, profile_model
 
@@ -333,3 +335,30 @@ def test_profile_as_ranks_sharing_the_cpu(tmp_path):
     assert CostModel.load(tmp_path / "shared.json").layers == 2
     with pytest.raises(ValueError, match="ranks_per_device must be >= 1"):
         profile_model("bytescale_compile.models.llama:tiny", [64, 128, 256], tmp_path / "x.json", ranks_per_device=0)
+
+
+def test_a_hybrid_moves_kv_for_its_attention_layers_and_fixed_state_bytes_for_its_mixers(tmp_path):
+    """1 attention : 3 scan layers: K/V bytes of a quarter of the layers, plus state bytes whatever the tokens."""
+    base = CostModel.preset("llama-7b")
+    hybrid = dataclasses.replace(base, mixer_layers=3 * base.layers // 4, mixer_state_bytes=1e6)
+    assert hybrid.ring_layers == base.layers // 4
+    tokens = np.array([1000.0, 100000.0])
+    kv = base.layers // 4 * 3 * 3 * tokens * base.kv_bytes_per_token
+    assert np.allclose(hybrid.ring_bytes(tokens, 4), kv + 6 * 3 * 1e6)
+    assert np.allclose(hybrid.ring_bytes(tokens, 1), 0.0) and float(hybrid.ring_latency(1)) == 0.0
+    transfers = base.layers // 4 * 3 * 3 + 3 * hybrid.mixer_layers
+    assert math.isclose(float(hybrid.ring_latency(4)), transfers * base.latency)
+    hybrid.save(tmp_path / "hybrid.json")
+    assert CostModel.load(tmp_path / "hybrid.json") == hybrid
+    with pytest.raises(ValueError, match="mixer_layers must be an int in"):
+        dataclasses.replace(base, mixer_layers=base.layers + 1)
+
+
+def test_the_planners_scalar_shortcut_charges_mixers_like_the_cost_model():
+    base = CostModel.preset("llama-7b")
+    hybrid = dataclasses.replace(base, mixer_layers=24, mixer_state_bytes=5e7)
+    lens = np.array([300000, 2000])
+    builder = PlanBuilder("balance", lens, 8, 16384, hybrid)
+    for d in (2, 4, 8):
+        scalar = builder.time_of([0], d, 0.0)
+        assert math.isclose(scalar, micro_batch_time(hybrid, lens[[0]], d, 0.0), rel_tol=1e-9)
