@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import bytescale_compile.ops  # noqa: F401  (registers torch.ops.bytescale)
 from bytescale_compile.kernels.recurrences import RECURRENCES
-from bytescale_compile.runtime.context import micro_batch
+from bytescale_compile.runtime.context import micro_batch, row_packing
 from bytescale_compile.runtime.dist_attn import RingStats
 from bytescale_compile.runtime.layout import zigzag_layout
 from bytescale_compile.testing import run_distributed
@@ -80,6 +80,33 @@ def test_packed_row_equals_each_sequence_alone(kind):
     ref = _alone(kind, inputs, token, seq_lens)
     want = torch.autograd.grad(ref, inputs, dy)
     assert rel_err(out, ref) < 1e-10
+    for a, b in zip(got, want):
+        assert rel_err(a, b, floor=1e-8) < 1e-10
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_packed_differently_equal_each_sequence_alone(kind):
+    """Two rows, each with its own packing, as an optimized model reads them from position_ids restarts."""
+    first, second = [30, 2, 8], [1, 39]
+    inputs, token = _problem(kind, 40)
+    rows = [
+        (x.detach()[0].repeat(2, *[1] * (x.dim() - 1)) if i in token else x.detach()).requires_grad_()
+        for i, x in enumerate(inputs)
+    ]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in (first, second)])
+    with row_packing(positions, 40):
+        out = _op(kind, rows)
+    dy, got = _grads(out, rows, 3)  # the backward outside the packing: the op's starts carry it
+    for b, lens in enumerate((first, second)):
+        alone = _alone(kind, [x[b : b + 1] if i in token else x for i, x in enumerate(rows)], token, lens)
+        assert rel_err(out[b], alone[0]) < 1e-10
+    ref = torch.cat(
+        [
+            _alone(kind, [x[b : b + 1] if i in token else x for i, x in enumerate(rows)], token, lens)
+            for b, lens in enumerate((first, second))
+        ]
+    )
+    want = torch.autograd.grad(ref, rows, dy)
     for a, b in zip(got, want):
         assert rel_err(a, b, floor=1e-8) < 1e-10
 
