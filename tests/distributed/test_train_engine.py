@@ -108,6 +108,7 @@ def _unshardable_worker(rank: int, world: int) -> None:
     assert max(rel_err(p, ref_params[n]) for n, p in model.named_parameters()) <= 1e-5
 
 
+@pytest.mark.slow  # the same refusal path runs by default for mixers left alone (test_hybrid)
 def test_model_with_attention_left_alone_is_never_sharded_nor_packed():
     run_distributed(_unshardable_worker, 2)
 

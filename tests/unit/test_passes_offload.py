@@ -190,6 +190,7 @@ def test_act_ctx_rejects_bad_ratios():
         get_act_ctx(1, [0.2]).update_micro_batch_id(1)
 
 
+@pytest.mark.slow  # the runtime's offload: every default runtime test runs it with the plan's ratios
 def test_runtime_passes_a_fixed_ratio_and_counts_it():
     model = _model()
     reference = copy.deepcopy(model)
