@@ -148,15 +148,16 @@ class OptimizedModule(nn.Module):
     def _row_packing(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The sequences packed in each row, ambient for the mixer ops, when the call packs them outside a
         micro-batch context (the ops cannot see `position_ids`); a host read of position_ids per such call."""
-        ctx: MicroBatchContext | None = current_context()
-        position_ids = self._position_ids(args, kwargs)
-        input_ids = self.__signature__.bind_partial(*args, **kwargs).arguments.get("input_ids")
+        arguments = self.__signature__.bind_partial(*args, **kwargs).arguments
+        position_ids = arguments.get("position_ids", kwargs.get("position_ids"))
+        input_ids = arguments.get("input_ids")
         if isinstance(position_ids, torch.Tensor) and isinstance(input_ids, torch.Tensor):
             if position_ids.shape[-1] != input_ids.shape[-1]:
                 raise ValueError(
                     f"position_ids has {position_ids.shape[-1]} tokens per row but input_ids has "
                     f"{input_ids.shape[-1]}: they must describe the same tokens"
                 )
+        ctx: MicroBatchContext | None = current_context()
         if not self.mixers_adapted or not isinstance(position_ids, torch.Tensor) or position_ids.dim() < 1:
             return row_packing(None, 0)
         if ctx is not None and (ctx.is_ring or ctx.cu_seqlens is not None):

@@ -344,10 +344,14 @@ class _Scan(_Mixer):
         return {src: ((len(keys), size), dtype) for src, keys in wanted.items()}
 
     def finish(self, inputs: list[Tensor], received: dict[int, Tensor]) -> Tensor:
-        theirs: dict[tuple[int, int], Tensor] = {}
-        if self.plan is not None and self.row.ring is not None:
+        theirs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        if received and self.plan is not None and self.row.ring is not None:
+            m_shape, h_shape = summary_shapes(self.rec, inputs)
+            m_size = int(torch.Size(m_shape).numel())
             for src, keys in self.plan.receives(self.row.ring.index).items():
-                theirs.update(zip(keys, received[src].unbind(0)))
+                rows = received[src]
+                summaries = zip(rows[:, :m_size].unbind(0), rows[:, m_size:].unbind(0))
+                theirs.update((key, (m.reshape(m_shape), b.reshape(h_shape))) for key, (m, b) in zip(keys, summaries))
         outs = []
         for piece in self.row.pieces:
             if piece.length == 0:
@@ -362,7 +366,7 @@ class _Scan(_Mixer):
         return torch.cat(outs)
 
     def _before(
-        self, inputs: list[Tensor], seq: int, chunk: int, theirs: dict[tuple[int, int], Tensor]
+        self, inputs: list[Tensor], seq: int, chunk: int, theirs: dict[tuple[int, int], tuple[Tensor, Tensor]]
     ) -> tuple[Tensor, Tensor] | None:
         """(M, b) of an earlier chunk of the sequence: this rank's own, or received; None for an empty chunk."""
         assert self.row.ring is not None
@@ -371,12 +375,7 @@ class _Scan(_Mixer):
         if owner == self.row.ring.index:
             piece = _piece_of(layout, owner, seq, chunk)
             return self.summary(inputs, piece) if piece.length else None
-        if (seq, chunk) not in theirs:
-            return None
-        flat = theirs[seq, chunk]
-        m_shape, h_shape = summary_shapes(self.rec, inputs)
-        m_size = int(torch.Size(m_shape).numel())
-        return flat[:m_size].reshape(m_shape), flat[m_size:].reshape(h_shape)
+        return theirs.get((seq, chunk))
 
 
 def summary_shapes(recurrence: Recurrence, inputs: Sequence[Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
