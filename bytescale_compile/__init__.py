@@ -5,8 +5,9 @@ CLI's planner commands do not pay for importing torch."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from .api import OptimizedModule, RecompileLimitError, explain, optimize
@@ -45,13 +46,8 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    """Import the defining module of a public name when it is first asked for, and cache the name."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
+"""Import the defining module of a public name when it is first asked for, and cache the name."""
 
 
 def __dir__() -> list[str]:

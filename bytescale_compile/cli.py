@@ -1,12 +1,15 @@
 """`bytescale-compile`: inspect a model's compilation, plan and simulate HDP steps, profile a cost model,
-train a tokenizer and prepare token datasets from your own text.
+train a tokenizer, prepare token datasets from your own text and export training checkpoints as Hugging
+Face models.
 
 Usage errors print one line and exit with status 2; `bytescale-compile --debug COMMAND ...` shows the
-traceback instead. torch and the compiler load only in the commands that need them (inspect, profile)."""
+traceback instead. torch and the compiler load only in the commands that need them (inspect, profile,
+export)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect as pyinspect
 import json
 import os
@@ -306,22 +309,56 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hf_directory_model(directory: str) -> nn.Module:
+    """The causal LM of a Hugging Face directory as the trainer builds it (random init from its config.json
+    with seed 0, or its weights); module-level, so the profiler's processes can unpickle a partial of it."""
+    from .train.models import load_model
+
+    return load_model(directory, seed=0).module
+
+
+def _profile_target(target: str) -> str | Callable[[], nn.Module]:
+    """MODULE:FACTORY as given (the profiler imports it), or a builder of a Hugging Face config directory's model."""
+    forms = "a directory with a Hugging Face config.json, or MODULE:FACTORY (e.g. bytescale_compile.models.llama:small)"
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CLIError(f"directory {target} has no config.json: give {forms}")
+        return functools.partial(_hf_directory_model, target)
+    if ":" not in target:
+        raise CLIError(f"{target!r} is neither a directory nor MODULE:FACTORY: give {forms}")
+    try:
+        resolve_factory(target)
+    except FactoryError as e:
+        raise CLIError(f"{e} (the target is {forms})") from e
+    return target
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from .planner.profiler import profile_model
 
     out = _output_file(args.out, "--out")
-    try:
-        resolve_factory(args.target)
-    except FactoryError as e:
-        raise CLIError(str(e)) from e
+    target = _profile_target(args.target)
     try:
         result = profile_model(
-            args.target, args.lengths, _created(out), repeats=args.repeats, ranks_per_device=args.ranks_per_device
+            target, args.lengths, _created(out), repeats=args.repeats, ranks_per_device=args.ranks_per_device
         )
     except ValueError as e:
         raise CLIError(str(e)) from e
     print(result.summary())
     print(f"cost model of {result.device} written to {out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .train.export import ExportError, export_checkpoint
+
+    _output_folder(Path(args.out), "--out", args.out)
+    try:
+        result = export_checkpoint(args.checkpoint, args.out, args.tokenizer, args.overwrite)
+    except ExportError as e:
+        raise CLIError(str(e)) from e
+    print(result.summary())
     return 0
 
 
@@ -502,7 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("profile", help="fit T(s) and Act(s) of one layer of a model on this device")
-    p.add_argument("target", help="MODULE:FACTORY, e.g. bytescale_compile.models.llama:small")
+    p.add_argument(
+        "target",
+        help="MODULE:FACTORY, e.g. bytescale_compile.models.llama:small, or a directory with a Hugging Face "
+        "config.json (random init from it, as the trainer builds --model)",
+    )
     p.add_argument("--lengths", type=_sizes, default="256,512,1K,2K", help="at least 3 distinct lengths")
     p.add_argument("--repeats", type=_int_at_least(1), default=3)
     p.add_argument("--out", default="cost_model.json", help="the cost-model JSON to write (records the device)")
@@ -514,6 +555,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_profile)
     _add_data_commands(sub)
+
+    p = sub.add_parser(
+        "export",
+        help="write a training checkpoint as a Hugging Face model directory (save_pretrained in fp32, with the "
+        "tokenizer), as final/ is written at the end of a run",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a checkpoint directory (RUN/checkpoints/step_N), or a run's --out: its newest checkpoint that "
+        "verifies against its sha256 manifest",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the directory to write; AutoModelForCausalLM.from_pretrained loads it",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the tokenizer to save with it (default: the run's --tokenizer, else the one its data was prepared with)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="write into a DIR that holds files (same names are replaced)"
+    )
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -22,6 +22,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "DatasetWriter",
     "GlobalBatch",
     "GlobalBatchSampler",
+    "SequenceSource",
     "TokenDataset",
     "TokenizerInfo",
     "dataset_files",
@@ -88,6 +90,18 @@ def dataset_files(prefix: str | Path) -> tuple[Path, Path, Path]:
     """The metadata, index and token files of the dataset at `prefix`, in that order."""
     prefix = Path(prefix)
     return _file(prefix, "json"), _file(prefix, "idx"), _file(prefix, "bin")
+
+
+class SequenceSource(Protocol):
+    """What batches, samplers and planners read of a dataset: a `TokenDataset`, or a mixture of several."""
+
+    @property
+    def prefix(self) -> str | Path: ...
+
+    @property
+    def lengths(self) -> np.ndarray: ...
+
+    def tokens(self, index: int, start: int = 0, end: int | None = None) -> torch.Tensor: ...
 
 
 def _check_range(start: int, end: int | None, length: int) -> tuple[int, int]:
@@ -353,7 +367,7 @@ class GlobalBatch:
     """One step's sequences: every rank holds the same object (lengths are cheap) and reads only
     the tokens of its own micro-batches."""
 
-    dataset: TokenDataset
+    dataset: SequenceSource
     indices: np.ndarray
     """Dataset sequence ids, int64."""
     lengths: np.ndarray
@@ -369,6 +383,14 @@ class GlobalBatch:
         return int(self.lengths.sum())
 
 
+def check_sampling(global_tokens: int, min_len: int, max_len: int | None) -> None:
+    """A sampler's token budget and length bounds, as every sampler takes them."""
+    if global_tokens < 1:
+        raise ValueError(f"global_tokens must be >= 1, got {global_tokens}")
+    if min_len < 1 or (max_len is not None and max_len < min_len):
+        raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+
+
 class GlobalBatchSampler:
     """Global batches by token budget.
 
@@ -382,16 +404,13 @@ class GlobalBatchSampler:
 
     def __init__(
         self,
-        dataset: TokenDataset,
+        dataset: SequenceSource,
         global_tokens: int,
         seed: int = 0,
         max_len: int | None = None,
         min_len: int = 2,
     ) -> None:
-        if global_tokens < 1:
-            raise ValueError(f"global_tokens must be >= 1, got {global_tokens}")
-        if min_len < 1 or (max_len is not None and max_len < min_len):
-            raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+        check_sampling(global_tokens, min_len, max_len)
         lengths = dataset.lengths
         self.dataset = dataset
         self.global_tokens = global_tokens
@@ -435,7 +454,7 @@ class GlobalBatchSampler:
 
 
 def eval_batches(
-    dataset: TokenDataset,
+    dataset: SequenceSource,
     global_tokens: int,
     max_len: int | None = None,
     max_tokens: int | None = None,

@@ -8,25 +8,28 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..strategies import AUTO, BALANCE, NAIVE, RUNTIME_STRATEGIES, STATIC, STRATEGIES, STRATEGY_SPECS
 from .auto import StepTime, plan_auto
 from .balance import plan_balance
-from .common import check_lengths
+from .common import check_arguments
 from .cost_model import CostModel, Hardware, ModelShape
 from .hdp import plan_naive
+from .limits import LengthLimit, length_limit
 from .plan import MicroBatch, Plan, PlanError
 from .static import plan_static
-from .strategies import AUTO, BALANCE, NAIVE, RUNTIME_STRATEGIES, STATIC, STRATEGIES, STRATEGY_SPECS
 from .topology import Topology
 from .unsharded import plan_unsharded
 
 __all__ = [
     "plan",
+    "length_limit",
     "AUTO",
     "BALANCE",
     "NAIVE",
     "STATIC",
     "CostModel",
     "Hardware",
+    "LengthLimit",
     "ModelShape",
     "Plan",
     "MicroBatch",
@@ -77,12 +80,7 @@ def plan(
     cannot run): every sequence is then its own micro-batch on one rank (`unsharded.py`), and one longer
     than `capacity` raises `PlanError` with that reason.
     """
-    if strategy not in RUNTIME_STRATEGIES:
-        raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
-    for name, value in (("world_size", world_size), ("capacity", capacity), ("pp_size", pp_size)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    lens = check_lengths(lengths)
+    lens = check_arguments(lengths, strategy, world_size, capacity, pp_size)
     with _no_cyclic_gc():
         if shard_blocker is not None:  # one plan for every strategy: "auto" has nothing to choose, and a plan
             named = BALANCE if strategy == AUTO else strategy  # names a planner strategy

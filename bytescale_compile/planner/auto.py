@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..strategies import BALANCE, STATIC
 from .balance import BalanceInputs, balance_inputs, balance_ranks, schedule_balance
 from .plan import Plan, PlanError
 from .static import plan_static
-from .strategies import BALANCE, STATIC
 
 if TYPE_CHECKING:
     from .cost_model import CostModel

@@ -57,11 +57,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..strategies import BALANCE
 from .common import PlanBuilder, fastest_group
 from .hdp import ranks_needed
 from .placers import ChainPlacer, Demands, DPPlacer, Placer
 from .plan import Plan
-from .strategies import BALANCE
 
 if TYPE_CHECKING:
     from .cost_model import CostModel

@@ -8,12 +8,33 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..strategies import RUNTIME_STRATEGIES
 from .plan import MicroBatch, Plan, local_tokens
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
-__all__ = ["check_lengths", "best_fit_pack", "fastest_group", "fastest_time", "micro_batch_time", "PlanBuilder"]
+__all__ = [
+    "check_arguments",
+    "check_lengths",
+    "best_fit_pack",
+    "fastest_group",
+    "fastest_time",
+    "micro_batch_time",
+    "PlanBuilder",
+]
+
+
+def check_arguments(
+    lengths: Sequence[int] | np.ndarray, strategy: str, world_size: int, capacity: int, pp_size: int
+) -> np.ndarray:
+    """What `plan()` and `length_limit` are given, checked; the lengths as int64 (`check_lengths`)."""
+    if strategy not in RUNTIME_STRATEGIES:
+        raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
+    for name, value in (("world_size", world_size), ("capacity", capacity), ("pp_size", pp_size)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return check_lengths(lengths)
 
 
 def check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:

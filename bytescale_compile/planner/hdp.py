@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..strategies import NAIVE
 from .common import PlanBuilder, best_fit_pack
 from .cost_model import CEIL_RTOL
-from .plan import Plan, PlanError
-from .strategies import NAIVE
+from .limits import eq2_reason, layers_per_stage, refuse
+from .plan import Plan
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -36,15 +37,7 @@ def ranks_needed(
 ) -> tuple[np.ndarray, np.ndarray]:
     """D(s) and r of Eq. 2 for every sequence (D = 0: short, to be packed), after checking each fits."""
     ranks, ratio = cost_model.ranks_and_ratio(lens, capacity, layers_per_rank, offload)
-    over = np.flatnonzero(ranks > world_size)
-    if over.size:
-        longest = int(over[lens[over].argmax()])
-        limit = cost_model.max_sequence(world_size, capacity, layers_per_rank, offload=offload)
-        how = "with the offload ratios Eq. 2 allows" if offload else "without offloading"
-        raise PlanError(
-            f"sequence {longest} has {int(lens[longest])} tokens, more than the {limit} that {world_size} "
-            f"ranks of capacity {capacity} can hold {how}"
-        )
+    refuse(lens, ranks > world_size, eq2_reason(world_size, capacity, cost_model, layers_per_rank, offload))
     return ranks, ratio
 
 
@@ -69,7 +62,7 @@ def naive_ranks(
 def plan_naive(
     lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1, offload: bool = True
 ) -> Plan:
-    layers = max(1, cost_model.layers // pp_size)
+    layers = layers_per_stage(cost_model, pp_size)
     if offload and lens.size:
         ranks, ratio = naive_ranks(lens, world_size, capacity, cost_model, layers)
     else:

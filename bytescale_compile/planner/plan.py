@@ -16,8 +16,8 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from ..strategies import STRATEGIES
 from .pipeline_order import chained_micro_batches, stage_order
-from .strategies import STRATEGIES
 
 __all__ = ["MicroBatch", "Plan", "PlanError", "local_tokens", "capacity_for_ratio"]
 

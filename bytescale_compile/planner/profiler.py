@@ -23,10 +23,21 @@ from torch import nn
 
 from .cost_model import CostModel, Hardware
 
-__all__ = ["LayerInputs", "ProfileResult", "fit_cost_model", "fit_time", "profile_layer", "profile_model"]
+__all__ = [
+    "LayerInputs",
+    "ModelSource",
+    "ProfileResult",
+    "fit_cost_model",
+    "fit_time",
+    "profile_layer",
+    "profile_model",
+]
 
 LayerInputs = tuple[tuple[Any, ...], dict[str, Any]]
 """(args, kwargs) of one layer call; tensors among the args that require grad get gradients too."""
+ModelSource = str | Callable[[], nn.Module]
+"""`module:factory`, or a picklable callable that builds the model (`functools.partial` of a module-level
+function): each process of a `ranks_per_device` profile builds its own copy from it."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +229,9 @@ def fit_cost_model(
     )
 
 
-def _build(spec: str) -> nn.Module:
+def _build(spec: ModelSource) -> nn.Module:
+    if callable(spec):
+        return spec()
     module_name, sep, factory = spec.partition(":")
     if not sep or not module_name or not factory:
         raise ValueError(f"model spec must be 'module:factory', got {spec!r}")
@@ -256,7 +269,7 @@ def _input_maker(
 
 
 def profile_model(
-    spec: str,
+    spec: ModelSource,
     lengths: Sequence[int],
     out_path: str | Path,
     device: str | torch.device | None = None,
@@ -265,8 +278,9 @@ def profile_model(
     hardware: Hardware | None = None,
     ranks_per_device: int = 1,
 ) -> ProfileResult:
-    """Build the model `module:factory` names, profile its first decoder layer on `device` (default: CUDA
-    if there is one) in `dtype` (default: as built), and save the fitted CostModel as JSON at `out_path`.
+    """Build the model `spec` names (`module:factory`, or a builder), profile its first decoder layer on
+    `device` (default: CUDA if there is one) in `dtype` (default: as built), and save the fitted CostModel as
+    JSON at `out_path`.
     K/V and parameter bytes use the model's own element size.
 
     `ranks_per_device` > 1 (CPU only) measures the layer as that many ranks sharing this CPU run it: as
@@ -323,7 +337,7 @@ def _profile_first_layer(model: nn.Module, lengths: Sequence[int], device: torch
 
 
 def _profile_worker(
-    spec: str, lengths: list[int], repeats: int, dtype: torch.dtype | None, threads: int
+    spec: ModelSource, lengths: list[int], repeats: int, dtype: torch.dtype | None, threads: int
 ) -> ProfileResult:
     """One of `ranks_per_device` concurrent CPU profiles."""
     torch.set_num_threads(threads)

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..strategies import STATIC
 from .common import PlanBuilder, best_fit_pack
+from .limits import mesh_reason, mesh_row, refuse, static_reason
 from .plan import Plan, PlanError
-from .strategies import STATIC
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -25,13 +26,9 @@ __all__ = ["plan_static", "cp_degree"]
 
 def cp_degree(world_size: int, capacity: int, context_length: int) -> int:
     """Smallest divisor of the world size with CP·C ≥ context length."""
-    for cp in range(1, world_size + 1):
-        if world_size % cp == 0 and cp * capacity >= context_length:
-            return cp
-    raise PlanError(
-        f"context length {context_length} needs more than the {world_size} ranks of capacity {capacity} "
-        f"(at most {world_size * capacity} tokens per row)"
-    )
+    if context_length > mesh_row(world_size, capacity):
+        raise PlanError(f"context length {context_length} needs {mesh_reason(world_size, capacity)(context_length)}")
+    return next(cp for cp in range(1, world_size + 1) if world_size % cp == 0 and cp * capacity >= context_length)
 
 
 def plan_static(
@@ -43,11 +40,7 @@ def plan_static(
     context_length: int | None = None,
 ) -> Plan:
     context = int(context_length or (lens.max() if lens.size else capacity))
-    if lens.size and lens.max() > context:
-        i = int(lens.argmax())
-        raise PlanError(
-            f"sequence {i} has {int(lens[i])} tokens, longer than the static mesh's context length {context}"
-        )
+    refuse(lens, lens > context, static_reason(context))
     cp = cp_degree(world_size, capacity, context)
     builder = PlanBuilder(STATIC, lens, world_size, capacity, cost_model, pp_size)
     tokens = [(0, g) for g in range(world_size // cp)]  # heap of (tokens, DP group)

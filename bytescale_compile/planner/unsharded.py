@@ -15,7 +15,8 @@ import numpy as np
 
 from .common import PlanBuilder
 from .cost_model import CostModel
-from .plan import Plan, PlanError
+from .limits import refuse, unsharded_reason
+from .plan import Plan
 
 __all__ = ["plan_unsharded"]
 
@@ -23,13 +24,7 @@ __all__ = ["plan_unsharded"]
 def plan_unsharded(
     lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, strategy: str, pp_size: int, why: str
 ) -> Plan:
-    over = np.flatnonzero(lens > capacity)
-    if over.size:
-        i = int(over[lens[over].argmax()])
-        raise PlanError(
-            f"sequence {i} has {int(lens[i])} tokens, more than the capacity {capacity} of one rank, and "
-            f"the model cannot be sharded over ranks: {why}"
-        )
+    refuse(lens, lens > capacity, unsharded_reason(capacity, why))
     builder = PlanBuilder(strategy, lens, world_size, capacity, cost_model, pp_size)
     load = [(0.0, r) for r in range(world_size)]
     for i in np.argsort(-builder.seq_time, kind="stable").tolist():

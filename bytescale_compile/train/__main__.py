@@ -2,11 +2,15 @@
 
 Trains a model (a Hugging Face directory or a preset) on a prepared token dataset with Hybrid Data
 Parallelism: every rank plans each global batch identically (or, with `--loader ray`, one scheduler actor
-plans it for all) and trains its own micro-batches. Options
-override the config file; the resolved config, metrics.jsonl, checkpoints/ and (Hugging Face models)
-final/ go to --out. `--strategy all` trains balance, naive, static and auto from the same weights on the
-same batches, compares them, and prints the simulator's projection of the same model and data at 512
-ranks. Without torchrun it runs as one process. gloo on CPU, NCCL on GPU.
+plans it for all) and trains its own micro-batches. Options override the config file; the resolved config,
+metrics.jsonl, checkpoints/ and (Hugging Face models) final/ go to --out. `--strategy all` trains balance,
+naive, static and auto from the same weights on the same batches, compares them, and prints the simulator's
+projection of the same model and data at 512 ranks. Without torchrun it runs as one process. gloo on CPU,
+NCCL on GPU.
+
+Everything that can be known before step 1 is checked first, on every rank alike: a bad setting prints one
+`error: ...` line (from rank 0) and exits 2. SIGTERM or Ctrl-C stops after the current step with a
+checkpoint (exit 0 for SIGTERM, 130 for Ctrl-C); a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -14,37 +18,28 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
-import torch.distributed as dist
+from ..strategies import RUNTIME_STRATEGIES
+from .config import ALL_STRATEGIES, DTYPES, LOADERS, RESUME_AUTO, SIZES, TrainConfig
 
-from ..planner import RUNTIME_STRATEGIES, PlanError
-from ..planner.model_shape import ModelConfigError
-from .checkpoint import CheckpointError
-from .compare import comparison, summarize
-from .config import ALL_STRATEGIES, DTYPES, LOADERS, SIZES, TrainConfig, load_config
-from .launch import init_distributed, local_device
-from .metrics import METRICS_FILE, echo
-from .projection import project_run
-from .remote import DataServerError
-from .trainer import RunInputs, RunResult, run, setup
+if TYPE_CHECKING:
+    import torch
+
+    from .trainer import RunInputs, RunResult
 
 PROG = "python -m bytescale_compile.train"
-_ARG_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+_ARG_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "str": str, "str | None": str}
 _CHOICES = {"strategy": (*RUNTIME_STRATEGIES, ALL_STRATEGIES), "dtype": DTYPES, "loader": LOADERS}
-_SETUP_ERRORS = (OSError, ValueError)
-"""Reported as one line, not a traceback: missing or unreadable files (FileNotFoundError names them), and
-ConfigError, VocabularyError, ModelSourceError, TokenizerError, DatasetError (all ValueErrors)."""
-_RUN_ERRORS = (PlanError, CheckpointError, DataServerError)
-"""Raised on every rank alike during a run: a batch the capacity cannot hold, a checkpoint that does not fit, a
-data server of --loader ray that died for good."""
+USAGE_EXIT = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """--config plus one option per TrainConfig field (None when not given, so the file's value stands)."""
+    """--config plus one option per TrainConfig field (None when not given, so the file's value stands); each
+    help ends with the field's default."""
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -53,9 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.toml",
         help="settings as a flat TOML table (keys as below, with underscores); options given here override it",
     )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=_at_least_1,
+        metavar="N",
+        help="start N ranks on this machine itself, as torchrun --standalone --nproc_per_node=N would, printing "
+        "only the ranks' own lines (not under torchrun)",
+    )
     for f in fields(TrainConfig):
         flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
-        if f.type == "bool":
+        if f.default not in (None, ""):
+            help_text += f" (default: {_shown(f.default)})"
+        if f.name == "resume":
+            parser.add_argument(
+                flag, nargs="?", const=True, default=None, type=_resume, metavar=RESUME_AUTO, help=help_text
+            )
+            parser.add_argument("--no-resume", dest="resume", action="store_false", help="start a new run")
+        elif f.type in ("bool", "bool | None"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             kind = str if f.name in SIZES else _ARG_TYPES[cast(str, f.type)]  # annotations are strings there
@@ -63,53 +72,176 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _shown(default: object) -> str:
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
+def _at_least_1(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _resume(text: str) -> bool | str:
+    if text == RESUME_AUTO:
+        return RESUME_AUTO
+    raise argparse.ArgumentTypeError(f"--resume takes no value or ={RESUME_AUTO}, got {text!r}")
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """`argv` less --nproc-per-node and its value, which the ranks must not see."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            kept.append(arg)
+    return kept
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 without it), known before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _error(message: str, rank0_only: bool = True) -> None:
+    """One line on stderr: from rank 0 for what every rank finds alike, else naming the rank that failed."""
+    if not rank0_only:
+        print(f"{PROG}: error on rank {_rank()}: {message}", file=sys.stderr, flush=True)
+    elif _rank() == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = vars(build_parser().parse_args(argv))
+    if (nproc := args.pop("nproc_per_node")) is not None:
+        if "WORLD_SIZE" in os.environ:
+            _error("--nproc-per-node starts the ranks itself: run it without torchrun")
+            return USAGE_EXIT
+        from .launch import launch_local
+
+        return launch_local(nproc, "bytescale_compile.train", _without_nproc(argv))
+    # torch loads only now, so that --help and argparse's errors are instant
+    from .checkpoint import CheckpointError
+    from .config import load_config
+    from .trainer import setup
+
+    _warnings_once()
+    alike = (OSError, ValueError, CheckpointError)
+    """Found by every rank alike before anything runs: missing or unreadable files (FileNotFoundError names
+    them) and ConfigError, VocabularyError, ModelSourceError, TokenizerError, DatasetError (ValueErrors)."""
     try:
-        # every rank checks the same inputs before any communication, so all fail alike
         inputs = setup(load_config(args.pop("config"), **args))
-    except _SETUP_ERRORS as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    except alike as e:
+        _error(str(e))
+        return USAGE_EXIT
+    except KeyboardInterrupt:
+        return _interrupted("before training started")
+    return _train(inputs)
+
+
+def _train(inputs: RunInputs) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from ..planner import PlanError
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .launch import init_distributed, local_device
+    from .remote import DataServerError
+    from .signals import Stopped
+    from .trainer import run
+
+    alike = (ConfigError, PlanError, CheckpointError, DataServerError)
+    """Raised on every rank alike during a run: a pre-flight check, a batch the capacity cannot hold, a
+    checkpoint that does not fit, a data server of --loader ray that died for good."""
     launched = "WORLD_SIZE" in os.environ  # torchrun sets it
     device = init_distributed().device if launched else local_device()
     if device.type == "cpu":  # ranks on one machine share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     try:
         results = run(inputs, device)
-    except _RUN_ERRORS as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    except Stopped as e:
+        if _rank() == 0:
+            print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
+    except alike as e:
+        _error(str(e))
+        return USAGE_EXIT
+    except KeyboardInterrupt:
+        return _interrupted("at once (a second signal), without a checkpoint")
+    except Exception as e:
+        if launched and _peer_lost(e):  # another rank failed first and says why; this one only lost it
+            return 1
+        _error(f"{type(e).__name__}: {e}", rank0_only=False)
+        raise
     finally:
-        if launched:
+        if launched and dist.is_initialized():
             dist.destroy_process_group()
-    rank0 = not launched or int(os.environ["RANK"]) == 0
-    report(results, rank0)
-    if rank0 and inputs.config.strategy == ALL_STRATEGIES:
-        echo("\n" + projection(inputs, int(os.environ.get("WORLD_SIZE", "1"))), rank0)
+    _report(inputs, results, device)
     return 0
 
 
-def report(results: list[RunResult], enabled: bool) -> None:
-    """The comparison table, the held-out loss and where everything went."""
+def _report(inputs: RunInputs, results: list[RunResult], device: torch.device) -> None:
+    from .compare import comparison, summarize
+    from .metrics import METRICS_FILE, echo
+
+    rank0 = _rank() == 0
     ran = [r for r in results if r.records]
     if ran:
-        echo("\n" + comparison([summarize(r.records, r.eval_loss) for r in ran]), enabled)
+        echo("\n" + comparison([summarize(r.records, r.eval_loss) for r in ran]), rank0)
     for r in results:
         lines = [f"[{r.strategy}] metrics: {r.run_dir / METRICS_FILE}"]
         if r.eval_loss is not None:
             lines.append(f"final eval loss {r.eval_loss:.4f}")
         if r.final_dir is not None:
             lines.append(f"final model: {r.final_dir} (AutoModelForCausalLM.from_pretrained)")
-        echo(", ".join(lines), enabled)
+        echo(", ".join(lines), rank0)
+    if rank0 and inputs.config.strategy == ALL_STRATEGIES:
+        echo("\n" + _projection(inputs, int(os.environ.get("WORLD_SIZE", "1"))), rank0)
 
 
-def projection(inputs: RunInputs, world_size: int) -> str:
+def _projection(inputs: RunInputs, world_size: int) -> str:
     """The simulated 512-rank projection of the run's model and data, or why there is none."""
+    from ..planner.model_shape import ModelConfigError
+    from .projection import project_run
+
     try:
         return project_run(inputs.config, inputs.model.module, inputs.train_data.lengths, world_size).report()
     except ModelConfigError as e:
         return f"no simulated projection: {e}"
+
+
+def _interrupted(when: str) -> int:
+    if _rank() == 0:
+        print(f"interrupted {when}", file=sys.stderr, flush=True)
+    return 128 + 2  # SIGINT, as shells report it
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """A collective failed because another rank's process went away (it reports its own failure)."""
+    text = str(error)
+    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
+def _warnings_once() -> None:
+    """Warnings as one `warning: ...` line each, without the source line Python shows by default (the message
+    says what to do; a line of our code does not), and a CostModelWarning once per run however many strategies
+    and resumes compare their steps with the cost model."""
+    from .engine import CostModelWarning
+
+    shown: set[object] = set()
+
+    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        key = category if issubclass(category, CostModelWarning) else (category, str(message))
+        if key not in shown:
+            shown.add(key)
+            print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
 
 
 if __name__ == "__main__":

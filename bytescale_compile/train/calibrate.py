@@ -66,7 +66,7 @@ class Calibration:
         model, world = self.cost_model, self.world_size
         busy = max(1.0, world / model.hardware.compute_slots) if model.hardware.compute_slots else 1.0
         rows = [
-            f"cost model calibrated in this job, {world} rank(s) at once: whole model fwd+bwd per micro-batch"
+            f"cost model calibrated in this job, {world} rank{'s' if world > 1 else ''} at once: whole model fwd+bwd per micro-batch"
             + (f", {model.hardware.compute_slots:g} ranks' worth of cores" if busy > 1 else "")
         ]
         rows += [

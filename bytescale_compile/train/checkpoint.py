@@ -56,7 +56,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -73,6 +78,8 @@ __all__ = [
     "checkpoint_dir",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_model_weights",
+    "prune_checkpoints",
     "remove_stale_tmp",
     "resume_latest",
     "save_checkpoint",
@@ -371,10 +378,12 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
+    keep_last: int = 0,
 ) -> Path:
     """Save model, optimizer and `train_state` as `<root>/step_<step:08d>/`; every rank must call it.
 
-    Returns the final directory. `train_state` must be JSON-able (it is checked on every rank before any
+    Returns the final directory; with `keep_last` > 0, older checkpoints beyond the newest `keep_last` are
+    then deleted (`prune_checkpoints`). `train_state` must be JSON-able (it is checked on every rank before any
     I/O, so a bad value fails everywhere at once). Re-saving a step that already has a checkpoint
     replaces it. Note: DCP's `get_state_dict` initialises an optimizer that has never stepped (one zero-lr
     step with zero gradients), so save after the first optimizer step to keep Adam's step count untouched.
@@ -423,7 +432,24 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
 
     _on_rank0(f"committing {tmp} as {final}", commit)  # the broadcast doubles as the final barrier
+    if keep_last:
+        prune_checkpoints(root, keep_last)
     return final
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete the `step_*` directories under `root` older than the newest `keep_last` (rank 0; every rank must
+    call it and gets the list). Damaged ones count like the others: a resume falls back through the kept ones."""
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+
+    def prune() -> list[Path]:
+        old = _step_dirs(Path(root))[keep_last:]
+        for path in old:
+            shutil.rmtree(path)
+        return old
+
+    return _on_rank0(f"deleting old checkpoints under {root}", prune)
 
 
 # -- find -----------------------------------------------------------------------------------------------
@@ -470,7 +496,7 @@ def _choose(root: Path) -> CheckpointChoice:
             verify_checkpoint(path)
         except CheckpointError as e:
             skipped.append(SkippedCheckpoint(path, str(e)))
-            logger.warning("skipping checkpoint %s: %s", path, e)
+            logger.info("skipping checkpoint %s: %s", path, e)
             continue
         return CheckpointChoice(path, tuple(skipped))
     if skipped:
@@ -497,7 +523,7 @@ def remove_stale_tmp(root: str | Path) -> list[Path]:
         stale = sorted(p for p in Path(root).glob(f"{_PREFIX}*{_TMP_SUFFIX}") if p.is_dir())
         for path in stale:
             shutil.rmtree(path)
-            logger.warning("removed %s, left by an interrupted checkpoint save", path)
+            logger.info("removed %s, left by an interrupted checkpoint save", path)
         return stale
 
     return _on_rank0(f"removing stale {_TMP_SUFFIX} directories under {root}", remove)
@@ -567,6 +593,19 @@ def _check_model_shapes(path: Path, model_state: dict[str, Any], whole: bool = T
             f"checkpoint directory {path} holds another model ({len(differences)} tensor(s) "
             f"differ: {shown}): resume with the model it was saved with"
         )
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> None:
+    """Read only the model tensors of the checkpoint `path` into the whole `model`, in one process and without
+    an optimizer (what an export needs), after checking their names and shapes; call `verify_checkpoint` first."""
+    path = Path(path)
+    state = get_model_state_dict(model)
+    _check_model_shapes(path, state)
+    try:
+        with _quiet_single_process():
+            dcp.load({f"{_APP}.model.{name}": tensor for name, tensor in state.items()}, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the model's tensors from {path}: {type(e).__name__}: {e}") from e
 
 
 def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..planner import BALANCE, RUNTIME_STRATEGIES
+from ..strategies import BALANCE, RUNTIME_STRATEGIES
 from ..units import parse_size
 
 __all__ = [
@@ -22,8 +23,11 @@ __all__ = [
     "ConfigError",
     "DTYPES",
     "LOADERS",
+    "MODEL_PRESETS",
     "NEVER_CHANGED",
     "NOT_COMPARED",
+    "PATHS",
+    "RESUME_AUTO",
     "SIZES",
     "TrainConfig",
     "check_resume_config",
@@ -38,8 +42,18 @@ LOADERS = ("local", "ray")
 """local: every rank samples and plans; ray: the remote dataloader of train/remote.py (paper §6)."""
 ALL_STRATEGIES = "all"
 """Every strategy in turn, from the same initial weights on the same batches, then a comparison."""
+MODEL_PRESETS = {
+    "tiny": ("bytescale_compile.models.llama:tiny", "our LLaMA: 2 layers, hidden 64, vocab 128, for tests"),
+    "small": ("bytescale_compile.models.llama:small", "our LLaMA: 4 layers, hidden 256, vocab 256"),
+}
+"""--model names that need no directory: name -> (MODULE:FACTORY, what it is)."""
 SIZES = ("global_tokens", "capacity", "max_len", "eval_tokens")
 """Token counts that also accept K/M suffixes ("16K")."""
+PATHS = ("model", "data", "out", "tokenizer", "cost_model")
+"""Settings naming files: made absolute on load (a model or tokenizer only when it is an existing path, not a
+preset or factory), so a saved config.toml works from any directory."""
+RESUME_AUTO = "auto"
+"""resume = "auto": continue the newest checkpoint if there is one, else start quietly."""
 NOT_SAVED = ("allow_config_change",)
 """Switches of one invocation, left out of config.toml."""
 NOT_COMPARED = (
@@ -48,6 +62,11 @@ NOT_COMPARED = (
     "resume",
     "allow_config_change",
     "checkpoint_every",
+    "keep_last",
+    "log_every",
+    "loggers",
+    "peak_tflops",
+    "calibrate",
     "eval_every",
     "eval_tokens",
     "loader",
@@ -78,11 +97,13 @@ class TrainConfig:
 
     model: str = _setting(
         "",
-        "a directory with a Hugging Face config.json (weights loaded if present, else random "
-        "init), a preset of bytescale_compile/models/llama.py (tiny, small), or MODULE:FACTORY",
+        "a directory with a Hugging Face config.json (weights loaded if present, else random init), MODULE:FACTORY, "
+        "or a preset: " + "; ".join(f"{name} ({about})" for name, (_, about) in MODEL_PRESETS.items()),
     )
     data: str = _setting(
-        "", "prefix of a dataset from `bytescale-compile data prepare`; PREFIX_eval is the held-out split"
+        "",
+        "prefix of a dataset from `bytescale-compile data prepare` (PREFIX_eval is the held-out split), or "
+        "several mixed by token share: PREFIX_A:0.7,PREFIX_B:0.3",
     )
     out: str = _setting("runs/train", "output directory: metrics.jsonl, config.toml, checkpoints/, final/")
     tokenizer: str | None = _setting(None, "tokenizer saved into final/ (default: the one the dataset records)")
@@ -100,18 +121,26 @@ class TrainConfig:
     lr: float = _setting(3e-4, "peak learning rate")
     min_lr_ratio: float = _setting(0.1, "the cosine ends at lr times this")
     warmup: int = _setting(0, "steps of linear warmup")
-    decay_steps: int | None = _setting(None, "step where the cosine reaches its end (default: steps)")
+    decay_steps: int | None = _setting(
+        None,
+        "step where the cosine reaches lr x min_lr_ratio and stays (default: steps of the first run; a resume "
+        "keeps the saved value, so a longer --steps continues at the final learning rate)",
+    )
     weight_decay: float = _setting(0.1, "AdamW weight decay on matrices and embeddings (norms, biases: none)")
     beta1: float = _setting(0.9, "AdamW beta1")
     beta2: float = _setting(0.95, "AdamW beta2")
     max_grad_norm: float = _setting(1.0, "gradient clipping norm")
     eval_every: int = _setting(0, "held-out loss every N steps and after the last (0: never)")
     eval_tokens: int | None = _setting(None, "held-out tokens per evaluation (default: global_tokens)")
-    checkpoint_every: int = _setting(0, "checkpoint every N steps (0: never)")
-    resume: bool = _setting(
+    checkpoint_every: int = _setting(
+        50, "checkpoint every N steps and after the last one, and on SIGTERM or Ctrl-C at the next step (0: never)"
+    )
+    keep_last: int = _setting(3, "checkpoints kept: older ones are deleted once a newer one is saved (0: all)")
+    resume: bool | str = _setting(
         False,
-        "continue from the newest checkpoint in the output directory that verifies "
-        "(its files match their sha256 manifest)",
+        "continue from the newest checkpoint in the output directory that verifies (its files match their "
+        'sha256 manifest); an error when there is none. --resume=auto (resume = "auto"): continue if there '
+        "is one, else start",
     )
     allow_config_change: bool = _setting(
         False,
@@ -127,13 +156,24 @@ class TrainConfig:
     )
     seed: int = _setting(0, "initialisation and batch order")
     cost_model: str | None = _setting(
-        None, "profiled cost model JSON (`bytescale-compile profile`; default: analytic from the model config)"
+        None,
+        "profiled cost model JSON (`bytescale-compile profile`; default: analytic from the model config, "
+        "calibrated in the job)",
     )
-    calibrate: bool = _setting(
-        False,
-        "before training, time the model on every rank at once under the job's own "
-        "load and refit the cost model's T(s), ring bandwidth and latency to it "
-        "(saved as calibrated_cost_model.json in --out)",
+    calibrate: bool | None = _setting(
+        None,
+        "before training, time the model on every rank at once under the job's own load and refit the cost "
+        "model's T(s), ring bandwidth and latency to it (saved as calibrated_cost_model.json in --out). "
+        "Default: on without --cost-model; with --no-calibrate and no profile, steps print no predicted times",
+    )
+    log_every: int = _setting(1, "print a step line every N steps (metrics.jsonl and loggers get every step)")
+    loggers: str | None = _setting(
+        None,
+        "comma-separated experiment loggers besides metrics.jsonl: tensorboard, wandb, mlflow (pip install "
+        "'bytescale_compile[NAME]'; default: tensorboard when installed)",
+    )
+    peak_tflops: float | None = _setting(
+        None, "the device's peak TFLOP/s for MFU (default: from a table of known GPUs; none on a CPU)"
     )
     loader: str = _setting(
         "local",
@@ -151,7 +191,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        for key in ("model", "data", "out", "tokenizer", "cost_model", "ray_address"):
+        for key in ("model", "data", "out", "tokenizer", "cost_model", "ray_address", "loggers"):
             if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
                 raise ConfigError(f"{key} must be a string, got {getattr(self, key)!r}")
         for key in ("model", "data", "out"):
@@ -163,9 +203,10 @@ class TrainConfig:
         for key in ("steps", "global_tokens", "capacity", "pp"):
             _check_int(key, getattr(self, key), 1)
         _check_int("max_len", self.max_len, 2)
-        for key in ("warmup", "eval_every", "checkpoint_every", "seed", "prefetch_steps"):
+        for key in ("warmup", "eval_every", "checkpoint_every", "keep_last", "seed", "prefetch_steps"):
             _check_int(key, getattr(self, key), 0)
         _check_int("data_servers", self.data_servers, 1)
+        _check_int("log_every", self.log_every, 1)
         for key in ("decay_steps", "eval_tokens", "ray_cpus"):
             if getattr(self, key) is not None:
                 _check_int(key, getattr(self, key), 1)
@@ -180,13 +221,24 @@ class TrainConfig:
         _check_float("beta1", self.beta1, 0.0, 1.0, high_open=True)
         _check_float("beta2", self.beta2, 0.0, 1.0, high_open=True)
         _check_float("max_grad_norm", self.max_grad_norm, 0.0, math.inf, low_open=True)
-        for key in ("resume", "allow_config_change", "zero"):
+        if self.peak_tflops is not None:
+            _check_float("peak_tflops", self.peak_tflops, 0.0, math.inf, low_open=True)
+        for key in ("allow_config_change", "zero"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be true or false, got {getattr(self, key)!r}")
+        if self.calibrate is not None and not isinstance(self.calibrate, bool):
+            raise ConfigError(f"calibrate must be true or false, got {self.calibrate!r}")
+        if not isinstance(self.resume, bool) and self.resume != RESUME_AUTO:
+            raise ConfigError(f'resume must be true, false or "{RESUME_AUTO}", got {self.resume!r}')
 
     @property
     def schedule_steps(self) -> int:
         return self.decay_steps if self.decay_steps is not None else self.steps
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the job refits the cost model: as set, else exactly when no profile is given."""
+        return self.calibrate if self.calibrate is not None else self.cost_model is None
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -235,7 +287,26 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
     for key in SIZES:
         if isinstance(values.get(key), str):
             values[key] = _size(key, values[key])
+    for key in PATHS:
+        if isinstance(values.get(key), str) and values[key]:
+            values[key] = _absolute(key, values[key])
     return TrainConfig(**values)
+
+
+def _absolute(key: str, value: str) -> str:
+    """`value` with its paths made absolute against the working directory: each prefix of --data, and a model or
+    tokenizer only when it exists as a path (else it is a preset, MODULE:FACTORY or a hub name)."""
+    if key == "data":
+        from ..data.mixture import format_data_spec, parse_data_spec  # torch: not for --help
+
+        try:
+            parts = parse_data_spec(value)
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from e
+        return format_data_spec([(os.path.abspath(prefix), weight) for prefix, weight in parts])
+    if key in ("model", "tokenizer") and not Path(value).exists():
+        return value
+    return os.path.abspath(value)
 
 
 def _size(key: str, text: str) -> int:
@@ -263,9 +334,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def to_toml(config: TrainConfig) -> str:
-    """The configuration as a flat TOML table that `load_config` reads back to an equal config (None is left out)."""
+    """The configuration as a flat TOML table that `load_config` reads back (None is left out; decay_steps is
+    written resolved, so that a resume with a longer --steps keeps the schedule)."""
     lines = ["# resolved by python -m bytescale_compile.train"]
-    for key, value in config.to_dict().items():
+    for key, value in {**config.to_dict(), "decay_steps": config.schedule_steps}.items():
         if value is not None and key not in NOT_SAVED:
             lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"

@@ -434,8 +434,9 @@ def _prediction_message(steps: str, measured: float, predicted: float, cost_mode
     return (
         f"{steps} took {measured:.3g} s, {how} than the {predicted:.3g} s that cost model "
         f"{cost_model.source!r} (hardware {cost_model.hardware.name!r}) predicts: plans balanced by it may be "
-        f"poor. Fit one on this machine with `bytescale-compile profile MODULE:FACTORY --out cost.json` and pass "
-        f"it (Runtime(cost_model=CostModel.load('cost.json')), or cost_model in the training config)"
+        f"poor. The trainer refits it in the job (calibrate, its default without --cost-model); elsewhere fit "
+        f"one on this machine with `bytescale-compile profile MODEL --out cost.json` (MODEL: a Hugging Face "
+        f"config directory or MODULE:FACTORY) and pass Runtime(cost_model=CostModel.load('cost.json'))"
     )
 
 

@@ -1,15 +1,20 @@
-"""Process-group set-up for scripts launched by `torchrun`, safe across elastic restarts."""
+"""Process-group set-up for scripts launched by `torchrun`, safe across elastic restarts, and a launcher of
+the trainer's ranks on one machine that reports like the ranks do."""
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import signal
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "init_distributed", "local_device"]
+__all__ = ["DistEnv", "init_distributed", "launch_local", "local_device"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +62,33 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
         )
     dist.init_process_group(backend, timeout=timeout, **options)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def launch_local(nproc: int, module: str, argv: Sequence[str]) -> int:
+    """Run `python -m module ARGV` as `nproc` ranks on this machine, as `torchrun --standalone` does, and return
+    their exit status without torchrun's report: the ranks print their own one-line errors, and a first-failure
+    table and a traceback of the launcher would bury them. A signal (Ctrl-C, SIGTERM) is passed to the ranks,
+    which stop after their step; the status is then 0 for SIGTERM and 128 + the signal otherwise."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in list(logging.root.manager.loggerDict):  # each of torch's elastic modules sets its own level
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"bytescale-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", module, *argv)
+    except ChildFailedError as e:
+        return e.get_first_failure()[1].exitcode or 1
+    except SignalException as e:
+        return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
+    return 0

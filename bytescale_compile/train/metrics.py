@@ -1,33 +1,68 @@
-"""What a run reports per step: metrics.jsonl, TensorBoard scalars (when `tensorboard` is installed) and
-the console (tqdm when installed). Only rank 0 writes; every rank computes the same figures.
+"""What a run reports per step: metrics.jsonl, the experiment loggers asked for (TensorBoard, Weights & Biases,
+MLflow; by default TensorBoard when installed) and the console (tqdm when installed). Only rank 0 writes;
+every rank computes the same figures.
 
 Each step's record holds the measured figures next to the simulator's prediction for the same plan
 (`sim/simulator.py` with the run's cost model), so a run shows how far the cost model is from the
 hardware it plans for. Strategy "auto" also records which candidate each step ran and its simulated
-speedup over static (the fields are left out of other strategies' lines).
+speedup over static (the fields are left out of other strategies' lines). Given the model's shape, a record
+also holds the TFLOP/s each device achieved and, where the device's peak is known, the MFU (`flops.py`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
+import secrets
 import sys
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..planner import CostModel
+from ..planner.cost_model import ModelShape
 from ..sim.simulator import busy_times, p2p_bytes, simulate
 from .engine import StepStats
+from .flops import achieved, model_flops
 
-__all__ = ["METRICS_FILE", "MetricsLog", "StepRecord", "echo", "progress"]
+__all__ = [
+    "LOGGERS",
+    "LOGGER_RUNS_FILE",
+    "METRICS_FILE",
+    "LoggerError",
+    "MetricsLog",
+    "StepRecord",
+    "check_loggers",
+    "echo",
+    "progress",
+]
 
 METRICS_FILE = "metrics.jsonl"
-_SCALARS = ("loss", "tokens_per_second", "lr", "grad_norm", "eval_loss", "auto_speedup")
-"""What goes to TensorBoard."""
-_OPTIONAL = ("eval_loss", "auto_choice", "auto_speedup", "bubbles", "predicted_bubbles")
+LOGGER_RUNS_FILE = "logger_runs.json"
+"""In the run directory: the Weights & Biases and MLflow run ids, so a resumed run logs to the same runs."""
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+"""Experiment loggers by name; each needs the package of the same name (the extra of the same name)."""
+WANDB_PROJECT = "bytescale_compile"
+"""The Weights & Biases project unless the WANDB_PROJECT environment variable names one."""
+_OPTIONAL = (
+    "eval_loss",
+    "auto_choice",
+    "auto_speedup",
+    "bubbles",
+    "predicted_bubbles",
+    "tflops",
+    "mfu",
+    "dataset_tokens",
+)
 """Left out of a metrics.jsonl line when None: steps without evaluation, strategies other than auto, runs
-without pipelines."""
+without pipelines, models without a shape (TFLOP/s) or devices without a known peak (MFU), single-dataset runs."""
+
+
+class LoggerError(ValueError):
+    """An experiment logger that does not exist or whose package is not installed."""
 
 
 @dataclass
@@ -63,6 +98,12 @@ class StepRecord:
     """Pipelines (--pp > 1): each HDP rank's measured bubble rate (`StepStats.bubbles`)."""
     predicted_bubbles: list[float] | None = None
     """The simulator's stage-by-stage bubble rate of each pipeline for the same plan."""
+    tflops: float | None = None
+    """Model TFLOP/s per device (`flops.model_flops` over the step time and the job's processes)."""
+    mfu: float | None = None
+    """`tflops` over the device's peak TFLOP/s (`flops.peak_tflops`)."""
+    dataset_tokens: dict[str, int] | None = None
+    """A mixed run: the step's tokens drawn from each dataset, by name."""
 
     @classmethod
     def from_stats(
@@ -72,12 +113,27 @@ class StepRecord:
         cost_model: CostModel,
         data_wait_s: float = 0.0,
         plan_time_s: float | None = None,
+        *,
+        shape: ModelShape | None = None,
+        peak: float | None = None,
+        dataset_tokens: dict[str, int] | None = None,
     ) -> StepRecord:
         """`cost_model` must be the Runtime's: the busy spread and P2P bytes are simulated with it, next to the
-        step time the Runtime predicted with it. `plan_time_s`: the scheduler's (default: the Runtime's own)."""
+        step time the Runtime predicted with it. `plan_time_s`: the scheduler's (default: the Runtime's own).
+
+        With the model's `shape`, the step's model FLOPs (its plan's sequences; the cost model's mixer layers
+        have no attention term) give `tflops` per process of the job (one device each), and with the device's
+        `peak` TFLOP/s the `mfu`."""
         timeline = simulate(stats.plan, cost_model)
         busy = busy_times(timeline)
         busy = busy[busy > 0]
+        tflops, mfu = (
+            achieved(
+                model_flops(shape, stats.plan.sequences, cost_model.mixer_layers), stats.time, peak, len(stats.busy)
+            )
+            if shape is not None
+            else (None, None)
+        )
         return cls(
             step=stats.step,
             strategy=stats.strategy,
@@ -102,18 +158,43 @@ class StepRecord:
             stage_bytes=stats.stage_bytes,
             bubbles=stats.bubbles,
             predicted_bubbles=timeline.bubbles if stats.bubbles is not None else None,
+            tflops=tflops,
+            mfu=mfu,
+            dataset_tokens=dataset_tokens,
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if value is not None or key not in _OPTIONAL}
 
-    def summary(self) -> str:
+    def scalars(self) -> dict[str, float]:
+        """The step's numbers by name, for the experiment loggers' plots: every int or float field that is set
+        (not the step, flags or lists) and each dataset's tokens as `dataset_tokens/<name>`."""
+        values = {
+            f.name: float(value)
+            for f in fields(self)
+            if f.name != "step"
+            and isinstance(value := getattr(self, f.name), (int, float))
+            and not isinstance(value, bool)
+        }
+        values.update({f"dataset_tokens/{name}": float(n) for name, n in (self.dataset_tokens or {}).items()})
+        return values
+
+    def summary(self, predicted: bool = True) -> str:
+        """The step's console line; `predicted=False` leaves out the predicted time, for a cost model that
+        cannot predict this device's (an analytic one on a CPU)."""
+        prediction = f" (predicted {self.predicted_time:.2f})" if predicted else ""
         line = (
             f"[{self.strategy}] step {self.step}: loss {self.loss:.4f}, lr {self.lr:.2e}, {self.tokens} tokens, "
-            f"{self.tokens_per_second:,.0f} tokens/s, {self.time:.2f} s (predicted {self.predicted_time:.2f}), "
+            f"{self.tokens_per_second:,.0f} tokens/s, {self.time:.2f} s{prediction}, "
             f"busy max/min {self.busy_spread:.2f}, "
             f"micro-batches per rank {self.micro_batches}"
         )
+        if self.tflops is not None:
+            line += f", {self.tflops:.3g} TFLOP/s per rank"
+        if self.mfu is not None:
+            line += f", MFU {self.mfu:.1%}"
+        if self.dataset_tokens:
+            line += ", tokens by dataset " + ", ".join(f"{name} {n}" for name, n in self.dataset_tokens.items())
         if self.bubbles is not None and self.predicted_bubbles is not None:
             pairs = ", ".join(f"{m:.2f}/{p:.2f}" for m, p in zip(self.bubbles, self.predicted_bubbles))
             line += f", bubble per pipeline {pairs} (measured/predicted)"
@@ -128,37 +209,174 @@ class StepRecord:
 
 
 class MetricsLog:
-    """`<run_dir>/metrics.jsonl` plus TensorBoard events under `<run_dir>/tensorboard`, on rank 0.
+    """`<run_dir>/metrics.jsonl` plus the experiment `loggers` (a subset of `LOGGERS`; None: TensorBoard when
+    installed, () none), on rank 0 (`enabled`). `run_name` and `config` name and describe the run to
+    Weights & Biases and MLflow.
 
     A resumed run keeps the lines of the steps up to its checkpoint and drops later ones (those of a
-    run that crashed after the checkpoint), so the file always describes one run, step by step.
+    run that crashed after the checkpoint), so the file always describes one run, step by step; TensorBoard
+    drops their events too, and Weights & Biases and MLflow continue the runs whose ids the first run stored
+    in `<run_dir>/logger_runs.json`.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, resumed_step: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        resumed_step: int = 0,
+        loggers: Sequence[str] | None = None,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.path = run_dir / METRICS_FILE
         self.enabled = enabled
-        self._board = None
+        self._loggers: list[_Logger] = []
         if not enabled:
             return
+        names = [name for name in ("tensorboard",) if _installed(name)] if loggers is None else list(loggers)
+        check_loggers(names)
         run_dir.mkdir(parents=True, exist_ok=True)
         kept = _lines_through(self.path, resumed_step) if resumed_step else []
         self.path.write_text("".join(kept))
-        self._board = _tensorboard(run_dir / "tensorboard", resumed_step + 1)
+        run = _Run(run_dir, resumed_step, run_name, config or {})
+        self._loggers = [_BACKENDS[name](run) for name in dict.fromkeys(names)]
 
     def write(self, record: StepRecord) -> None:
         if not self.enabled:
             return
         with open(self.path, "a", encoding="utf-8") as out:
             out.write(json.dumps(record.to_dict()) + "\n")
-        if self._board is not None:
-            for key in _SCALARS:
-                if (value := getattr(record, key)) is not None:
-                    self._board.add_scalar(key, value, record.step)
-            self._board.flush()
+        for logger in self._loggers:
+            logger.log(record)
 
     def close(self) -> None:
-        if self._board is not None:
-            self._board.close()
+        for logger in self._loggers:
+            logger.close()
+        self._loggers = []
+
+
+def check_loggers(names: Sequence[str]) -> None:
+    """Raise LoggerError for a name not in `LOGGERS` or whose package is not installed: run it on every rank
+    before training, so a run does not fail (or rank 0 alone) after its setup."""
+    for name in names:
+        if name not in LOGGERS:
+            raise LoggerError(f"unknown experiment logger {name!r}; known: {', '.join(LOGGERS)}")
+        if not _installed(name):
+            raise LoggerError(f"the {name} logger needs the {name} package: pip install 'bytescale_compile[{name}]'")
+
+
+def _installed(package: str) -> bool:
+    """Without importing it (wandb and mlflow are slow to import); a None in sys.modules blocks an import."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the loggers know of the run, and the run ids they keep in its directory."""
+
+    directory: Path
+    resumed_step: int
+    name: str | None
+    config: dict[str, Any]
+
+    @property
+    def _ids_path(self) -> Path:
+        return self.directory / LOGGER_RUNS_FILE
+
+    def stored_id(self, logger: str) -> str | None:
+        """The id of the run a resumed run continues; None for a fresh run, which starts a new one."""
+        if not self.resumed_step or not self._ids_path.is_file():
+            return None
+        return json.loads(self._ids_path.read_text(encoding="utf-8")).get(logger)
+
+    def store_id(self, logger: str, run_id: str) -> None:
+        ids = json.loads(self._ids_path.read_text(encoding="utf-8")) if self._ids_path.is_file() else {}
+        self._ids_path.write_text(json.dumps({**ids, logger: run_id}, indent=2) + "\n", encoding="utf-8")
+
+
+class _Logger(Protocol):
+    def log(self, record: StepRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _TensorBoard:
+    """Events under `<run_dir>/tensorboard`; `purge_step` drops those of steps a crashed run wrote after the
+    checkpoint this run resumes from."""
+
+    def __init__(self, run: _Run) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(run.directory / "tensorboard"), purge_step=run.resumed_step + 1)
+
+    def log(self, record: StepRecord) -> None:
+        for key, value in record.scalars().items():
+            self._writer.add_scalar(key, value, record.step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _Wandb:
+    """A Weights & Biases run in project WANDB_PROJECT (environment, else `WANDB_PROJECT`), its files under
+    `<run_dir>/wandb`. A resumed run continues it; wandb drops what is logged again for steps it already has
+    (those a crashed run ran after its checkpoint), keeping the first values."""
+
+    def __init__(self, run: _Run) -> None:
+        import wandb
+
+        run_id = run.stored_id("wandb") or secrets.token_hex(8)
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", WANDB_PROJECT),
+            name=run.name,
+            config=run.config,
+            dir=str(run.directory),
+            id=run_id,
+            resume="allow",
+        )
+        run.store_id("wandb", run_id)
+
+    def log(self, record: StepRecord) -> None:
+        self._run.log(record.scalars(), step=record.step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MLflow:
+    """An MLflow run at the tracking URI and experiment of MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME (as
+    mlflow reads them). A fresh run logs `config` as parameters; a resumed one continues the stored run, whose
+    parameters are already there."""
+
+    def __init__(self, run: _Run) -> None:
+        import mlflow
+
+        self._mlflow = mlflow
+        run_id = run.stored_id("mlflow")
+        active = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(run_name=run.name)
+        if run_id is None and run.config:
+            mlflow.log_params(run.config)
+        run.store_id("mlflow", active.info.run_id)
+
+    def log(self, record: StepRecord) -> None:
+        metrics = {_MLFLOW_KEY.sub("_", key): value for key, value in record.scalars().items()}
+        self._mlflow.log_metrics(metrics, step=record.step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+_MLFLOW_KEY = re.compile(r"[^\w\-. /]")
+"""What MLflow refuses in a metric name (a dataset's file name may hold it)."""
+
+_BACKENDS: dict[str, Callable[[_Run], _Logger]] = {
+    "tensorboard": _TensorBoard,
+    "wandb": _Wandb,
+    "mlflow": _MLflow,
+}
 
 
 def _lines_through(path: Path, step: int) -> list[str]:
@@ -169,16 +387,6 @@ def _lines_through(path: Path, step: int) -> list[str]:
         for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
         if line.strip() and json.loads(line)["step"] <= step
     ]
-
-
-def _tensorboard(log_dir: Path, first_step: int) -> Any:
-    """A SummaryWriter, or None without the optional `tensorboard` package; `purge_step` drops the events of
-    steps a crashed run wrote after the checkpoint this run resumes from."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(log_dir=str(log_dir), purge_step=first_step)
 
 
 def progress(steps: range, description: str, enabled: bool) -> Iterator[int]:

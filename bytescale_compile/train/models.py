@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from ..models.factory import FactoryError, load_factory
+from .config import MODEL_PRESETS
 
-__all__ = ["PRESETS", "LoadedModel", "ModelSourceError", "load_model"]
+__all__ = ["LoadedModel", "ModelSourceError", "load_model"]
 
-PRESETS = {"tiny": "bytescale_compile.models.llama:tiny", "small": "bytescale_compile.models.llama:small"}
-"""Our LLaMA (`bytescale_compile/models/llama.py`), shipped in the package."""
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -47,14 +46,14 @@ class LoadedModel:
 def load_model(spec: str, seed: int) -> LoadedModel:
     """Build the model `spec` names in fp32; random initialisation draws from `seed`."""
     torch.manual_seed(seed)
-    if spec in PRESETS or (":" in spec and not Path(spec).exists()):
+    if spec in MODEL_PRESETS or (":" in spec and not Path(spec).exists()):
         return _from_factory(spec)
     return _from_directory(Path(spec))
 
 
 def _from_factory(spec: str) -> LoadedModel:
     try:
-        module = load_factory(PRESETS.get(spec, spec))
+        module = load_factory(MODEL_PRESETS[spec][0] if spec in MODEL_PRESETS else spec)
     except FactoryError as e:
         raise ModelSourceError(f"model {spec!r}: {e}") from e
     return LoadedModel(module.float(), spec, _vocab_size(module, spec), None, False)
@@ -63,7 +62,7 @@ def _from_factory(spec: str) -> LoadedModel:
 def _from_directory(path: Path) -> LoadedModel:
     if not path.exists():
         raise ModelSourceError(
-            f"model {str(path)!r} is neither a directory nor a preset ({', '.join(PRESETS)}) nor MODULE:FACTORY"
+            f"model {str(path)!r} is neither a directory nor a preset ({', '.join(MODEL_PRESETS)}) nor MODULE:FACTORY"
         )
     if not (path / "config.json").is_file():
         raise ModelSourceError(

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,24 +38,32 @@ from ..data import (
     GlobalBatch,
     GlobalBatchSampler,
     LoadedTokenizer,
+    MixedDataset,
+    MixtureSampler,
     TokenDataset,
     TokenizerError,
     TokenizerInfo,
+    batch_sources,
     eval_batches,
-    eval_prefix,
+    eval_spec,
     load_tokenizer,
+    open_data,
 )
-from ..planner import AUTO, STATIC, CostModel
+from ..planner import AUTO, BALANCE, STATIC, CostModel, ModelShape
+from ..planner.model_shape import ModelConfigError, model_shape
 from .batch import num_targets
 from .calibrate import calibrate
 from .checkpoint import CheckpointError, latest_checkpoint, remove_stale_tmp, resume_latest, save_checkpoint
-from .config import ALL_STRATEGIES, ConfigError, TrainConfig, check_resume_config, load_config, to_toml
-from .engine import Runtime, default_cost_model
-from .metrics import MetricsLog, StepRecord, echo, progress
+from .config import ALL_STRATEGIES, RESUME_AUTO, ConfigError, TrainConfig, check_resume_config, load_config, to_toml
+from .engine import CostModelWarning, Runtime, default_cost_model
+from .flops import peak_tflops
+from .metrics import LoggerError, MetricsLog, StepRecord, check_loggers, echo, progress
 from .models import LoadedModel, load_model
 from .optim import LRSchedule, build_optimizer
 from .pipeline import gather_stage_weights, pipeline_stage, stage_group
+from .preflight import preflight
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
+from .signals import Stopped, StopRequest
 from .stages import UnsupportedModelError, split_stages, stage_spec
 
 __all__ = [
@@ -78,6 +87,10 @@ CHECKPOINTS_DIR = "checkpoints"
 
 logger = logging.getLogger(__name__)
 
+TrainData = TokenDataset | MixedDataset
+"""--data: one dataset, or a mixture of several."""
+Sampler = GlobalBatchSampler | MixtureSampler
+
 
 class VocabularyError(ConfigError):
     """The data's token ids do not fit the model's embedding."""
@@ -88,8 +101,8 @@ class RunInputs:
     """Everything `setup` checked, ready to train."""
 
     config: TrainConfig
-    train_data: TokenDataset
-    eval_data: TokenDataset | None
+    train_data: TrainData
+    eval_data: TrainData | None
     model: LoadedModel
     """Its initial weights are every strategy's start; `run` trains it in place."""
     tokenizer: LoadedTokenizer | None
@@ -97,6 +110,14 @@ class RunInputs:
     cost_model: CostModel
     config_changes: tuple[str, ...] = ()
     """On --resume with --allow-config-change: each accepted difference from config.toml, `key: saved -> now`."""
+    weights: list[float] | None = None
+    """A --data mixture's token share per dataset (None: one dataset)."""
+    loggers: tuple[str, ...] | None = None
+    """--loggers (None: TensorBoard when installed)."""
+    shape: ModelShape | None = None
+    """The model's shape for its FLOPs per step (None: its config could not be read; no TFLOP/s then)."""
+    peak_tflops: float | None = None
+    """The device's peak for MFU, set by `run` (None: unknown, e.g. a CPU)."""
 
 
 @dataclass
@@ -118,13 +139,16 @@ def run_dir(config: TrainConfig, strategy: str) -> Path:
 
 def setup(config: TrainConfig) -> RunInputs:
     """Open and check the datasets, build the model, resolve the tokenizer and the cost model."""
-    train_data = _open_dataset(
+    _check_out(Path(config.out))
+    train_data, weights = _open_dataset(
         config.data, "--data", "make it with `bytescale-compile data prepare --input ... --tokenizer DIR --out PREFIX`"
     )
+    if weights is not None and config.loader == "ray":
+        raise ConfigError("--loader ray serves one dataset: train a --data mixture with --loader local (the default)")
     eval_data = None
     if config.eval_every:
-        eval_data = _open_dataset(
-            eval_prefix(config.data),
+        eval_data, _ = _open_dataset(
+            eval_spec(config.data),
             "the held-out split of --data",
             "prepare the data with --eval-fraction > 0, or set eval_every = 0",
         )
@@ -137,41 +161,70 @@ def setup(config: TrainConfig) -> RunInputs:
     cost = CostModel.load(config.cost_model) if config.cost_model else default_cost_model(model.module)
     if config.loader == "ray":
         check_ray(config.ray_address)
-    if not config.resume:
-        for strategy in config.strategies:
-            if found := latest_checkpoint(run_dir(config, strategy) / CHECKPOINTS_DIR):
-                raise ConfigError(
-                    f"{found} is a checkpoint of an earlier run: pass --resume to continue it, or "
-                    f"another --out for a new run"
-                )
-    changes = tuple(_resume_config_changes(config)) if config.resume else ()
-    return RunInputs(config, train_data, eval_data, model, tokenizer, cost, changes)
+    found = [c for s in config.strategies if (c := latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR))]
+    if found and not config.resume:
+        raise ConfigError(
+            f"{found[0]} is a checkpoint of an earlier run: pass --resume to continue it, or another --out for a "
+            "new run"
+        )
+    if config.resume is True and not found:
+        raise ConfigError(
+            f"--resume: no checkpoint under {Path(config.out)} to continue; start without --resume, or pass "
+            f"--resume={RESUME_AUTO} to continue when there is one and start otherwise"
+        )
+    loggers = _loggers(config.loggers)
+    changes: tuple[str, ...] = ()
+    if found:
+        config, changes = _resumed_config(config)
+    try:
+        shape: ModelShape | None = model_shape(model.module)
+    except ModelConfigError:
+        shape = None
+    return RunInputs(config, train_data, eval_data, model, tokenizer, cost, changes, weights, loggers, shape)
 
 
-def _resume_config_changes(config: TrainConfig) -> list[str]:
-    """Compare with the config.toml the run being resumed saved (none: a first run started with --resume)."""
+def _loggers(setting: str | None) -> tuple[str, ...] | None:
+    """--loggers as names, each known and installed (None: the default)."""
+    if setting is None:
+        return None
+    names = tuple(name.strip() for name in setting.split(",") if name.strip())
+    try:
+        check_loggers(names)
+    except LoggerError as e:
+        raise ConfigError(f"loggers: {e}") from e
+    return names
+
+
+def _check_out(out: Path) -> None:
+    """--out must be a directory (or not exist yet), so that nothing fails on it after the run started."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: pass a directory (it is created if missing)")
+
+
+def _resumed_config(config: TrainConfig) -> tuple[TrainConfig, tuple[str, ...]]:
+    """The config with the saved run's schedule kept (unless set now), and its accepted differences from the
+    config.toml the run being resumed saved (none when that file is missing)."""
     saved_path = Path(config.out) / CONFIG_FILE
     if not saved_path.is_file():
-        if any(latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR) for s in config.strategies):
-            logger.warning(
-                "%s is missing: the settings of this resume cannot be compared with the saved run's", saved_path
-            )
-        return []
+        logger.warning("%s is missing: the settings of this resume cannot be compared with the saved run's", saved_path)
+        return config, ()
     try:
         saved = load_config(saved_path)
     except ConfigError as e:
         raise ConfigError(f"cannot compare this resume's settings with {saved_path}: {e}") from e
-    return check_resume_config(saved, config, saved_path)
+    if config.decay_steps is None:
+        config = dataclasses.replace(config, decay_steps=saved.schedule_steps)
+    return config, tuple(check_resume_config(saved, config, saved_path))
 
 
-def _open_dataset(prefix: str | Path, what: str, hint: str) -> TokenDataset:
+def _open_dataset(spec: str, what: str, hint: str) -> tuple[TrainData, list[float] | None]:
     try:
-        return TokenDataset.open(prefix)
+        return open_data(spec)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"{what} {prefix}: {e}; {hint}") from e
+        raise FileNotFoundError(f"{what} {spec}: {e}; {hint}") from e
 
 
-def _check_same_tokens(train: TokenDataset, held_out: TokenDataset) -> None:
+def _check_same_tokens(train: TrainData, held_out: TrainData) -> None:
     if (train.tokenizer, train.vocab_size) != (held_out.tokenizer, held_out.vocab_size):
         raise VocabularyError(
             f"{held_out.prefix} (vocab {held_out.vocab_size}, tokenizer {held_out.tokenizer}) was "
@@ -195,7 +248,7 @@ def _check_pipeline(pp: int, model: LoadedModel) -> None:
         raise ConfigError(f"pp = {pp}: model {model.spec} cannot be split into pipeline stages: {e}") from e
 
 
-def _check_vocabulary(data: TokenDataset, model: LoadedModel) -> None:
+def _check_vocabulary(data: TrainData, model: LoadedModel) -> None:
     if data.vocab_size > model.vocab_size:
         source = data.tokenizer.name_or_path if data.tokenizer else "bytes"
         raise VocabularyError(
@@ -206,7 +259,7 @@ def _check_vocabulary(data: TokenDataset, model: LoadedModel) -> None:
         )
 
 
-def _final_tokenizer(config: TrainConfig, data: TokenDataset, model: LoadedModel) -> LoadedTokenizer | None:
+def _final_tokenizer(config: TrainConfig, data: TrainData, model: LoadedModel) -> LoadedTokenizer | None:
     """The tokenizer final/ gets: --tokenizer or the dataset's, which must be the one the data was made with."""
     if model.hf_directory is None or (config.tokenizer is None and data.tokenizer is None):
         return None
@@ -236,7 +289,6 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     initial weights; rank 0 writes config.toml first."""
     config = inputs.config
     for change in inputs.config_changes:
-        logger.warning("resuming with a changed setting (--allow-config-change): %s", change)
         echo(f"resuming with a changed setting (--allow-config-change): {change}", _is_rank0())
     if _is_rank0():
         Path(config.out).mkdir(parents=True, exist_ok=True)
@@ -246,19 +298,43 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     if config.pp == 1:
         optimized = optimize(model.to(device))
-        if config.calibrate:
+        if config.calibrates:
             inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, optimized))
     else:
-        if config.calibrate:  # the whole model on the device while it is timed, then only this rank's stage
+        if config.calibrates:  # the whole model on the device while it is timed, then only this rank's stage
             inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, optimize(model.to(device))))
             model.to("cpu")
         optimized = optimize(pipeline_stage(model, config.pp).to(device))
+    inputs = dataclasses.replace(inputs, peak_tflops=peak_tflops(device, config.dtype, config.peak_tflops))
     results = []
-    with _ray_session(config):
+    with _ray_session(config), StopRequest() as stop:
         for strategy in config.strategies:
             model.load_state_dict(initial)
-            results.append(_train(inputs, strategy, optimized))
+            results.append(_train(inputs, strategy, optimized, stop))
     return results
+
+
+def _datasets(inputs: RunInputs) -> list[tuple[str, TrainData | None]]:
+    return [("--data", inputs.train_data), ("the held-out split", inputs.eval_data)]
+
+
+def _notes(inputs: RunInputs, device: torch.device) -> None:
+    """What the step lines leave out, and why: said once, before the first step."""
+    if inputs.peak_tflops is None and inputs.shape is not None:
+        echo(f"steps print no MFU: no known peak TFLOP/s of this {device.type}; pass --peak-tflops", _is_rank0())
+    if not _predicts(inputs.config, device):
+        echo(
+            f"steps print no predicted time: the cost model is the analytic one of "
+            f"{inputs.cost_model.hardware.name}, not of this {device.type}, and --no-calibrate keeps it; "
+            "calibrate (the default) or pass --cost-model from `bytescale-compile profile`",
+            _is_rank0(),
+        )
+
+
+def _predicts(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the run's cost model can predict its step times: profiled, calibrated, or analytic on a GPU
+    (an analytic model describes a GPU, never a CPU)."""
+    return config.calibrates or config.cost_model is not None or device.type == "cuda"
 
 
 def _calibrated(inputs: RunInputs, optimized: OptimizedModule) -> CostModel:
@@ -271,6 +347,15 @@ def _calibrated(inputs: RunInputs, optimized: OptimizedModule) -> CostModel:
         cost_model=inputs.cost_model,
         capacity=config.capacity,
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
+    )
+    preflight(
+        config,
+        _datasets(inputs),
+        runtime.world_size // config.pp,
+        config.pp,
+        BALANCE,
+        inputs.cost_model,
+        runtime.shard_blockers(),
     )
     result = calibrate(runtime, seed=config.seed)
     if _is_rank0():
@@ -304,7 +389,7 @@ def _ray_session(config: TrainConfig) -> Iterator[None]:
             ray.shutdown()
 
 
-def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunResult:
+def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: StopRequest) -> RunResult:
     """One strategy's run; `optimized` is the whole model or, with pipelines, this rank's stage."""
     config, directory, rank0 = inputs.config, run_dir(inputs.config, strategy), _is_rank0()
     spec = stage_spec(optimized)
@@ -327,50 +412,106 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule) -> RunR
         context_length=config.max_len if strategy in (STATIC, AUTO) else None,
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
     )
-    sampler = GlobalBatchSampler(inputs.train_data, config.global_tokens, seed=config.seed, max_len=config.max_len)
+    preflight(
+        config,
+        _datasets(inputs),
+        runtime.world_size,
+        runtime.pp_size,
+        strategy,
+        runtime.cost_model,
+        runtime.shard_blockers(),
+    )
+    sampler = _sampler(inputs)
     """The local loader's, and in either case what a checkpoint's batch position is checked against."""
     held_out = (
         eval_batches(inputs.eval_data, config.global_tokens, config.max_len, config.eval_tokens or config.global_tokens)
         if inputs.eval_data
         else []
     )
+    if strategy == config.strategies[0]:
+        _notes(inputs, runtime.device)
     for stale in remove_stale_tmp(directory / CHECKPOINTS_DIR):
         echo(f"[{strategy}] removed {stale}, left by an interrupted checkpoint save", rank0)
-    done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR) if config.resume else 0
-    log = MetricsLog(directory, rank0, resumed_step=done)
+    done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR, config.steps) if config.resume else 0
+    log = MetricsLog(
+        directory,
+        rank0,
+        resumed_step=done,
+        loggers=inputs.loggers,
+        run_name=f"{Path(config.out).name}-{strategy}",
+        config=config.to_dict(),
+    )
+    try:
+        with _steps(inputs, runtime, sampler, directory, done + 1) as batches:
+            records, eval_loss = _train_steps(inputs, runtime, schedule, batches, held_out, log, stop, done + 1)
+    finally:
+        log.close()
+    final = _save_final(optimized, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
+    return RunResult(strategy, directory, records, eval_loss, final)
+
+
+def _train_steps(
+    inputs: RunInputs,
+    runtime: Runtime,
+    schedule: LRSchedule,
+    batches: Iterator[LoadedStep],
+    held_out: list[GlobalBatch],
+    log: MetricsLog,
+    stop: StopRequest,
+    first_step: int,
+) -> tuple[list[StepRecord], float | None]:
+    """Steps `first_step`..`steps`: train, evaluate, log, checkpoint; after each, stop with a checkpoint when
+    any rank got SIGTERM or SIGINT."""
+    config, rank0 = inputs.config, _is_rank0()
+    directory = run_dir(config, runtime.strategy)
+    predicts = _predicts(config, runtime.device)
     records, eval_loss = [], None
-    with _steps(inputs, runtime, sampler, directory, done + 1) as batches:
-        for step in progress(range(done + 1, config.steps + 1), strategy, rank0):
-            lr = schedule.apply(optimizer, step)
+
+    def save(step: int, sampler_state: dict) -> Path:
+        return save_checkpoint(
+            directory / CHECKPOINTS_DIR,
+            step,
+            runtime.model,
+            runtime.optimizer,
+            {"step": step, "sampler": sampler_state, "config": config.to_dict()},
+            keep_last=config.keep_last,
+        )
+
+    with warnings.catch_warnings():
+        if not predicts:  # steps are not held against predictions the run says it cannot make
+            warnings.simplefilter("ignore", CostModelWarning)
+        for step in progress(range(first_step, config.steps + 1), runtime.strategy, rank0):
+            lr = schedule.apply(runtime.optimizer, step)
             loaded = next(batches)
             record = StepRecord.from_stats(
                 runtime.step(loaded.batch, plan=loaded.plan),
                 lr,
-                inputs.cost_model,
+                runtime.cost_model,
                 loaded.data_wait_s,
                 loaded.plan_time_s if loaded.plan is not None else None,
+                shape=inputs.shape,
+                peak=inputs.peak_tflops,
+                dataset_tokens=batch_sources(loaded.batch) if inputs.weights is not None else None,
             )
             if held_out and (step % config.eval_every == 0 or step == config.steps):
                 record.eval_loss = eval_loss = evaluate(runtime, held_out)
             log.write(record)
             records.append(record)
-            echo(record.summary(), rank0)
-            if config.checkpoint_every and step % config.checkpoint_every == 0:
-                save_checkpoint(
-                    directory / CHECKPOINTS_DIR,
-                    step,
-                    runtime.model,
-                    optimizer,
-                    {"step": step, "sampler": loaded.sampler_state, "config": config.to_dict()},
-                )
-    log.close()
-    final = _save_final(optimized, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
-    return RunResult(strategy, directory, records, eval_loss, final)
+            if step % config.log_every == 0 or step == config.steps or record.eval_loss is not None:
+                echo(record.summary(predicted=predicts), rank0)
+            saved = None
+            if config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps):
+                saved = save(step, loaded.sampler_state)
+            if (signal_name := stop.agreed(runtime.device)) is not None:
+                if config.checkpoint_every and saved is None:
+                    saved = save(step, loaded.sampler_state)
+                raise Stopped(signal_name, step, str(saved) if saved else None)
+    return records, eval_loss
 
 
 @contextlib.contextmanager
 def _steps(
-    inputs: RunInputs, runtime: Runtime, sampler: GlobalBatchSampler, directory: Path, first_step: int
+    inputs: RunInputs, runtime: Runtime, sampler: Sampler, directory: Path, first_step: int
 ) -> Iterator[Iterator[LoadedStep]]:
     """The steps from `first_step` on: drawn and planned on this rank (local), or by the scheduler actor with
     only this rank's tokens fetched (ray), which rank 0 stops once every rank is done."""
@@ -391,7 +532,7 @@ def _steps(
     )
     scheduler = scheduler_for(
         directory,
-        inputs.train_data,
+        cast(TokenDataset, inputs.train_data),  # setup refuses a mixture with --loader ray
         config.data_servers,
         config.global_tokens,
         config.seed,
@@ -419,7 +560,17 @@ def _steps(
             ray.kill(scheduler)
 
 
-def _local_steps(sampler: GlobalBatchSampler) -> Iterator[LoadedStep]:
+def _sampler(inputs: RunInputs) -> Sampler:
+    """Global batches of the data, or of a mixture by the token shares of its weights."""
+    config = inputs.config
+    if inputs.weights is None:
+        return GlobalBatchSampler(inputs.train_data, config.global_tokens, seed=config.seed, max_len=config.max_len)
+    return MixtureSampler(
+        cast(MixedDataset, inputs.train_data), inputs.weights, config.global_tokens, config.seed, config.max_len
+    )
+
+
+def _local_steps(sampler: Sampler) -> Iterator[LoadedStep]:
     """The sampler's batches; the wait is the time to draw one, and the rank plans it itself."""
     batches = iter(sampler)
     while True:
@@ -428,15 +579,20 @@ def _local_steps(sampler: GlobalBatchSampler) -> Iterator[LoadedStep]:
         yield LoadedStep(batch, None, time.perf_counter() - began, 0.0, sampler.state_dict())
 
 
-def _resume(runtime: Runtime, sampler: GlobalBatchSampler, checkpoints: Path) -> int:
+def _resume(runtime: Runtime, sampler: Sampler, checkpoints: Path, steps: int) -> int:
     """Restore the newest checkpoint under `checkpoints` that verifies, if any; returns its step (0: none).
-    The settings were compared with config.toml in `setup`."""
+    The settings were compared with config.toml in `setup`; a checkpoint past `steps` is refused."""
     resumed = resume_latest(checkpoints, runtime.model, runtime.optimizer)
     if resumed is None:
         return 0
     for skipped in resumed.skipped:
         echo(f"[{runtime.strategy}] skipped checkpoint {skipped.path}: {skipped.reason}", _is_rank0())
     state = resumed.train_state
+    if state["step"] > steps:
+        raise CheckpointError(
+            f"{resumed.path} is of step {state['step']}, past --steps {steps}: pass --steps {state['step']} or "
+            f"more to continue it (final/ is written from the last step), or another --out for a shorter run"
+        )
     try:
         sampler.load_state_dict(state["sampler"])
     except ValueError as e:  # possible after --allow-config-change of data

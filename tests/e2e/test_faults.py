@@ -4,8 +4,9 @@ Checkpoints: a flipped byte, a missing shard, a missing COMPLETE marker or manif
 resume falls back to the newest checkpoint that verifies, and a resume's settings are compared with the saved
 config.toml (refused, accepted with --allow-config-change, never for the model or world size). The command line:
 argument and input errors in one line with exit status 2 (a traceback only with --debug), output paths checked
-before the work, a torch-free start for the planner commands, profiles that record their device. Run time: a
-ring peer that dies mid-ring, a cost model whose predictions are far off. The NaN/no-target step and input
+before the work, a torch-free start for the planner commands, profiles that record their device (of a
+MODULE:FACTORY or a Hugging Face config directory). Run time: a ring peer that dies mid-ring, a cost model whose
+predictions are far off. The NaN/no-target step and input
 validation at `step()` are in tests/distributed/test_train_engine.py; ring group validation in tests/distributed/test_runtime_ring_attention.py."""
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def test_damaged_shard_is_detected_and_resume_falls_back(tmp_path: Path, damage:
     with pytest.raises(CheckpointError, match=rf"{latest}: {reason}"):
         load_checkpoint(latest, model, optimizer)
 
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         resumed = resume_latest(tmp_path, model, optimizer)
     assert resumed.path == checkpoint_dir(tmp_path, 1) and resumed.train_state == {"step": 1}
     assert [(s.path, reason in s.reason) for s in resumed.skipped] == [(latest, True)]
@@ -133,7 +134,7 @@ def test_damaged_shard_is_detected_and_resume_falls_back(tmp_path: Path, damage:
 def test_checkpoint_without_complete_is_skipped_with_its_reason(tmp_path: Path, caplog) -> None:
     _save_steps(tmp_path, (1, 2))
     (checkpoint_dir(tmp_path, 2) / COMPLETE_MARKER).unlink()
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         choice = select_checkpoint(tmp_path)
     assert choice.path == checkpoint_dir(tmp_path, 1)
     assert len(choice.skipped) == 1 and f"no {COMPLETE_MARKER} marker" in choice.skipped[0].reason
@@ -162,7 +163,7 @@ def test_stale_tmp_directories_are_removed_at_start(tmp_path: Path, caplog) -> N
     for path in stale:
         path.mkdir()
         (path / SHARD).write_text("half a shard")
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         assert remove_stale_tmp(tmp_path) == stale
     assert not any(p.exists() for p in stale) and checkpoint_dir(tmp_path, 1).is_dir()
     assert all(str(p) in caplog.text for p in stale)
@@ -241,7 +242,17 @@ def saved_run(tmp_path: Path) -> TrainConfig:
     return config
 
 
-def test_changed_settings_are_listed_and_refused(saved_run: TrainConfig) -> None:
+@pytest.fixture
+def resumable(saved_run: TrainConfig) -> TrainConfig:
+    """`saved_run` with a (marked complete) checkpoint to resume: what `setup` compares settings for."""
+    marker = Path(saved_run.out) / "checkpoints" / "step_00000002" / COMPLETE_MARKER
+    marker.parent.mkdir(parents=True)
+    marker.write_text("step 2\n")
+    return saved_run
+
+
+def test_changed_settings_are_listed_and_refused(resumable: TrainConfig) -> None:
+    saved_run = resumable
     changed = replace(saved_run, resume=True, global_tokens=512, seed=1, lr=2e-3)
     with pytest.raises(ConfigError) as info:
         setup(changed)
@@ -251,18 +262,20 @@ def test_changed_settings_are_listed_and_refused(saved_run: TrainConfig) -> None
     assert "--allow-config-change" in message and str(Path(saved_run.out) / CONFIG_FILE) in message
 
 
-def test_allow_config_change_accepts_and_reports_them(saved_run: TrainConfig) -> None:
+def test_allow_config_change_accepts_and_reports_them(resumable: TrainConfig) -> None:
+    saved_run = resumable
     changed = replace(saved_run, resume=True, seed=1, allow_config_change=True)
     assert setup(changed).config_changes == ("seed: 0 -> 1",)
     assert "allow_config_change =" not in to_toml(changed)  # a switch of one invocation, never saved
-    assert load_config(Path(saved_run.out) / CONFIG_FILE) == saved_run
-    longer = replace(saved_run, resume=True, steps=8, decay_steps=4, checkpoint_every=2)
-    assert setup(longer).config_changes == ()  # running further is not a change; the LR schedule is the same
+    assert load_config(Path(saved_run.out) / CONFIG_FILE) == replace(saved_run, decay_steps=4)  # saved resolved
+    longer = setup(replace(saved_run, resume=True, steps=8, checkpoint_every=2))
+    assert longer.config_changes == () and longer.config.decay_steps == 4  # running further keeps the schedule
     with pytest.raises(ConfigError, match=r"decay_steps: 4 -> 8"):
-        setup(replace(saved_run, resume=True, steps=8))  # the default decay_steps follows steps: another schedule
+        setup(replace(saved_run, resume=True, steps=8, decay_steps=8))  # a schedule set anew is a change
 
 
-def test_model_change_is_refused_even_when_allowed(saved_run: TrainConfig) -> None:
+def test_model_change_is_refused_even_when_allowed(resumable: TrainConfig) -> None:
+    saved_run = resumable
     other = replace(
         saved_run, resume=True, model="bytescale_compile.models.llama:tiny", seed=1, allow_config_change=True
     )
@@ -460,6 +473,28 @@ def test_profile_records_the_device(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["hardware"]["name"] == "cpu"
     assert CostModel.load(out).device == "cpu"
+
+
+def test_profile_takes_a_hugging_face_config_directory(tmp_path, capsys):
+    """Random init from config.json, also in the processes of --ranks-per-device (which rebuild it by name)."""
+    pytest.importorskip("transformers")
+    from tests.trainer_runs import qwen2_config
+
+    qwen2_config().save_pretrained(tmp_path / "qwen2")
+    out = tmp_path / "cost.json"
+    argv = ["profile", str(tmp_path / "qwen2"), "--lengths", "64,128,256", "--repeats", "1", "--out", str(out)]
+    assert main([*argv, "--ranks-per-device", "2"]) == 0
+    assert "cost model of cpu, 2 processes" in capsys.readouterr().out
+    cost = CostModel.load(out)
+    assert (cost.layers, cost.kv_bytes_per_token) == (2, 2 * 2 * 16 * 4)  # K and V, 2 KV heads of 16, fp32
+
+
+def test_profile_target_neither_a_directory_nor_a_factory_names_both(tmp_path, capsys):
+    for target in (str(tmp_path / "missing"), str(tmp_path)):
+        assert main(["profile", target, "--out", str(tmp_path / "cost.json")]) == 2
+        line = one_line_error(capsys, "bytescale-compile profile")
+        assert "Hugging Face config.json" in line and "MODULE:FACTORY" in line and target in line
+    assert not (tmp_path / "cost.json").exists()
 
 
 def test_a_cuda_profile_is_labelled_with_the_gpu_name(monkeypatch):

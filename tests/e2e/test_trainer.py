@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from bytescale_compile.data import TokenDataset, eval_batches, eval_prefix, write_dataset
+from bytescale_compile.data import TokenDataset, eval_prefix, write_dataset
 from bytescale_compile.planner import CostModel
 from bytescale_compile.train.__main__ import main
 from bytescale_compile.train.checkpoint import COMPLETE_MARKER
@@ -27,6 +26,7 @@ from tests.trainer_runs import (
     GLOBAL_TOKENS,
     MAX_LEN,
     ROOT,
+    held_out_loss,
     run_losses,
     run_metrics,
     run_trainer,
@@ -36,19 +36,6 @@ from tests.trainer_runs import (
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-
-
-def _eager_loss(model: torch.nn.Module, dataset: TokenDataset) -> float:
-    """Token-level next-token loss over the held-out batches a run evaluates on, one sequence at a time."""
-    total, targets = 0.0, 0
-    with torch.no_grad():
-        for batch in eval_batches(dataset, GLOBAL_TOKENS, MAX_LEN, GLOBAL_TOKENS):
-            for seq in range(len(batch.lengths)):
-                ids = batch.tokens(seq)
-                logits = model(input_ids=ids[None]).logits[0, :-1].double()
-                total += F.cross_entropy(logits, ids[1:], reduction="sum").item()
-                targets += len(ids) - 1
-    return total / targets
 
 
 def test_two_ranks_equal_one_process_and_final_loads(workspace, tmp_path):
@@ -69,7 +56,7 @@ def test_two_ranks_equal_one_process_and_final_loads(workspace, tmp_path):
     untrained = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(workspace.model))
     assert not torch.equal(model.lm_head.weight, untrained.lm_head.weight)
     held_out = TokenDataset.open(eval_prefix(workspace.data))
-    assert _eager_loss(model, held_out) == pytest.approx(ran[-1]["eval_loss"], rel=1e-5)
+    assert held_out_loss(model, held_out) == pytest.approx(ran[-1]["eval_loss"], rel=1e-5)
     tokenizer = transformers.AutoTokenizer.from_pretrained(final, local_files_only=True)
     original = transformers.AutoTokenizer.from_pretrained(workspace.tokenizer, local_files_only=True)
     assert tokenizer("def self yield")["input_ids"] == original("def self yield")["input_ids"]
@@ -86,6 +73,8 @@ def test_two_ranks_equal_one_process_and_final_loads(workspace, tmp_path):
             "lr": 1e-3,
             "warmup": 1,
             "eval_every": 3,
+            "calibrate": False,
+            "decay_steps": 3,
         },
     )
 
@@ -210,7 +199,7 @@ def test_pipelines_on_4_ranks_equal_one_process_resume_and_save_final(workspace,
     assert sum(r["p2p_bytes"] for r in ran) > 0, "no sequence was shared by the pipelines"
     final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final", local_files_only=True)
     held_out = TokenDataset.open(eval_prefix(workspace.data))
-    assert _eager_loss(final.eval(), held_out) == pytest.approx(ran[-1]["eval_loss"], rel=1e-5)
+    assert held_out_loss(final.eval(), held_out) == pytest.approx(ran[-1]["eval_loss"], rel=1e-5)
 
     run_trainer(
         torchrun_command(4, train_args(workspace, tmp_path / "cut", "--steps", "2", "--checkpoint-every", "2", *common))
@@ -251,7 +240,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(workspace, tmp_path):
     run_trainer(torchrun_command(2, train_args(workspace, tmp_path / "full", *common)))
     out = tmp_path / "killed"
     cmd = torchrun_command(
-        2, train_args(workspace, out, *common, "--checkpoint-every", "2", "--resume"), "--max-restarts=1"
+        2, train_args(workspace, out, *common, "--checkpoint-every", "2", "--resume=auto"), "--max-restarts=1"
     )
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -1,7 +1,8 @@
 """The package's layers hold: every import of `bytescale_compile` (top-level, inside functions, under
 TYPE_CHECKING) runs down its stack, and no modules or subpackages import each other in a cycle.
 
-Two stacks, each from the bottom up, on a floor that imports nothing of ours (`config`, `units`, `models`):
+Two stacks, each from the bottom up, on a floor that imports nothing of ours (`config`, `units`, `strategies`,
+`lazy`, `models`):
 
     kernels -> runtime -> ops -> passes -> capture -> api
     data -> planner -> sim
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "bytescale_compile"
-FLOOR = ("config", "units", "models")
+FLOOR = ("config", "units", "strategies", "lazy", "models")
 STACKS = (("kernels", "runtime", "ops", "passes", "capture", "api"), ("data", "planner", "sim"))
 ABOVE_BOTH = "train"
 TOP = ("cli", "testing")

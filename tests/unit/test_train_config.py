@@ -51,7 +51,10 @@ def test_command_line_overrides_the_file(tmp_path):
         ({"beta2": 1.0}, "beta2 must be a finite number in [0.0, 1.0)"),
         ({"warmup": 5, "steps": 5}, "warmup (5) must be below decay_steps (5)"),
         ({"global_tokens": "lots"}, "global_tokens:"),
-        ({"resume": "yes"}, "resume must be true or false"),
+        ({"resume": "yes"}, 'resume must be true, false or "auto"'),
+        ({"keep_last": -1}, "keep_last must be an integer >= 0"),
+        ({"log_every": 0}, "log_every must be an integer >= 1"),
+        ({"peak_tflops": 0.0}, "peak_tflops must be a finite number > 0.0"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -100,3 +103,30 @@ def test_no_weight_decay_on_norms_and_biases():
     norms = [p for n, p in llama.named_parameters() if "norm" in n]
     assert norms and all(any(p is q for q in groups[1]["params"]) for p in norms)
     assert groups[0]["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    "argv,resume", [([], None), (["--resume"], True), (["--resume=auto"], "auto"), (["--no-resume"], False)]
+)
+def test_resume_takes_auto(argv, resume):
+    assert build_parser().parse_args(argv).resume == resume
+
+
+def test_resume_refuses_other_values(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--resume=yes"])
+    assert "--resume takes no value or =auto, got 'yes'" in capsys.readouterr().err
+
+
+def test_saved_config_holds_the_resolved_schedule_and_absolute_paths(tmp_path, monkeypatch):
+    """A config.toml reads back the same from any directory, with the decay steps of the run that wrote it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    config = load_config(None, model="model", data="data/a:0.7,b:0.3", steps=12, cost_model="c.json")
+    assert config.model == str(tmp_path / "model") and config.cost_model == str(tmp_path / "c.json")
+    assert config.data == f"{tmp_path / 'data' / 'a'}:0.7,{tmp_path / 'b'}:0.3"
+    assert load_config(None, model="tiny", data="d").model == "tiny"  # a preset is no path
+    (tmp_path / "config.toml").write_text(to_toml(config))
+    monkeypatch.chdir(tmp_path / "model")
+    saved = load_config(tmp_path / "config.toml")
+    assert saved.decay_steps == 12 and saved.model == config.model and saved.data == config.data
