@@ -87,6 +87,7 @@ CHECKPOINTS_DIR = "checkpoints"
 
 logger = logging.getLogger(__name__)
 
+BF16_BYTES, FP32_BYTES = 2, 4
 TrainData = TokenDataset | MixedDataset
 """--data: one dataset, or a mixture of several."""
 Sampler = GlobalBatchSampler | MixtureSampler
@@ -158,7 +159,7 @@ def setup(config: TrainConfig) -> RunInputs:
     if config.pp > 1:
         _check_pipeline(config.pp, model)
     tokenizer = _final_tokenizer(config, train_data, model)
-    cost = CostModel.load(config.cost_model) if config.cost_model else default_cost_model(model.module)
+    cost = CostModel.load(config.cost_model) if config.cost_model else _analytic_cost_model(model, config.dtype)
     if config.loader == "ray":
         check_ray(config.ray_address)
     found = [c for s in config.strategies if (c := latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR))]
@@ -181,6 +182,22 @@ def setup(config: TrainConfig) -> RunInputs:
     except ModelConfigError:
         shape = None
     return RunInputs(config, train_data, eval_data, model, tokenizer, cost, changes, weights, loggers, shape)
+
+
+def _analytic_cost_model(model: LoadedModel, dtype: str) -> CostModel:
+    """The analytic cost model of the model's config, with the bytes this trainer moves: it counts bf16 K/V,
+    stage boundaries and gradients, while the trainer's gradients (fp32 master weights) and, in an fp32 run,
+    its K/V and boundaries are fp32, twice as many bytes."""
+    cost = default_cost_model(model.module)
+    activations = FP32_BYTES / BF16_BYTES if dtype == "fp32" else 1.0
+    return dataclasses.replace(
+        cost,
+        kv_bytes_per_token=int(cost.kv_bytes_per_token * activations),
+        boundary_bytes_per_token=(
+            None if cost.boundary_bytes_per_token is None else cost.boundary_bytes_per_token * activations
+        ),
+        param_bytes=cost.param_bytes * FP32_BYTES / BF16_BYTES,
+    )
 
 
 def _loggers(setting: str | None) -> tuple[str, ...] | None:

@@ -23,6 +23,7 @@ from tests.trainer_runs import (
     MAX_LEN,
     ROOT,
     interrupt_after_first_step,
+    qwen2_config,
     run_losses,
     run_metrics,
     torchrun_command,
@@ -196,3 +197,23 @@ def test_ctrl_c_on_2_ranks_prints_one_line(workspace, tmp_path):
         f"stopped by SIGINT after step {step}: checkpoint {out / 'checkpoints' / f'step_{step:08d}'} saved; "
         "continue with --resume"
     ], stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype,activation_bytes", [("fp32", 4), ("bf16", 2)])
+def test_default_cost_model_counts_the_bytes_the_run_moves(workspace, tmp_path, dtype, activation_bytes):
+    """K/V in the run's activation dtype, gradients in fp32 (the master weights): what the ring and the
+    all-reduce send, so that the calibrated predictions of P2P bytes and all-reduce time are the measured ones."""
+    cost = setup(load_config(None, **_settings(workspace, tmp_path, dtype=dtype))).cost_model
+    kv_heads, head_dim, params = 2, 64 // 4, sum(p.numel() for p in _qwen2().parameters())
+    assert cost.kv_bytes_per_token == 2 * kv_heads * head_dim * activation_bytes
+    assert cost.param_bytes == pytest.approx(4 * params, rel=0.05)  # ModelShape counts the matrices
+
+
+def _settings(workspace, tmp_path, **overrides) -> dict:
+    return {"model": str(workspace.model), "data": str(workspace.data), "out": str(tmp_path / "out"), **overrides}
+
+
+def _qwen2():
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(qwen2_config(max_position_embeddings=MAX_LEN))
