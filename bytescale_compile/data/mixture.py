@@ -75,13 +75,13 @@ def format_data_spec(items: Sequence[tuple[str, float]]) -> str:
 
 def _parse_item(spec: str, item: str) -> tuple[str, float | None]:
     prefix, colon, tail = item.rpartition(":")
-    if not colon:
+    if not colon or dataset_files(item)[0].is_file():  # a dataset whose name has a ':' stays whole
         return item, None
     prefix, tail = prefix.strip(), tail.strip()
     try:
         weight = float(tail)
     except ValueError:
-        if "/" in tail or "\\" in tail or dataset_files(item)[0].is_file():
+        if "/" in tail or "\\" in tail:
             return item, None
         raise DatasetError(
             f"--data {spec}: weight of {prefix!r} must be a number > 0, got {tail!r} "

@@ -10,7 +10,7 @@ NCCL on GPU.
 
 Everything that can be known before step 1 is checked first, on every rank alike: a bad setting prints one
 `error: ...` line (from rank 0) and exits 2. SIGTERM or Ctrl-C stops after the current step with a
-checkpoint (exit 0 for SIGTERM, 130 for Ctrl-C); a second Ctrl-C stops at once.
+checkpoint (exit 0 for SIGTERM, 130 for Ctrl-C); in one process, a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _rank() -> int:
 
 def _error(message: str, rank0_only: bool = True) -> None:
     """One line on stderr: from rank 0 for what every rank finds alike, else naming the rank that failed."""
-    if not rank0_only:
+    if not rank0_only and "WORLD_SIZE" in os.environ:
         print(f"{PROG}: error on rank {_rank()}: {message}", file=sys.stderr, flush=True)
     elif _rank() == 0:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
@@ -130,13 +130,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .trainer import setup
 
     _warnings_once()
-    alike = (OSError, ValueError, CheckpointError)
-    """Found by every rank alike before anything runs: missing or unreadable files (FileNotFoundError names
-    them) and ConfigError, VocabularyError, ModelSourceError, TokenizerError, DatasetError (ValueErrors)."""
+    alike = (FileNotFoundError, ValueError, CheckpointError)
+    """Found by every rank alike before anything runs: missing files (FileNotFoundError names them) and
+    ConfigError, VocabularyError, ModelSourceError, TokenizerError, DatasetError (ValueErrors)."""
     try:
         inputs = setup(load_config(args.pop("config"), **args))
     except alike as e:
         _error(str(e))
+        return USAGE_EXIT
+    except OSError as e:  # permissions, I/O: possibly this rank's alone, so it says so itself
+        _error(str(e), rank0_only=False)
         return USAGE_EXIT
     except KeyboardInterrupt:
         return _interrupted("before training started")

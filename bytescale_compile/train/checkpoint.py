@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -433,21 +433,22 @@ def save_checkpoint(
 
     _on_rank0(f"committing {tmp} as {final}", commit)  # the broadcast doubles as the final barrier
     if keep_last:
-        prune_checkpoints(root, keep_last)
+        prune_checkpoints(root, keep_last, step)
     return final
 
 
-def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete the `step_*` directories under `root` older than the newest `keep_last` (rank 0; every rank must
-    call it and gets the list). Damaged ones count like the others: a resume falls back through the kept ones."""
+def prune_checkpoints(root: str | Path, keep_last: int, step: int | None = None) -> list[Path]:
+    """Delete the `step_*` directories under `root` older than the newest `keep_last` at or below `step` (default:
+    all), on rank 0; every rank must call it and gets the list. Checkpoints after `step` are left alone: a run that
+    resumed from `step` passed over them (damaged ones, which must not take the kept ones' places)."""
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
 
     def prune() -> list[Path]:
-        old = _step_dirs(Path(root))[keep_last:]
-        for path in old:
+        upto = [path for path in _step_dirs(Path(root)) if step is None or cast(int, _step_of(path)) <= step]
+        for path in upto[keep_last:]:
             shutil.rmtree(path)
-        return old
+        return upto[keep_last:]
 
     return _on_rank0(f"deleting old checkpoints under {root}", prune)
 

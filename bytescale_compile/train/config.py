@@ -54,7 +54,7 @@ PATHS = ("model", "data", "out", "tokenizer", "cost_model")
 preset or factory), so a saved config.toml works from any directory."""
 RESUME_AUTO = "auto"
 """resume = "auto": continue the newest checkpoint if there is one, else start quietly."""
-NOT_SAVED = ("allow_config_change",)
+NOT_SAVED = ("allow_config_change", "resume")
 """Switches of one invocation, left out of config.toml."""
 NOT_COMPARED = (
     "out",
@@ -76,8 +76,8 @@ NOT_COMPARED = (
     "prefetch_steps",
 )
 """Settings a resume may change freely: where and how far to run, and when to checkpoint and evaluate (the
-steps run so far do not depend on them, nor on the loader, which draws the same batches; decay_steps is compared resolved, so a longer --steps with the
-default decay_steps is a change of the LR schedule)."""
+steps run so far do not depend on them, nor on the loader, which draws the same batches; a resume keeps the saved
+decay_steps unless it sets one, so a longer --steps does not change the schedule)."""
 NEVER_CHANGED = ("model",)
 """Refused on resume even with allow_config_change: the checkpoints hold this model's weights."""
 
@@ -164,7 +164,8 @@ class TrainConfig:
         None,
         "before training, time the model on every rank at once under the job's own load and refit the cost "
         "model's T(s), ring bandwidth and latency to it (saved as calibrated_cost_model.json in --out). "
-        "Default: on without --cost-model; with --no-calibrate and no profile, steps print no predicted times",
+        "Default: on without --cost-model and --pp; without calibration or a profile, steps on a CPU print no "
+        "predicted times",
     )
     log_every: int = _setting(1, "print a step line every N steps (metrics.jsonl and loggers get every step)")
     loggers: str | None = _setting(
@@ -237,8 +238,11 @@ class TrainConfig:
 
     @property
     def calibrates(self) -> bool:
-        """Whether the job refits the cost model: as set, else exactly when no profile is given."""
-        return self.calibrate if self.calibrate is not None else self.cost_model is None
+        """Whether the job refits the cost model: as set, else when no profile is given and the whole model runs
+        on each device (calibration times the whole model, which a pipeline's device may not hold)."""
+        if self.calibrate is not None:
+            return self.calibrate
+        return self.cost_model is None and self.pp == 1
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -304,7 +308,7 @@ def _absolute(key: str, value: str) -> str:
         except ValueError as e:
             raise ConfigError(f"data: {e}") from e
         return format_data_spec([(os.path.abspath(prefix), weight) for prefix, weight in parts])
-    if key in ("model", "tokenizer") and not Path(value).exists():
+    if key in ("model", "tokenizer") and (value in MODEL_PRESETS or not Path(value).exists()):
         return value
     return os.path.abspath(value)
 

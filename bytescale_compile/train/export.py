@@ -30,7 +30,7 @@ from .checkpoint import (
     verify_checkpoint,
 )
 from .models import ModelSourceError, load_model
-from .trainer import CHECKPOINTS_DIR, CONFIG_FILE
+from .trainer import CHECKPOINTS_DIR
 
 __all__ = ["ExportError", "ExportResult", "export_checkpoint"]
 
@@ -145,10 +145,10 @@ def _train_state(checkpoint: Path) -> tuple[int, dict[str, Any]]:
 
 
 def _config_dirs(checkpoint: Path) -> list[Path]:
-    """The directories holding the run's config.toml (its `--out`; with `--strategy all` the one above the
-    strategy's), which a relative path of an older run's config may be relative to."""
+    """Where a relative path of an older run's config may be relative to: the run directory, then each one
+    above it (a run started as `--out runs/NAME` from a project root has its paths relative to that root)."""
     run = checkpoint.resolve().parent.parent
-    return [d for d in (run, run.parent) if (d / CONFIG_FILE).is_file()]
+    return [run, *run.parents]
 
 
 def _resolve(value: str, bases: Sequence[Path], suffix: str = "") -> str:

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "init_distributed", "launch_local", "local_device"]
+__all__ = ["DistEnv", "SHUTDOWN_TIMEOUT_S", "init_distributed", "launch_local", "local_device"]
+
+SHUTDOWN_TIMEOUT_S = 300
+"""How long `launch_local` lets the ranks finish their step and save it after a signal before killing them
+(torchrun's default is 30 s)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ def launch_local(nproc: int, module: str, argv: Sequence[str]) -> int:
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     try:
         elastic_launch(config, sys.executable)("-m", module, *argv)

@@ -17,8 +17,10 @@ import os
 import re
 import secrets
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -230,7 +232,7 @@ class MetricsLog:
     ) -> None:
         self.path = run_dir / METRICS_FILE
         self.enabled = enabled
-        self._loggers: list[_Logger] = []
+        self._loggers: dict[str, _Logger] = {}
         if not enabled:
             return
         names = [name for name in ("tensorboard",) if _installed(name)] if loggers is None else list(loggers)
@@ -239,20 +241,36 @@ class MetricsLog:
         kept = _lines_through(self.path, resumed_step) if resumed_step else []
         self.path.write_text("".join(kept))
         run = _Run(run_dir, resumed_step, run_name, config or {})
-        self._loggers = [_BACKENDS[name](run) for name in dict.fromkeys(names)]
+        for name in dict.fromkeys(names):
+            self._guarded(name, partial(self._start, name, run))
 
     def write(self, record: StepRecord) -> None:
         if not self.enabled:
             return
         with open(self.path, "a", encoding="utf-8") as out:
             out.write(json.dumps(record.to_dict()) + "\n")
-        for logger in self._loggers:
-            logger.log(record)
+        for name, logger in list(self._loggers.items()):
+            self._guarded(name, partial(logger.log, record))
 
     def close(self) -> None:
-        for logger in self._loggers:
-            logger.close()
-        self._loggers = []
+        for name, logger in list(self._loggers.items()):
+            self._guarded(name, logger.close)
+        self._loggers = {}
+
+    def _start(self, name: str, run: _Run) -> None:
+        self._loggers[name] = _BACKENDS[name](run)
+
+    def _guarded(self, name: str, call: Callable[[], object]) -> None:
+        """Run a call into an experiment logger; if it fails (a service down, a full disk), warn and drop that
+        logger. Only rank 0 logs, so an exception here would leave the other ranks waiting in the next step's
+        collectives; metrics.jsonl keeps every step either way."""
+        try:
+            call()
+        except Exception as e:
+            warnings.warn(
+                f"the {name} logger failed and is off for the rest of the run: {type(e).__name__}: {e}", stacklevel=3
+            )
+            self._loggers.pop(name, None)
 
 
 def check_loggers(names: Sequence[str]) -> None:

@@ -9,10 +9,11 @@ split, before the first step and without communicating; the step's check stays a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-from ..data import MixedDataset, TokenDataset
+from ..data import GlobalBatch, MixedDataset, TokenDataset
 from ..planner import AUTO, STATIC, CostModel
 from ..planner.limits import LengthLimit, length_limit
 from .config import ConfigError, TrainConfig
@@ -31,20 +32,35 @@ class PreflightError(ConfigError):
 
 def preflight(
     config: TrainConfig,
-    datasets: Sequence[tuple[str, TokenDataset | MixedDataset | None]],
+    train_data: TokenDataset | MixedDataset,
+    held_out: Sequence[GlobalBatch],
     hdp_ranks: int,
     pp_size: int,
     strategy: str,
     cost_model: CostModel,
     blockers: Sequence[str],
 ) -> None:
-    """Raise `PreflightError` when a sequence of one of the `(what, dataset)` (truncated to --max-len) is longer
-    than the run's `hdp_ranks` ranks of capacity C hold under `strategy`."""
-    for what, data in datasets:
-        if data is None:
-            continue
-        drawn = np.flatnonzero(data.lengths >= MIN_LEN)
-        used = np.minimum(data.lengths[drawn], config.max_len)
+    """Raise `PreflightError` when a sequence the run can draw from `train_data` (truncated to --max-len), or one
+    it evaluates on (`held_out`), is longer than the run's `hdp_ranks` ranks of capacity C hold under `strategy`."""
+    drawn = np.flatnonzero(train_data.lengths >= MIN_LEN)
+    sources = [
+        (
+            f"--data {train_data.prefix}",
+            np.minimum(train_data.lengths[drawn], config.max_len),
+            lambda i: _position(train_data, int(drawn[i])),
+        )
+    ]
+    if held_out:
+        index = [(batch, int(seq)) for batch in held_out for seq in batch.indices]
+        names = {Path(str(batch.dataset.prefix)).name for batch in held_out}
+        sources.append(
+            (
+                "the held-out split",
+                np.concatenate([batch.lengths for batch in held_out]),
+                lambda i: _held_out_position(index[i][0], index[i][1], len(names) > 1),
+            )
+        )
+    for what, used, position in sources:
         limit = length_limit(
             used,
             hdp_ranks,
@@ -56,15 +72,15 @@ def preflight(
             shard_blocker="; ".join(blockers) or None,
         )
         if limit.too_long.size:
-            raise PreflightError(_message(what, data, drawn[limit.too_long], used[limit.too_long], limit))
+            raise PreflightError(
+                _message(what, [position(int(i)) for i in limit.too_long], used[limit.too_long], limit)
+            )
 
 
-def _message(
-    what: str, data: TokenDataset | MixedDataset, positions: np.ndarray, lengths: np.ndarray, limit: LengthLimit
-) -> str:
-    shown = ", ".join(_position(data, int(p)) for p in positions[:_SHOWN])
-    more = f" and {positions.size - _SHOWN} more" if positions.size > _SHOWN else ""
-    plural = "s" if positions.size > 1 else ""
+def _message(what: str, positions: list[str], lengths: np.ndarray, limit: LengthLimit) -> str:
+    shown = ", ".join(positions[:_SHOWN])
+    more = f" and {len(positions) - _SHOWN} more" if len(positions) > _SHOWN else ""
+    plural = "s" if len(positions) > 1 else ""
     ways = [f"--max-len {limit.max_len} (truncates them)"]
     if limit.enough_capacity is not None:
         ways.append(f"--capacity {limit.enough_capacity}")
@@ -72,9 +88,9 @@ def _message(
         ways.append(f"{limit.enough_ranks} HDP ranks (torchrun --nproc_per_node={limit.enough_processes} in all)")
     ways.append(f"data prepared with --long-docs split --max-len {limit.max_len} (pieces instead of truncation)")
     return (
-        f"{positions.size} sequence{plural} of {what} {data.prefix}, at dataset position{plural} {shown}{more}, "
-        f"cannot be planned: up to {int(lengths.max())} tokens (after --max-len), {limit.reason}. Any of these "
-        f"holds them: {'; '.join(ways)}"
+        f"{len(positions)} sequence{plural} of {what}, at dataset position{plural} {shown}{more}, cannot be "
+        f"planned: up to {int(lengths.max())} tokens (after --max-len), {limit.reason}. Any of these holds "
+        f"them: {'; '.join(ways)}"
     )
 
 
@@ -84,3 +100,8 @@ def _position(data: TokenDataset | MixedDataset, index: int) -> str:
         return str(index)
     part = int(data.part_of([index])[0])
     return f"{data.names[part]}:{index - data.starts[part]}"
+
+
+def _held_out_position(batch: GlobalBatch, index: int, named: bool) -> str:
+    """A held-out sequence's index in its split, with the split's name when they come from several."""
+    return f"{Path(str(batch.dataset.prefix)).name}:{index}" if named else str(index)

@@ -1,7 +1,7 @@
 """SIGTERM and Ctrl-C as requests to stop at the next step boundary, with a checkpoint.
 
-A cluster preempts a job with SIGTERM and a grace period; a user stops one with Ctrl-C, which the terminal
-sends to torchrun and to every worker, and which torchrun then forwards to the workers again. Either way a
+A cluster preempts a job with SIGTERM and a grace period; a user stops one with Ctrl-C, which torchrun (or the
+trainer's own launcher) passes on to the workers. Either way a
 rank must not die mid-step: the signal only records the request, and at the end of each step every rank
 learns (one all-reduce of a flag) whether any rank was asked to stop, so all of them stop after the same
 step, save it and leave together. A signal repeated later than `FORCE_AFTER_S` after the first means "stop
@@ -21,7 +21,7 @@ import torch.distributed as dist
 __all__ = ["FORCE_AFTER_S", "StopRequest", "Stopped"]
 
 FORCE_AFTER_S = 2.0
-"""A second signal sooner than this is the same request arriving twice (the terminal's and torchrun's)."""
+"""A second signal sooner than this is the same request arriving twice (a key held, or sent to a whole group)."""
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 

@@ -49,7 +49,7 @@ from ..data import (
     load_tokenizer,
     open_data,
 )
-from ..planner import AUTO, BALANCE, STATIC, CostModel, ModelShape
+from ..planner import AUTO, STATIC, CostModel, ModelShape
 from ..planner.model_shape import ModelConfigError, model_shape
 from .batch import num_targets
 from .calibrate import calibrate
@@ -104,6 +104,8 @@ class RunInputs:
     config: TrainConfig
     train_data: TrainData
     eval_data: TrainData | None
+    held_out: list[GlobalBatch]
+    """What evaluation runs on: the first eval_tokens of the held-out split (a mixture's: each part's share)."""
     model: LoadedModel
     """Its initial weights are every strategy's start; `run` trains it in place."""
     tokenizer: LoadedTokenizer | None
@@ -181,7 +183,24 @@ def setup(config: TrainConfig) -> RunInputs:
         shape: ModelShape | None = model_shape(model.module)
     except ModelConfigError:
         shape = None
-    return RunInputs(config, train_data, eval_data, model, tokenizer, cost, changes, weights, loggers, shape)
+    held_out = _held_out(config, eval_data, weights)
+    return RunInputs(config, train_data, eval_data, held_out, model, tokenizer, cost, changes, weights, loggers, shape)
+
+
+def _held_out(config: TrainConfig, data: TrainData | None, weights: list[float] | None) -> list[GlobalBatch]:
+    """The batches every evaluation runs: the first eval_tokens of the held-out split, or of each part of a
+    mixture's its weight's share, so the held-out loss weighs the datasets as training does."""
+    if data is None:
+        return []
+    tokens = config.eval_tokens or config.global_tokens
+    if weights is None:
+        return eval_batches(data, config.global_tokens, config.max_len, tokens)
+    parts = cast(MixedDataset, data).parts
+    return [
+        batch
+        for part, weight in zip(parts, weights)
+        for batch in eval_batches(part, config.global_tokens, config.max_len, max(1, round(weight * tokens)))
+    ]
 
 
 def _analytic_cost_model(model: LoadedModel, dtype: str) -> CostModel:
@@ -307,21 +326,25 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     config = inputs.config
     for change in inputs.config_changes:
         echo(f"resuming with a changed setting (--allow-config-change): {change}", _is_rank0())
-    if _is_rank0():
-        Path(config.out).mkdir(parents=True, exist_ok=True)
-        (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
     device = device or torch.device("cpu")
     model = inputs.model.module
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    if config.pp == 1:
-        optimized = optimize(model.to(device))
+    # the whole model for one process per HDP rank, or to calibrate on (then only this rank's pipeline stage)
+    whole = optimize(model.to(device)) if config.pp == 1 or config.calibrates else None
+    if whole is not None:
+        _preflight(inputs, whole)
         if config.calibrates:
-            inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, optimized))
+            inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, whole))
+    if config.pp == 1:
+        optimized = cast(OptimizedModule, whole)
     else:
-        if config.calibrates:  # the whole model on the device while it is timed, then only this rank's stage
-            inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, optimize(model.to(device))))
-            model.to("cpu")
+        model.to("cpu")
         optimized = optimize(pipeline_stage(model, config.pp).to(device))
+        if whole is None:
+            _preflight(inputs, optimized)
+    if _is_rank0():  # once the run is known to fit: a refused run leaves the saved settings alone
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+        (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
     inputs = dataclasses.replace(inputs, peak_tflops=peak_tflops(device, config.dtype, config.peak_tflops))
     results = []
     with _ray_session(config), StopRequest() as stop:
@@ -331,8 +354,15 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     return results
 
 
-def _datasets(inputs: RunInputs) -> list[tuple[str, TrainData | None]]:
-    return [("--data", inputs.train_data), ("the held-out split", inputs.eval_data)]
+def _preflight(inputs: RunInputs, optimized: OptimizedModule) -> None:
+    """Every strategy of the run checked against the data before anything runs (`preflight.py`), with the cost
+    model as given and the shard blockers of `optimized` (the whole model or this rank's stage)."""
+    config = inputs.config
+    runtime = Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model)
+    blockers = runtime.shard_blockers()
+    hdp = runtime.global_world_size // config.pp
+    for strategy in config.strategies:
+        preflight(config, inputs.train_data, inputs.held_out, hdp, config.pp, strategy, runtime.cost_model, blockers)
 
 
 def _notes(inputs: RunInputs, device: torch.device) -> None:
@@ -342,8 +372,8 @@ def _notes(inputs: RunInputs, device: torch.device) -> None:
     if not _predicts(inputs.config, device):
         echo(
             f"steps print no predicted time: the cost model is the analytic one of "
-            f"{inputs.cost_model.hardware.name}, not of this {device.type}, and --no-calibrate keeps it; "
-            "calibrate (the default) or pass --cost-model from `bytescale-compile profile`",
+            f"{inputs.cost_model.hardware.name}, not of this {device.type}, and the run does not calibrate it: "
+            "pass --calibrate (the default without --pp) or --cost-model from `bytescale-compile profile`",
             _is_rank0(),
         )
 
@@ -365,17 +395,9 @@ def _calibrated(inputs: RunInputs, optimized: OptimizedModule) -> CostModel:
         capacity=config.capacity,
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
     )
-    preflight(
-        config,
-        _datasets(inputs),
-        runtime.world_size // config.pp,
-        config.pp,
-        BALANCE,
-        inputs.cost_model,
-        runtime.shard_blockers(),
-    )
     result = calibrate(runtime, seed=config.seed)
     if _is_rank0():
+        Path(config.out).mkdir(parents=True, exist_ok=True)
         result.cost_model.save(Path(config.out) / CALIBRATED_COST_MODEL)
     echo(f"{result.summary()}\n  saved as {Path(config.out) / CALIBRATED_COST_MODEL}", _is_rank0())
     return result.cost_model
@@ -429,9 +451,10 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
         context_length=config.max_len if strategy in (STATIC, AUTO) else None,
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
     )
-    preflight(
+    preflight(  # again, with the cost model calibrated
         config,
-        _datasets(inputs),
+        inputs.train_data,
+        inputs.held_out,
         runtime.world_size,
         runtime.pp_size,
         strategy,
@@ -440,11 +463,6 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
     )
     sampler = _sampler(inputs)
     """The local loader's, and in either case what a checkpoint's batch position is checked against."""
-    held_out = (
-        eval_batches(inputs.eval_data, config.global_tokens, config.max_len, config.eval_tokens or config.global_tokens)
-        if inputs.eval_data
-        else []
-    )
     if strategy == config.strategies[0]:
         _notes(inputs, runtime.device)
     for stale in remove_stale_tmp(directory / CHECKPOINTS_DIR):
@@ -460,7 +478,7 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
     )
     try:
         with _steps(inputs, runtime, sampler, directory, done + 1) as batches:
-            records, eval_loss = _train_steps(inputs, runtime, schedule, batches, held_out, log, stop, done + 1)
+            records, eval_loss = _train_steps(inputs, runtime, schedule, batches, log, stop, done + 1)
     finally:
         log.close()
     final = _save_final(optimized, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
@@ -472,7 +490,6 @@ def _train_steps(
     runtime: Runtime,
     schedule: LRSchedule,
     batches: Iterator[LoadedStep],
-    held_out: list[GlobalBatch],
     log: MetricsLog,
     stop: StopRequest,
     first_step: int,
@@ -510,8 +527,8 @@ def _train_steps(
                 peak=inputs.peak_tflops,
                 dataset_tokens=batch_sources(loaded.batch) if inputs.weights is not None else None,
             )
-            if held_out and (step % config.eval_every == 0 or step == config.steps):
-                record.eval_loss = eval_loss = evaluate(runtime, held_out)
+            if inputs.held_out and (step % config.eval_every == 0 or step == config.steps):
+                record.eval_loss = eval_loss = evaluate(runtime, inputs.held_out)
             log.write(record)
             records.append(record)
             if step % config.log_every == 0 or step == config.steps or record.eval_loss is not None:
@@ -612,7 +629,7 @@ def _resume(runtime: Runtime, sampler: Sampler, checkpoints: Path, steps: int) -
         )
     try:
         sampler.load_state_dict(state["sampler"])
-    except ValueError as e:  # possible after --allow-config-change of data
+    except (ValueError, KeyError) as e:  # possible after --allow-config-change of data
         raise CheckpointError(f"{resumed.path}: its batch position does not fit this run's data: {e}") from e
     runtime.steps = state["step"]
     echo(f"[{runtime.strategy}] resumed from {resumed.path} at step {state['step']}", _is_rank0())

@@ -48,6 +48,7 @@ from bytescale_compile.train.checkpoint import (
     CheckpointError,
     checkpoint_dir,
     load_checkpoint,
+    prune_checkpoints,
     remove_stale_tmp,
     resume_latest,
     save_checkpoint,
@@ -84,6 +85,19 @@ def _save_steps(root: Path, steps: tuple[int, ...]) -> tuple[torch.nn.Module, di
         save_checkpoint(root, step, model, optimizer, {"step": step})
         weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
     return model, weights
+
+
+def test_keep_last_keeps_the_newest_up_to_the_step_saved(tmp_path: Path) -> None:
+    """After a resume from step 2 passed over a damaged step 5, saving step 3 with keep_last 1 keeps step 3 (and
+    leaves step 5 alone): the damaged one never takes a kept one's place."""
+    _save_steps(tmp_path, (1, 2, 5))
+    _flip_byte(checkpoint_dir(tmp_path, 5))
+    assert prune_checkpoints(tmp_path, 1, step=2) == [checkpoint_dir(tmp_path, 1)]
+    model, optimizer = _fresh(0)
+    _step(model, optimizer, 3)
+    save_checkpoint(tmp_path, 3, model, optimizer, {"step": 3}, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000005"]
+    assert resume_latest(tmp_path, model, optimizer).path == checkpoint_dir(tmp_path, 3)
 
 
 def _flip_byte(path: Path) -> None:

@@ -240,7 +240,9 @@ def test_killed_rank_restarts_from_the_last_checkpoint(workspace, tmp_path):
     run_trainer(torchrun_command(2, train_args(workspace, tmp_path / "full", *common)))
     out = tmp_path / "killed"
     cmd = torchrun_command(
-        2, train_args(workspace, out, *common, "--checkpoint-every", "2", "--resume=auto"), "--max-restarts=1"
+        2,
+        train_args(workspace, out, *common, "--checkpoint-every", "2", "--keep-last", "0", "--resume=auto"),
+        "--max-restarts=1",
     )
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -144,10 +144,13 @@ def test_out_naming_a_file_is_a_one_line_error(workspace, tmp_path, capsys):
 
 def test_moved_config_still_loads(workspace, tmp_path, monkeypatch):
     """A run started with relative paths, on a mixture of two datasets: each step records the tokens of each,
-    and its config.toml loads, copied elsewhere, from another working directory: its paths are absolute."""
+    and its config.toml loads, copied elsewhere, from another working directory: its paths are absolute. The
+    mixture evaluates on both held-out splits, by weight."""
     (tmp_path / "copy").mkdir()
-    for suffix in (".bin", ".idx", ".json"):
-        shutil.copy(workspace.data.with_suffix(suffix), tmp_path / "copy" / f"code{suffix}")
+    for split in ("", "_eval"):
+        for suffix in (".bin", ".idx", ".json"):
+            source = workspace.data.with_name(workspace.data.name + split + suffix)
+            shutil.copy(source, tmp_path / "copy" / f"code{split}{suffix}")
     monkeypatch.chdir(tmp_path)
     data = f"{os.path.relpath(workspace.data)}:0.7,copy/code:0.3"
     out = Path("runs") / "relative"
@@ -164,7 +167,12 @@ def test_moved_config_still_loads(workspace, tmp_path, monkeypatch):
     config = load_config(moved, out=str(tmp_path / "second"))
     assert config.data == f"{workspace.data}:0.7,{tmp_path / 'copy' / 'code'}:0.3"
     assert Path(config.model) == workspace.model
-    assert [part.prefix for part in setup(config).train_data.parts] == [workspace.data, tmp_path / "copy" / "code"]
+    inputs = setup(load_config(moved, out=str(tmp_path / "second"), eval_every=2))
+    assert [part.prefix for part in inputs.train_data.parts] == [workspace.data, tmp_path / "copy" / "code"]
+    held_out = {Path(part.prefix).name: 0 for part in inputs.eval_data.parts}
+    for batch in inputs.held_out:  # each held-out split its weight's share of the evaluated tokens
+        held_out[Path(batch.dataset.prefix).name] += batch.num_tokens
+    assert set(held_out) == {"data_eval", "code_eval"} and held_out["data_eval"] > held_out["code_eval"] > 0
 
 
 # -- the usual instruments ---------------------------------------------------------------------------------
@@ -217,3 +225,19 @@ def _qwen2():
     import transformers
 
     return transformers.AutoModelForCausalLM.from_config(qwen2_config(max_position_embeddings=MAX_LEN))
+
+
+def test_a_run_without_a_cost_model_calibrates_and_predicts(workspace, tmp_path, capsys):
+    """The default: no --cost-model, so the job refits the analytic one before step 1 and every step line holds
+    a prediction from it; with --no-calibrate on a CPU the lines hold none, and one line says why."""
+    default = [arg for arg in train_args(workspace, tmp_path / "run", "--steps", "2") if arg != "--no-calibrate"]
+    assert main(default) == 0
+    printed = capsys.readouterr().out
+    assert (
+        tmp_path / "run" / "calibrated_cost_model.json"
+    ).is_file() and "cost model calibrated in this job" in printed
+    assert all("(predicted " in line for line in printed.splitlines() if "] step " in line)
+    assert main(train_args(workspace, tmp_path / "uncalibrated", "--steps", "2")) == 0
+    printed = capsys.readouterr().out
+    assert "steps print no predicted time: the cost model is the analytic one of h100, not of this cpu" in printed
+    assert not any("(predicted " in line for line in printed.splitlines() if "] step " in line)

@@ -61,9 +61,11 @@ def test_parse_keeps_prefixes_with_colons_whole():
 
 
 def test_parse_accepts_an_existing_dataset_whose_name_has_a_colon(tmp_path):
-    prefix = str(tmp_path / "corpus:v2")
-    write_dataset(prefix, [b"abc"], source="test")
-    assert parse_data_spec(prefix) == [(prefix, 1.0)]
+    """Even when what follows the colon reads as a weight (a time of day): an existing dataset stays whole."""
+    for name in ("corpus:v2", "crawl-2024-01-01T10:30"):
+        prefix = str(tmp_path / name)
+        write_dataset(prefix, [b"abc"], source="test")
+        assert parse_data_spec(prefix) == [(prefix, 1.0)]
 
 
 @pytest.mark.parametrize(

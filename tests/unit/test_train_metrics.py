@@ -10,6 +10,7 @@ import pytest
 
 from bytescale_compile.planner import CostModel, plan
 from bytescale_compile.planner.cost_model import ModelShape
+from bytescale_compile.train import metrics
 from bytescale_compile.train.engine import StepStats
 from bytescale_compile.train.flops import achieved, model_flops
 from bytescale_compile.train.metrics import (
@@ -227,3 +228,26 @@ def test_without_tensorboard_the_default_is_metrics_jsonl_alone(monkeypatch, tmp
     log.write(_record())
     log.close()
     assert [json.loads(line)["step"] for line in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1]
+
+
+def test_a_failing_logger_is_dropped_with_a_warning_and_metrics_go_on(monkeypatch, tmp_path):
+    """rank 0 alone logs: an exception from a logger would leave the other ranks waiting, so it only warns."""
+
+    class Down:
+        def __init__(self, run):
+            pass
+
+        def log(self, record):
+            raise ConnectionError("service unavailable")
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(metrics._BACKENDS, "tensorboard", Down)
+    monkeypatch.setattr(metrics, "_installed", lambda name: True)
+    log = MetricsLog(tmp_path, True, loggers=["tensorboard"])
+    with pytest.warns(UserWarning, match="the tensorboard logger failed and is off .*ConnectionError"):
+        log.write(_record(1))
+    log.write(_record(2))
+    log.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
