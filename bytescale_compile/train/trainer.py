@@ -333,8 +333,9 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     whole = optimize(model.to(device)) if config.pp == 1 or config.calibrates else None
     if whole is not None:
         _preflight(inputs, whole)
-        if config.calibrates:
+        if config.calibrates:  # the calibrated T(s) decides where offloading pays: check again with it
             inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, whole))
+            _preflight(inputs, whole)
     if config.pp == 1:
         optimized = cast(OptimizedModule, whole)
     else:
@@ -346,6 +347,7 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
         Path(config.out).mkdir(parents=True, exist_ok=True)
         (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
     inputs = dataclasses.replace(inputs, peak_tflops=peak_tflops(device, config.dtype, config.peak_tflops))
+    _notes(inputs, device)
     results = []
     with _ray_session(config), StopRequest() as stop:
         for strategy in config.strategies:
@@ -451,20 +453,8 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
         context_length=config.max_len if strategy in (STATIC, AUTO) else None,
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
     )
-    preflight(  # again, with the cost model calibrated
-        config,
-        inputs.train_data,
-        inputs.held_out,
-        runtime.world_size,
-        runtime.pp_size,
-        strategy,
-        runtime.cost_model,
-        runtime.shard_blockers(),
-    )
     sampler = _sampler(inputs)
     """The local loader's, and in either case what a checkpoint's batch position is checked against."""
-    if strategy == config.strategies[0]:
-        _notes(inputs, runtime.device)
     for stale in remove_stale_tmp(directory / CHECKPOINTS_DIR):
         echo(f"[{strategy}] removed {stale}, left by an interrupted checkpoint save", rank0)
     done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR, config.steps) if config.resume else 0
