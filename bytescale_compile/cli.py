@@ -1,10 +1,10 @@
 """`bytescale-compile`: inspect a model's compilation, plan and simulate HDP steps, profile a cost model,
-train a tokenizer, prepare token datasets from your own text and export training checkpoints as Hugging
-Face models.
+predict a rank's memory and capacity, train a tokenizer, prepare token datasets from your own text and export
+training checkpoints as Hugging Face models.
 
 Usage errors print one line and exit with status 2; `bytescale-compile --debug COMMAND ...` shows the
 traceback instead. torch and the compiler load only in the commands that need them (inspect, profile,
-export)."""
+memory, export)."""
 
 from __future__ import annotations
 
@@ -350,6 +350,100 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+_PROBE_TOKENS = 32
+"""Tokens of the row the memory command compiles its meta-device copy on: the report is per token, so any
+short length does (the token dimension is compiled dynamic)."""
+
+
+def _meta_model(target: str, dtype: str) -> tuple[nn.Module, int]:
+    """The model MODEL names, on the meta device in the run's dtype, and its decoder layer count: a Hugging Face
+    config directory cut to 2 layers, or what MODULE:FACTORY builds (whole)."""
+    import torch
+
+    from .train.memory import TORCH_DTYPES, meta_model, param_counts
+
+    forms = "a directory with a Hugging Face config.json, or MODULE:FACTORY (e.g. bytescale_compile.models.llama:small)"
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CLIError(f"directory {target} has no config.json: give {forms}")
+        from transformers import AutoConfig
+
+        try:
+            return meta_model(AutoConfig.from_pretrained(path, local_files_only=True), dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise CLIError(f"cannot build a causal LM from {target}: {e}") from e
+    if ":" not in target:
+        raise CLIError(f"{target!r} is neither a directory nor MODULE:FACTORY: give {forms}")
+    try:
+        with torch.device("meta"):
+            model = load_factory(target)
+    except FactoryError as e:
+        raise CLIError(f"{e} (the target is {forms})") from e
+    except Exception as e:  # the user's factory: whatever it raises is a usage error
+        raise CLIError(f"{target} failed building its model on the meta device: {type(e).__name__}: {e}") from e
+    layers = param_counts(model).layers_present
+    if layers == 0:
+        raise CLIError(f"{target} built {type(model).__name__}, which has no numbered decoder layers (layers.N)")
+    return model.to(TORCH_DTYPES[dtype]), layers
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    import torch
+
+    from .planner.memory import MemoryBudgetError, format_bytes
+    from .train.memory import compile_on_meta, device_memory, memory_model, parse_memory
+
+    if args.device_memory is None and not torch.cuda.is_available():
+        raise CLIError("no CUDA device here to read the memory of: pass --device-memory SIZE (e.g. 80G)")
+    try:
+        budget = parse_memory(args.device_memory) if args.device_memory else device_memory("cuda")
+    except ValueError as e:
+        raise CLIError(f"--device-memory: {e}") from e
+    if args.zero and args.dtype != "fp32":
+        raise CLIError("--zero applies to --dtype fp32 (bf16's distributed optimizer always shards)")
+    if args.grad_reduce_dtype != "fp32" and args.dtype != "bf16":
+        raise CLIError("--grad-reduce-dtype bf16 applies to --dtype bf16")
+    model, total_layers = _meta_model(args.target, args.dtype)
+    if args.pp > total_layers:
+        raise CLIError(f"--pp {args.pp} is larger than the model's {total_layers} decoder layers")
+    layout = functools.partial(
+        memory_model,
+        total_layers=total_layers,
+        hdp=args.hdp,
+        dtype=args.dtype,
+        pp=args.pp,
+        tp=args.tp,
+        zero=args.zero,
+        grad_reduce_dtype=args.grad_reduce_dtype,
+        budget=budget,
+    )
+    inputs = protocol_inputs(model, _PROBE_TOKENS)
+    try:
+        layout(model, activations=False).available(budget)  # budget and tp refused before compiling
+        memory = layout(compile_on_meta(model, inputs))
+    except MemoryBudgetError as e:
+        raise CLIError(f"--device-memory: {e}") from e
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    except Exception as e:  # compiling someone's model on the meta device: name what failed, not a traceback
+        raise CLIError(f"compiling {args.target} on the meta device failed: {type(e).__name__}: {e}") from e
+    where = f"tp {args.tp}, pp {args.pp}, {args.hdp} HDP ranks"
+    print(f"{args.target}: {total_layers} decoder layers, {args.dtype}, {where}, budget {format_bytes(budget)}")
+    print(memory.describe())
+    modes = [args.offload] if args.offload is not None else [False, True]
+    try:
+        for offload in modes:
+            c = memory.capacity(budget, offload)
+            peak = memory.peak(memory.layers * c / 2, 1.0) if offload and memory.layers > 2 else memory.peak(c)
+            print(f"C {'with' if offload else 'without'} offload: {c:,} tokens (peak {format_bytes(peak)})")
+        if True in modes:
+            print(f"longest per rank with offload (r = 1): {memory.longest_per_rank(budget):,} tokens")
+    except MemoryBudgetError as e:
+        raise CLIError(f"--device-memory: {e}") from e
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .train.export import ExportError, export_checkpoint
 
@@ -555,6 +649,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_profile)
     _add_data_commands(sub)
+
+    p = sub.add_parser(
+        "memory",
+        help="predict one rank's memory (static bytes, activations per token, workspace) and the capacity C a "
+        "device budget allows, from a meta-device compilation: no weights, no device memory",
+    )
+    p.add_argument(
+        "target",
+        metavar="MODEL",
+        help="a directory with a Hugging Face config.json (compiled as a 2-layer copy), or MODULE:FACTORY",
+    )
+    p.add_argument("--tp", type=_int_at_least(1), default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=_int_at_least(1), default=1, help="pipeline stages (default 1)")
+    p.add_argument(
+        "--hdp", type=_int_at_least(1), default=1, help="HDP ranks, N: what gradients and sharded state span"
+    )
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="training dtype (default fp32)")
+    p.add_argument("--zero", action="store_true", help="fp32: shard the Adam moments over the HDP ranks (ZeRO-1)")
+    p.add_argument(
+        "--grad-reduce-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: reduce-scatter gradients in fp32 in place (default) or as a bf16 copy of each bucket",
+    )
+    p.add_argument(
+        "--device-memory",
+        "--memory-budget",
+        dest="device_memory",
+        default=None,
+        metavar="SIZE",
+        help="memory of one device, binary units: 80G, 141GiB (default: this machine's CUDA device)",
+    )
+    p.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the C with (--offload) or without (--no-offload) activation offloading (default: both)",
+    )
+    p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser(
         "export",

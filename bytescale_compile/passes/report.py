@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -137,6 +138,26 @@ class CompileReport:
     @property
     def saved_activations(self) -> list[SavedActivation]:
         return [a for g in self.graphs for a in g.saved_activations]
+
+    def activation_bytes_per_token(
+        self, share: Callable[[SavedActivation], float] | None = None
+    ) -> tuple[dict[int, float], float]:
+        """(layer index -> bytes per token of the activations saved in that layer, bytes per token of those outside
+        any layer): the saved-activation table summed, an alias counted once (with the tensor it aliases).
+        `share(a)` scales each tensor (tensor parallelism keeps a share of some). Tensors whose size grows with T²
+        (bytes_per_token None) have no per-token figure and are left out of both sums: a caller that needs the
+        whole memory checks `saved_activations` for them (`train/memory.py` refuses such a model)."""
+        layers: dict[int, float] = {}
+        outside = 0.0
+        for a in self.saved_activations:
+            if a.alias_of is not None or a.bytes_per_token is None:
+                continue
+            size = a.bytes_per_token * (share(a) if share is not None else 1)
+            if a.layer is None:
+                outside += size
+            else:
+                layers[a.layer] = layers.get(a.layer, 0) + size
+        return layers, outside
 
     def mixer_layers(self) -> list[str]:
         """The token-mixer table, one line per module that mixes tokens, in layer order:

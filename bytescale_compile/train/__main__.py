@@ -33,7 +33,12 @@ if TYPE_CHECKING:
 
 PROG = "python -m bytescale_compile.train"
 _ARG_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "str": str, "str | None": str}
-_CHOICES = {"strategy": (*RUNTIME_STRATEGIES, ALL_STRATEGIES), "dtype": DTYPES, "loader": LOADERS}
+_CHOICES = {
+    "strategy": (*RUNTIME_STRATEGIES, ALL_STRATEGIES),
+    "dtype": DTYPES,
+    "grad_reduce_dtype": DTYPES,
+    "loader": LOADERS,
+}
 USAGE_EXIT = 2
 
 
@@ -151,6 +156,7 @@ def _train(inputs: RunInputs) -> int:
     import torch.distributed as dist
 
     from ..planner import PlanError
+    from ..planner.memory import MemoryBudgetError
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .launch import init_distributed, local_device
@@ -158,9 +164,9 @@ def _train(inputs: RunInputs) -> int:
     from .signals import Stopped
     from .trainer import run
 
-    alike = (ConfigError, PlanError, CheckpointError, DataServerError)
-    """Raised on every rank alike during a run: a pre-flight check, a batch the capacity cannot hold, a
-    checkpoint that does not fit, a data server of --loader ray that died for good."""
+    alike = (ConfigError, PlanError, MemoryBudgetError, CheckpointError, DataServerError)
+    """Raised on every rank alike during a run: a pre-flight check, a batch the capacity cannot hold, a plan
+    over the memory budget, a checkpoint that does not fit, a data server of --loader ray that died for good."""
     launched = "WORLD_SIZE" in os.environ  # torchrun sets it
     device = init_distributed().device if launched else local_device()
     if device.type == "cpu":  # ranks on one machine share its cores
@@ -204,16 +210,16 @@ def _report(inputs: RunInputs, results: list[RunResult], device: torch.device) -
             lines.append(f"final model: {r.final_dir} (AutoModelForCausalLM.from_pretrained)")
         echo(", ".join(lines), rank0)
     if rank0 and inputs.config.strategy == ALL_STRATEGIES:
-        echo("\n" + _projection(inputs, int(os.environ.get("WORLD_SIZE", "1"))), rank0)
+        echo("\n" + _projection(inputs, int(os.environ.get("WORLD_SIZE", "1")), results[0].capacity), rank0)
 
 
-def _projection(inputs: RunInputs, world_size: int) -> str:
+def _projection(inputs: RunInputs, world_size: int, capacity: int) -> str:
     """The simulated 512-rank projection of the run's model and data, or why there is none."""
     from ..planner.model_shape import ModelConfigError
     from .projection import project_run
 
     try:
-        return project_run(inputs.config, inputs.model.module, inputs.train_data.lengths, world_size).report()
+        return project_run(inputs.config, inputs.model.module, inputs.train_data.lengths, world_size, capacity).report()
     except ModelConfigError as e:
         return f"no simulated projection: {e}"
 

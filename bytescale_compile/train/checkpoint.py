@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -65,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from .dist_optim import DistributedOptimizer
 from .stages import full_model_name, stage_spec
 
 __all__ = [
@@ -88,6 +90,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+Optimizer = torch.optim.Optimizer | DistributedOptimizer
+"""What a checkpoint holds the state of: a torch optimizer (or ZeRO-1's), or the distributed optimizer."""
 
 COMPLETE_MARKER = "COMPLETE"
 TRAIN_STATE_FILE = "train_state.json"
@@ -190,15 +195,23 @@ class _Layout:
     world_size: int
     pp_size: int
     zero: bool
+    distributed: bool = False
+    """The distributed optimizer's shards (bf16 weights, fp32 main weights sharded)."""
 
     @classmethod
-    def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> _Layout:
+    def of(cls, model: nn.Module, optimizer: Optimizer) -> _Layout:
         spec = stage_spec(model)
         return cls(
-            _world_size(), spec.pp_size if spec is not None else 1, isinstance(optimizer, ZeroRedundancyOptimizer)
+            _world_size(),
+            spec.pp_size if spec is not None else 1,
+            isinstance(optimizer, ZeroRedundancyOptimizer),
+            isinstance(optimizer, DistributedOptimizer),
         )
 
     def describe(self) -> str:
+        if self.distributed:
+            stages = f" in each of {self.pp_size} pipeline stages" if self.pp_size > 1 else ""
+            return f"distributed-optimizer shards (bf16 weights) over {self.world_size // self.pp_size} rank(s){stages}"
         if self.zero:
             stages = f" in each of {self.pp_size} pipeline stages" if self.pp_size > 1 else ""
             return f"ZeRO optimizer shards over {self.world_size // self.pp_size} rank(s){stages}"
@@ -208,7 +221,7 @@ class _Layout:
 
 
 @contextmanager
-def _named_groups_only(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def _named_groups_only(optimizer: Optimizer) -> Iterator[None]:
     """Hide the parameter groups without parameters from DCP's helpers: the flattened state names a group's
     hyperparameters by its parameters, so it can neither save nor restore an empty group (a ZeRO rank's
     share of a small group may be empty)."""
@@ -237,16 +250,35 @@ class _AppState(Stateful):
     """The model and optimizer as DCP saves and loads them: DCP's state dicts (optimizer state per parameter)
     under the whole model's names. A ZeRO optimizer contributes its local optimizer, this rank's parameters."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
         self.model = _model_for_dcp(model)
+        self.sharded = optimizer if isinstance(optimizer, DistributedOptimizer) else None
         self.zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
-        self.local = self.zero.optim if self.zero is not None else optimizer
+        self.local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        """The torch optimizer DCP's helpers read (unused with the distributed optimizer)."""
         self.spec = stage_spec(self.model)
         self.layout = _Layout.of(self.model, optimizer)
 
     def _local_state(self) -> dict[str, dict[str, Any]]:
         """DCP's state dicts under this module's names (a stage's layers from 0). `get_state_dict`
-        initialises an optimizer that never stepped (a zero-lr step), so there are tensors to load into."""
+        initialises an optimizer that never stepped (a zero-lr step), so there are tensors to load into.
+        The distributed optimizer gives its fp32 main weights in place of the bf16 parameters (under every name
+        a tied parameter has), beside the model's buffers."""
+        if self.sharded is not None:
+            state = self.sharded.state_dict()
+            mains = dict(zip(self.sharded.names, state["model"].values()))
+            names = {id(p): name for name, p in zip(self.sharded.names, self.sharded.params)}
+            aliases = {
+                alias: names[id(p)]
+                for alias, p in self.model.named_parameters(remove_duplicate=False)
+                if id(p) in names
+            }
+            buffers = {k: v for k, v in get_model_state_dict(self.model).items() if k not in aliases}
+            return {
+                "model": {**buffers, **{alias: mains[name] for alias, name in aliases.items()}},
+                "optim": state["optim"],
+            }
+        assert isinstance(self.local, torch.optim.Optimizer)
         with _named_groups_only(self.local):
             model_state, optim_state = get_state_dict(self.model, self.local, options=_OPTIONS)
         return {"model": model_state, "optim": optim_state}
@@ -275,6 +307,12 @@ class _AppState(Stateful):
         model_state, optim_state = (
             {local[part][key]: value for key, value in state_dict[part].items()} for part in ("model", "optim")
         )
+        if self.sharded is not None:  # DCP read the main weights and moments in place
+            buffers = {k: v for k, v in model_state.items() if not isinstance(v, ShardedTensor)}
+            self.model.load_state_dict(buffers, strict=False)
+            self.sharded.load_state_dict({"optim": optim_state})
+            return
+        assert isinstance(self.local, torch.optim.Optimizer)
         with _named_groups_only(self.local):
             set_state_dict(
                 self.model, self.local, model_state_dict=model_state, optim_state_dict=optim_state, options=_OPTIONS
@@ -376,7 +414,7 @@ def save_checkpoint(
     root: str | Path,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     train_state: dict[str, Any],
     keep_last: int = 0,
 ) -> Path:
@@ -552,12 +590,13 @@ def _check_complete(path: Path) -> None:
 
 
 def _check_layout(path: Path, now: _Layout) -> None:
-    """The same number of ranks, pipeline stages and ZeRO setting as the save (resharding is not implemented)."""
+    """The same number of ranks, pipeline stages and ZeRO setting as the save (resharding is not implemented);
+    a manifest written before the distributed optimizer existed did not use it."""
     manifest = _read_manifest(path)
-    try:
-        saved = _Layout(**{field.name: manifest[field.name] for field in fields(_Layout)})
-    except KeyError as e:
-        raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lacks {e} (damaged?)") from e
+    missing = [f.name for f in fields(_Layout) if f.name not in manifest and f.name != "distributed"]
+    if missing:
+        raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lacks {missing} (damaged?)")
+    saved = _Layout(**{f.name: manifest[f.name] for f in fields(_Layout) if f.name in manifest})
     if saved.world_size != now.world_size:
         raise CheckpointError(
             f"checkpoint directory {path} was saved by {saved.world_size} rank(s), this run has "
@@ -567,7 +606,7 @@ def _check_layout(path: Path, now: _Layout) -> None:
     if saved != now:
         raise CheckpointError(
             f"checkpoint directory {path} holds {saved.describe()}, but this run has "
-            f"{now.describe()}: resume with the ZeRO setting (--zero), pipeline stages (--pp) and "
+            f"{now.describe()}: resume with the --dtype, ZeRO setting (--zero), pipeline stages (--pp) and "
             "number of ranks it was saved with"
         )
 
@@ -609,7 +648,7 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
         raise CheckpointError(f"cannot read the model's tensors from {path}: {type(e).__name__}: {e}") from e
 
 
-def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _load(path: Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Restore from a checkpoint directory `verify_checkpoint` passed."""
     try:
         train_state = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
@@ -627,7 +666,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return train_state
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Restore `model` and `optimizer` in place from the checkpoint at `path`; return its train_state.
 
     Every rank must call it. A directory without the COMPLETE marker, DCP metadata, train state or manifest,
@@ -641,7 +680,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return _load(path, model, optimizer)
 
 
-def resume_latest(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
+def resume_latest(root: str | Path, model: nn.Module, optimizer: Optimizer) -> Resumed | None:
     """Restore the newest checkpoint under `root` that verifies (see `select_checkpoint`); None if there are
     no checkpoints. Every rank must call it."""
     choice = select_checkpoint(root)

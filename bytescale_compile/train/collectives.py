@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BUCKET_BYTES", "gather", "sync_gradients"]
+from ..planner.memory import BUCKET_BYTES
 
-BUCKET_BYTES = 25 * 2**20
-"""Gradients are all-reduced in flat buckets of about this many bytes."""
+__all__ = ["BUCKET_BYTES", "gather", "sync_gradients"]
 
 
 def sync_gradients(params: list[nn.Parameter], group_size: int, group: dist.ProcessGroup | None = None) -> int:

@@ -20,6 +20,7 @@ from ..units import parse_size
 
 __all__ = [
     "ALL_STRATEGIES",
+    "CAPACITY_AUTO",
     "ConfigError",
     "DTYPES",
     "LOADERS",
@@ -37,7 +38,10 @@ __all__ = [
 ]
 
 DTYPES = ("fp32", "bf16")
-"""fp32: everything in fp32. bf16: autocast forward in bf16; fp32 master weights, gradients, optimizer and loss."""
+"""fp32: everything in fp32. bf16: bf16 weights and autocast forward; fp32 gradient buffer, sharded fp32 main
+weights and optimizer (`train/dist_optim.py`), fp32 loss."""
+CAPACITY_AUTO = "auto"
+"""capacity = "auto": the largest C the memory model fits in the memory budget."""
 LOADERS = ("local", "ray")
 """local: every rank samples and plans; ray: the remote dataloader of train/remote.py (paper §6)."""
 ALL_STRATEGIES = "all"
@@ -47,7 +51,7 @@ MODEL_PRESETS = {
     "small": ("bytescale_compile.models.llama:small", "our LLaMA: 4 layers, hidden 256, vocab 256"),
 }
 """--model names that need no directory: name -> (MODULE:FACTORY, what it is)."""
-SIZES = ("global_tokens", "capacity", "max_len", "eval_tokens")
+SIZES = ("global_tokens", "capacity", "max_len", "eval_tokens", "memory_budget")
 """Token counts that also accept K/M suffixes ("16K")."""
 PATHS = ("model", "data", "out", "tokenizer", "cost_model")
 """Settings naming files: made absolute on load (a model or tokenizer only when it is an existing path, not a
@@ -109,7 +113,16 @@ class TrainConfig:
     tokenizer: str | None = _setting(None, "tokenizer saved into final/ (default: the one the dataset records)")
     steps: int = _setting(100, "optimizer steps")
     global_tokens: int = _setting(32768, "tokens per optimizer step over all ranks (K/M suffixes allowed)")
-    capacity: int = _setting(4096, "tokens per rank per micro-batch, C")
+    capacity: int | str = _setting(
+        4096,
+        "tokens per rank per micro-batch, C; auto: the largest C whose predicted peak fits the device's memory "
+        "(on a CPU: --memory-budget)",
+    )
+    memory_budget: int | None = _setting(
+        None,
+        "bytes a rank may hold (K/M/G suffixes): what --capacity auto fits and every plan is checked against "
+        "(default: the GPU's memory; a CPU has none)",
+    )
     max_len: int = _setting(8192, "context length: longer sequences are truncated; the static strategy's row")
     strategy: str = _setting(
         BALANCE,
@@ -117,7 +130,12 @@ class TrainConfig:
         "cost model, per step), or all (each of them from the same weights on the "
         "same batches, then a comparison)",
     )
-    dtype: str = _setting("fp32", "fp32, or bf16: autocast forward, fp32 master weights, optimizer and loss")
+    dtype: str = _setting(
+        "fp32",
+        "fp32, or bf16: bf16 weights and autocast forward, fp32 gradient buffer, fp32 main weights and AdamW "
+        "moments sharded over the HDP ranks (a distributed optimizer: 6 + 12/N bytes per parameter)",
+    )
+    grad_reduce_dtype: str = _setting("fp32", "bf16 runs: reduce-scatter the gradients in fp32, or in bf16")
     lr: float = _setting(3e-4, "peak learning rate")
     min_lr_ratio: float = _setting(0.1, "the cosine ends at lr times this")
     warmup: int = _setting(0, "steps of linear warmup")
@@ -148,7 +166,9 @@ class TrainConfig:
         "directory's config.toml (each is printed); the model and the "
         "number of ranks can never change",
     )
-    zero: bool = _setting(False, "ZeRO-1: shard the optimizer state over the ranks (with --pp: over each stage's)")
+    zero: bool = _setting(
+        False, "fp32 runs, ZeRO-1: shard the optimizer state over the ranks (with --pp: over each stage's)"
+    )
     pp: int = _setting(
         1,
         "pipeline stages per HDP rank: the job's processes are pp x HDP ranks (stage-major), the "
@@ -200,8 +220,19 @@ class TrainConfig:
                 raise ConfigError(f"{key} is required: pass --{key.replace('_', '-')} or set {key} in the config file")
         _check_choice("strategy", self.strategy, (*RUNTIME_STRATEGIES, ALL_STRATEGIES))
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, DTYPES)
+        if self.dtype == "bf16" and self.zero:
+            raise ConfigError(
+                "zero: bf16 runs always shard the optimizer state (the distributed optimizer); drop --zero"
+            )
+        if self.grad_reduce_dtype == "bf16" and self.dtype != "bf16":
+            raise ConfigError("grad_reduce_dtype bf16 needs dtype bf16: fp32 runs all-reduce their fp32 gradients")
+        if self.capacity != CAPACITY_AUTO:
+            _check_int("capacity", self.capacity, 1)
+        if self.memory_budget is not None:
+            _check_int("memory_budget", self.memory_budget, 1)
         _check_choice("loader", self.loader, LOADERS)
-        for key in ("steps", "global_tokens", "capacity", "pp"):
+        for key in ("steps", "global_tokens", "pp"):
             _check_int(key, getattr(self, key), 1)
         _check_int("max_len", self.max_len, 2)
         for key in ("warmup", "eval_every", "checkpoint_every", "keep_last", "seed", "prefetch_steps"):
@@ -231,6 +262,13 @@ class TrainConfig:
             raise ConfigError(f"calibrate must be true or false, got {self.calibrate!r}")
         if not isinstance(self.resume, bool) and self.resume != RESUME_AUTO:
             raise ConfigError(f'resume must be true, false or "{RESUME_AUTO}", got {self.resume!r}')
+
+    @property
+    def capacity_tokens(self) -> int:
+        """C in tokens: as set, or once the trainer has resolved "auto" (`trainer.run`) from the memory model."""
+        if isinstance(self.capacity, str):
+            raise ConfigError('capacity "auto" is resolved by the trainer from the compiled model; none yet')
+        return self.capacity
 
     @property
     def schedule_steps(self) -> int:
@@ -289,7 +327,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
         where = f" in {path}" if path is not None else ""
         raise ConfigError(f"unknown setting(s) {unknown}{where}; known: {sorted(known)}")
     for key in SIZES:
-        if isinstance(values.get(key), str):
+        if isinstance(values.get(key), str) and not (key == "capacity" and values[key] == CAPACITY_AUTO):
             values[key] = _size(key, values[key])
     for key in PATHS:
         if isinstance(values.get(key), str) and values[key]:

@@ -4,8 +4,8 @@ Every rank sees the same sequence lengths and plans identically (the planner is 
 bad batch fails on every rank with the planner's message before any communication. Each rank then
 runs its own micro-batches in plan order — different counts on different ranks — forward and backward
 under each micro-batch's context and the step's act_ctx (which offloads the micro-batch's share r of
-its saved activations, paper §4.2); ranks sharing a micro-batch meet in its ring. One bucketed
-all-reduce sums the gradients (the loss is token-level, so a plain sum equals data parallelism's
+its saved activations, paper §4.2); ranks sharing a micro-batch meet in its ring. Bucketed
+reductions sum the gradients (the loss is token-level, so a plain sum equals data parallelism's
 gradient, paper Eq. 2 = Eq. 1), then clipping and the optimizer step — skipped on every rank when
 the loss or the gradient norm is not finite (both are the same on every rank after the reductions).
 Strategies differ only in the plan: "balance", "naive", "static" and "auto" (the fastest of the planner's
@@ -16,9 +16,11 @@ What differs between a whole model and a pipeline stage lives in the Runtime's o
 backwards run in 1F1B on the stage's ranks (`train/pipeline.py`); gradients are summed over the stage's HDP
 ranks only, and the norm that clipping and the skip test read spans every stage.
 
-Mixed precision is autocast around the forward only: parameters, gradients and optimizer state stay
-fp32 (the master weights), the loss comes back in fp32, and the backward runs outside autocast as
-PyTorch recommends.
+Mixed precision is autocast around the forward, the loss coming back in fp32 and the backward outside autocast
+as PyTorch recommends. With a torch optimizer, parameters, gradients and optimizer state stay fp32 (the master
+weights) and the gradients are all-reduced after the backward. With the `DistributedOptimizer`
+(`train/dist_optim.py`) the weights are bf16, the gradients accumulate into an fp32 buffer whose buckets are
+reduce-scattered during the backward, and each rank updates its shard of the fp32 master weights.
 
 After its first measured steps (steps 2 and 3 of this Runtime: the first compiles) rank 0 holds their
 wall time against the simulator's prediction for their plans and warns once, naming the cost model,
@@ -44,10 +46,12 @@ from ..api import OptimizedModule, optimize
 from ..config import Config
 from ..passes.report import CompileReport
 from ..planner import RUNTIME_STRATEGIES, CostModel, Plan, plan
+from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
 from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork
 from .collectives import gather, sync_gradients
+from .dist_optim import DistributedOptimizer
 from .executor import Executor, WholeModelExecutor
 from .pipeline import PipelineExecutor
 from .stages import stage_spec
@@ -98,7 +102,8 @@ class StepStats:
     mixer_bytes: int
     """Of `p2p_bytes`: the halos and state summaries of a hybrid's convolutions and scans."""
     allreduce_bytes: int
-    """Gradient bytes each rank all-reduced."""
+    """Gradient bytes each rank put into reductions: all-reduced, or reduce-scattered by the distributed
+    optimizer."""
     offloaded_bytes: int
     """Saved-activation bytes all ranks together copied to host memory (paper §4.2)."""
     peak_saved_bytes: list[int]
@@ -121,6 +126,15 @@ class StepStats:
     bubbles: list[float] | None = None
     """Pipelines: per HDP rank, the share of its stages' time not spent computing, 1 - (busy seconds of its
     stages) / (pp x the slowest rank's forward-backward seconds); None without pipelines."""
+    reduce_time: float = 0.0
+    """Seconds rank 0 waited for the gradient reduction after its backward: what the overlap left exposed."""
+    reduce_overlap: float = 0.0
+    """Distributed optimizer: the share of rank 0's gradient buckets reduce-scattered while its backward still
+    ran (0 with the all-reduce after the backward)."""
+    predicted_peak_bytes: list[int] | None = None
+    """Per HDP rank: the memory model's peak over its micro-batches of the plan (None without a memory model)."""
+    measured_peak_bytes: list[int] | None = None
+    """Per global rank on CUDA: `torch.cuda.max_memory_allocated` during the step (None elsewhere)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -152,12 +166,23 @@ class RankFigures:
     peak_saved_bytes: np.ndarray
     stage_bytes: np.ndarray
     forward_backward_time: np.ndarray
+    measured_peak_bytes: np.ndarray
 
     @classmethod
     def gather(
-        cls, work: RankWork, forward_backward_time: float, rank: int, world_size: int, device: torch.device
+        cls,
+        work: RankWork,
+        forward_backward_time: float,
+        measured_peak_bytes: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
     ) -> RankFigures:
-        mine = {**dataclasses.asdict(work), "forward_backward_time": forward_backward_time}
+        mine = {
+            **dataclasses.asdict(work),
+            "forward_backward_time": forward_backward_time,
+            "measured_peak_bytes": measured_peak_bytes,
+        }
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(*gather([float(mine[name]) for name in names], rank, world_size, device).T)
 
@@ -178,7 +203,7 @@ class Runtime:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | DistributedOptimizer,
         config: Config | None = None,
         cost_model: CostModel | None = None,
         strategy: str = "balance",
@@ -188,6 +213,8 @@ class Runtime:
         context_length: int | None = None,
         mixed_precision: torch.dtype | None = None,
         max_skipped_steps: int = 3,
+        memory: MemoryModel | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         if strategy not in RUNTIME_STRATEGIES:
             raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
@@ -219,6 +246,8 @@ class Runtime:
         if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps must be an int >= 1, got {max_skipped_steps!r}")
         self.max_skipped_steps = max_skipped_steps
+        self.memory, self.memory_budget = memory, memory_budget
+        """What a rank holds (`planner/memory.py`), and the bytes a plan's predicted peak must fit (None: any)."""
         self.vocab_size = _vocab_size(self.model.original_module)
         self.steps = 0
         self._skipped_in_a_row: list[int] = []
@@ -244,7 +273,39 @@ class Runtime:
             step_time=step_time,
         )
         result.validate()
+        self._check_memory(result)
         return result
+
+    def predicted_peaks(self, step_plan: Plan) -> list[int] | None:
+        """Per HDP rank, the memory model's peak over its micro-batches (each at its offload ratio as this run
+        applies it); None without a memory model."""
+        if self.memory is None:
+            return None
+        memory = self.memory
+        ratios = {mb.id: self.executor.offload_ratio(mb) for mb in step_plan.micro_batches}
+        return [
+            int(
+                max(
+                    (memory.peak(mb.tokens_per_rank, ratios[mb.id]) for mb in step_plan.micro_batches_of(r)),
+                    default=memory.peak(0),
+                )
+            )
+            for r in range(step_plan.world_size)
+        ]
+
+    def _check_memory(self, step_plan: Plan) -> None:
+        """Refuse a plan whose predicted peak on some rank exceeds the memory budget, before anything runs."""
+        peaks, memory = self.predicted_peaks(step_plan), self.memory
+        if peaks is None or memory is None or self.memory_budget is None or max(peaks) <= self.memory_budget:
+            return
+        rank = int(np.argmax(peaks))
+        mb = max(step_plan.micro_batches_of(rank), key=lambda m: m.tokens_per_rank)
+        raise MemoryBudgetError(
+            f"the plan's micro-batch {mb.id} puts {mb.tokens_per_rank} tokens on HDP rank {rank} at offload ratio "
+            f"{self.executor.offload_ratio(mb):.2f}: a predicted peak of {format_bytes(peaks[rank])} "
+            f"(static {format_bytes(memory.static.total)}) over the budget of {format_bytes(self.memory_budget)}; "
+            f"lower the capacity (now {self.capacity}; --capacity auto fits it) or raise the budget"
+        )
 
     def _given_plan(self, given: Plan, lengths: np.ndarray) -> Plan:
         """`given`, validated and checked to be a plan of `lengths` for this world size."""
@@ -322,11 +383,23 @@ class Runtime:
         step_plan = self.plan(np.asarray(batch.lengths)) if plan is None else self._given_plan(plan, batch.lengths)
         plan_time = time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=False)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        sharded = self.optimizer if isinstance(self.optimizer, DistributedOptimizer) else None
+        if sharded is not None:
+            sharded.start(len(step_plan.micro_batches_of(self.rank)))
         began = time.perf_counter()
         work = self.executor.forward_backward(step_plan, batch)
         forward_backward_time = time.perf_counter() - began
-        allreduce_bytes = sync_gradients(self.params, self.world_size, self.executor.sync_group)
-        ranks = RankFigures.gather(work, forward_backward_time, self.global_rank, self.global_world_size, self.device)
+        if sharded is not None:
+            reduced_bytes = sharded.finish()
+        else:
+            reduced_bytes = sync_gradients(self.params, self.world_size, self.executor.sync_group)
+        reduce_time = time.perf_counter() - began - forward_backward_time
+        measured = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        ranks = RankFigures.gather(
+            work, forward_backward_time, measured, self.global_rank, self.global_world_size, self.device
+        )
         loss = float(ranks.loss.sum())
         grad_norm = self._clip_gradients()
         skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
@@ -346,7 +419,7 @@ class Runtime:
             micro_batches=ranks.micro_batches.astype(int).tolist(),
             p2p_bytes=int(ranks.p2p_bytes.sum()),
             mixer_bytes=int(ranks.mixer_bytes.sum()),
-            allreduce_bytes=allreduce_bytes,
+            allreduce_bytes=reduced_bytes,
             offloaded_bytes=int(ranks.offloaded_bytes.sum()),
             peak_saved_bytes=ranks.peak_saved_bytes.astype(int).tolist(),
             plan=step_plan,
@@ -357,6 +430,10 @@ class Runtime:
             auto_speedup=auto.get("speedup_over_static"),
             stage_bytes=int(ranks.stage_bytes.sum()),
             bubbles=self.executor.bubbles(ranks.busy, float(ranks.forward_backward_time.max())),
+            reduce_time=reduce_time,
+            reduce_overlap=sharded.launched_in_backward if sharded is not None else 0.0,
+            predicted_peak_bytes=self.predicted_peaks(step_plan),
+            measured_peak_bytes=ranks.measured_peak_bytes.astype(int).tolist() if self.device.type == "cuda" else None,
         )
         self._compare_with_prediction(stats)
         return stats
@@ -402,6 +479,11 @@ class Runtime:
     def _clip_gradients(self) -> float:
         """Clip the summed gradients to `max_grad_norm` over the whole model (every stage); their norm before.
         A non-finite norm skips the step, so its gradients are left as they are."""
+        if isinstance(self.optimizer, DistributedOptimizer):
+            norm = self.optimizer.grad_norm()
+            if self.max_grad_norm is not None and math.isfinite(norm):
+                self.optimizer.clip_(self.max_grad_norm, norm)
+            return norm
         norm = self.executor.grad_norm(self.params)
         if self.max_grad_norm is not None and math.isfinite(norm):
             torch.nn.utils.clip_grads_with_norm_(

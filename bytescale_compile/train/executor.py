@@ -85,15 +85,17 @@ class Executor(ABC):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.mixed_precision)
 
-    def act_ctx(self, mine: list[MicroBatch]) -> ActivationContext:
-        """The step's act_ctx over this rank's micro-batches, each offloading the plan's r ("auto"), Config's
-        fixed ratio, or nothing ("off")."""
+    def offload_ratio(self, mb: MicroBatch) -> float:
+        """The share r of its saved activations `mb` offloads: the plan's ("auto"), Config's fixed ratio, or
+        nothing ("off")."""
         mode = self.model.compile_config.offload
         if mode == "auto":
-            ratios = [mb.offload_ratio for mb in mine]
-        else:
-            ratios = [0.0 if mode == "off" else float(mode)] * len(mine)
-        return get_act_ctx(len(mine), ratios)
+            return mb.offload_ratio
+        return 0.0 if mode == "off" else float(mode)
+
+    def act_ctx(self, mine: list[MicroBatch]) -> ActivationContext:
+        """The step's act_ctx over this rank's micro-batches, each offloading its `offload_ratio`."""
+        return get_act_ctx(len(mine), [self.offload_ratio(mb) for mb in mine])
 
 
 def rank_work(

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from ..planner import CostModel
 from ..planner.cost_model import ModelShape
+from ..planner.memory import format_bytes
 from ..sim.simulator import busy_times, p2p_bytes, simulate
 from .engine import StepStats
 from .flops import achieved, model_flops
@@ -58,9 +59,12 @@ _OPTIONAL = (
     "tflops",
     "mfu",
     "dataset_tokens",
+    "predicted_peak_bytes",
+    "measured_peak_bytes",
 )
 """Left out of a metrics.jsonl line when None: steps without evaluation, strategies other than auto, runs
-without pipelines, models without a shape (TFLOP/s) or devices without a known peak (MFU), single-dataset runs."""
+without pipelines, models without a shape (TFLOP/s) or devices without a known peak (MFU), single-dataset runs,
+models the memory model cannot describe, devices without allocator statistics (CPU)."""
 
 
 class LoggerError(ValueError):
@@ -106,6 +110,14 @@ class StepRecord:
     """`tflops` over the device's peak TFLOP/s (`flops.peak_tflops`)."""
     dataset_tokens: dict[str, int] | None = None
     """A mixed run: the step's tokens drawn from each dataset, by name."""
+    reduce_time: float = 0.0
+    """Seconds rank 0 waited for the gradient reduction after its backward (`StepStats.reduce_time`)."""
+    reduce_overlap: float = 0.0
+    """bf16 runs: the share of rank 0's gradient buckets reduce-scattered during its backward."""
+    predicted_peak_bytes: int | None = None
+    """The memory model's peak over the ranks for this step's plan."""
+    measured_peak_bytes: int | None = None
+    """CUDA: the largest `max_memory_allocated` over the ranks during the step."""
 
     @classmethod
     def from_stats(
@@ -163,6 +175,10 @@ class StepRecord:
             tflops=tflops,
             mfu=mfu,
             dataset_tokens=dataset_tokens,
+            reduce_time=stats.reduce_time,
+            reduce_overlap=stats.reduce_overlap,
+            predicted_peak_bytes=max(stats.predicted_peak_bytes) if stats.predicted_peak_bytes else None,
+            measured_peak_bytes=max(stats.measured_peak_bytes) if stats.measured_peak_bytes else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +211,10 @@ class StepRecord:
             line += f", {self.tflops:.3g} TFLOP/s per rank"
         if self.mfu is not None:
             line += f", MFU {self.mfu:.1%}"
+        if self.predicted_peak_bytes is not None:
+            line += f", peak memory {format_bytes(self.predicted_peak_bytes)} predicted"
+            if self.measured_peak_bytes is not None:
+                line += f" ({format_bytes(self.measured_peak_bytes)} measured)"
         if self.dataset_tokens:
             line += ", tokens by dataset " + ", ".join(f"{name} {n}" for name, n in self.dataset_tokens.items())
         if self.bubbles is not None and self.predicted_bubbles is not None:

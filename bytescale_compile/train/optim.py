@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,12 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
+class HasParamGroups(Protocol):
+    """What a schedule sets learning rates on: a torch optimizer, or the distributed optimizer."""
+
+    param_groups: list[dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class LRSchedule:
     """Linear warmup to `peak` over steps 1..`warmup`, then cosine from `peak` (the next step) down to
@@ -64,7 +71,7 @@ class LRSchedule:
         floor = self.peak * self.min_ratio
         return floor + 0.5 * (self.peak - floor) * (1.0 + math.cos(math.pi * progress))
 
-    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+    def apply(self, optimizer: HasParamGroups, step: int) -> float:
         """Set every group's learning rate for `step`; returns it."""
         lr = self.lr(step)
         for group in optimizer.param_groups:

@@ -64,7 +64,7 @@ def preflight(
         limit = length_limit(
             used,
             hdp_ranks,
-            config.capacity,
+            config.capacity_tokens,
             cost_model,
             strategy,
             pp_size,

@@ -107,15 +107,17 @@ def project(
     return Projection(model, RANKS, TP_SIZE, HARDWARE, capacity, context_length, int(lens.sum()), len(lens), steps)
 
 
-def project_run(config: TrainConfig, model: nn.Module, lengths: np.ndarray, world_size: int) -> Projection:
-    """A run's projection: its model's shape, its data's `lengths`, its capacity and context length, and its tokens
-    per rank (`global_tokens / world_size`) at `RANKS` ranks. `ModelConfigError` when the model's config does not
-    give its shape."""
+def project_run(
+    config: TrainConfig, model: nn.Module, lengths: np.ndarray, world_size: int, capacity: int
+) -> Projection:
+    """A run's projection: its model's shape, its data's `lengths`, the `capacity` it trained with and its context
+    length, and its tokens per rank (`global_tokens / world_size`) at `RANKS` ranks. `ModelConfigError` when the
+    model's config does not give its shape."""
     return project(
         model_shape(model),
         lengths,
         config.global_tokens * RANKS // world_size,
-        config.capacity,
+        capacity,
         config.max_len,
         seed=config.seed,
     )

@@ -50,13 +50,25 @@ from ..data import (
     open_data,
 )
 from ..planner import AUTO, STATIC, CostModel, ModelShape
+from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import ModelConfigError, model_shape
 from .batch import num_targets
 from .calibrate import calibrate
 from .checkpoint import CheckpointError, latest_checkpoint, remove_stale_tmp, resume_latest, save_checkpoint
-from .config import ALL_STRATEGIES, RESUME_AUTO, ConfigError, TrainConfig, check_resume_config, load_config, to_toml
+from .config import (
+    ALL_STRATEGIES,
+    CAPACITY_AUTO,
+    RESUME_AUTO,
+    ConfigError,
+    TrainConfig,
+    check_resume_config,
+    load_config,
+    to_toml,
+)
+from .dist_optim import DistributedOptimizer
 from .engine import CostModelWarning, Runtime, default_cost_model
 from .flops import peak_tflops
+from .memory import TORCH_DTYPES, device_memory, memory_model
 from .metrics import LoggerError, MetricsLog, StepRecord, check_loggers, echo, progress
 from .models import LoadedModel, load_model
 from .optim import LRSchedule, build_optimizer
@@ -121,6 +133,10 @@ class RunInputs:
     """The model's shape for its FLOPs per step (None: its config could not be read; no TFLOP/s then)."""
     peak_tflops: float | None = None
     """The device's peak for MFU, set by `run` (None: unknown, e.g. a CPU)."""
+    memory: MemoryModel | None = None
+    """What a rank holds (`planner/memory.py`), set by `run` from the compiled model (None: it cannot say)."""
+    memory_budget: int | None = None
+    """--memory-budget, else the GPU's memory (None on a CPU without one): every plan is checked against it."""
 
 
 @dataclass
@@ -132,6 +148,8 @@ class RunResult:
     eval_loss: float | None
     """After the last step, when evaluation is on."""
     final_dir: Path | None
+    capacity: int
+    """The C it trained with (--capacity auto: the one the memory model fitted)."""
 
 
 def run_dir(config: TrainConfig, strategy: str) -> Path:
@@ -327,11 +345,17 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     for change in inputs.config_changes:
         echo(f"resuming with a changed setting (--allow-config-change): {change}", _is_rank0())
     device = device or torch.device("cpu")
+    if config.capacity == CAPACITY_AUTO and config.memory_budget is None and device.type != "cuda":
+        raise ConfigError(
+            f"--capacity auto fits C to a device's memory, and this {device.type} reports none: pass "
+            "--memory-budget (e.g. 16G) or a --capacity in tokens"
+        )
     model = inputs.model.module
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     # the whole model for one process per HDP rank, or to calibrate on (then only this rank's pipeline stage)
     whole = optimize(model.to(device)) if config.pp == 1 or config.calibrates else None
     if whole is not None:
+        inputs = _with_memory(inputs, whole, device)
         _preflight(inputs, whole)
         if config.calibrates:  # the calibrated T(s) decides where offloading pays: check again with it
             inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, whole))
@@ -342,6 +366,7 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
         model.to("cpu")
         optimized = optimize(pipeline_stage(model, config.pp).to(device))
         if whole is None:
+            inputs = _with_memory(inputs, optimized, device)
             _preflight(inputs, optimized)
     if _is_rank0():  # once the run is known to fit: a refused run leaves the saved settings alone
         Path(config.out).mkdir(parents=True, exist_ok=True)
@@ -351,9 +376,72 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     results = []
     with _ray_session(config), StopRequest() as stop:
         for strategy in config.strategies:
+            for p in model.parameters():  # a bf16 run's distributed optimizer left them in bf16
+                p.data, p.grad = p.data.float(), None
             model.load_state_dict(initial)
             results.append(_train(inputs, strategy, optimized, stop))
     return results
+
+
+def _with_memory(inputs: RunInputs, optimized: OptimizedModule, device: torch.device) -> RunInputs:
+    """`inputs` with the memory model of `optimized` (the whole model, or this rank's stage, which compiles here),
+    the memory budget, and with --capacity auto the C it fits; every rank takes the same, the one of the
+    fullest rank (stages differ). A model the memory model cannot describe records no peaks, and refuses
+    --capacity auto."""
+    config = inputs.config
+    budget = config.memory_budget or (device_memory(device) if device.type == "cuda" else None)
+    Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model).shard_blockers()
+    hdp = (dist.get_world_size() if dist.is_initialized() else 1) // config.pp
+    try:
+        if inputs.shape is None:
+            raise ValueError(f"the layer count of {inputs.model.spec} cannot be read from its config")
+        mine: MemoryModel | None = memory_model(
+            optimized,
+            total_layers=inputs.shape.layers,
+            hdp=hdp,
+            dtype=config.dtype,
+            pp=config.pp,
+            zero=config.zero,
+            grad_reduce_dtype=config.grad_reduce_dtype,
+            budget=budget,
+        )
+    except ValueError as e:
+        if config.capacity == CAPACITY_AUTO:
+            raise ConfigError(f"--capacity auto: {e}; pass a --capacity in tokens") from e
+        echo(f"steps record no predicted peak memory: {e}", _is_rank0())
+        mine = None
+    every = [mine]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    models = [m for m in every if m is not None]
+    memory = max(models, key=lambda m: m.peak(1)) if len(models) == len(every) else None
+    if memory is None or config.capacity != CAPACITY_AUTO:
+        if memory is not None and budget is not None and memory.peak(config.capacity_tokens) > budget:
+            raise ConfigError(
+                f"--capacity {config.capacity_tokens}: a micro-batch of that many tokens per rank has a predicted "
+                f"peak of {format_bytes(memory.peak(config.capacity_tokens))} (static "
+                f"{format_bytes(memory.static.total)}, workspace {format_bytes(memory.workspace_bytes)}), over the "
+                f"budget of {format_bytes(budget)}: pass --capacity auto, a smaller --capacity or a larger "
+                "--memory-budget"
+            )
+        return dataclasses.replace(inputs, memory=memory, memory_budget=budget)
+    assert budget is not None  # run() refused --capacity auto without one
+    try:
+        capacity = memory.capacity(budget, offload=optimized.compile_config.offload == "auto")
+    except MemoryBudgetError as e:
+        raise ConfigError(f"--capacity auto: {e}") from e
+    echo(
+        f"--capacity auto: C = {capacity:,} tokens per rank, from a budget of {format_bytes(budget)} less "
+        f"{format_bytes(memory.static.total)} of weights, gradients and optimizer state "
+        f"({memory.bytes_per_param:.2f} bytes per parameter) and {format_bytes(memory.workspace_bytes)} of "
+        f"workspace, at {memory.layers * memory.layer_bytes_per_token + memory.other_bytes_per_token:,.0f} "
+        "activation bytes per token",
+        _is_rank0(),
+    )
+    return dataclasses.replace(
+        inputs, config=dataclasses.replace(config, capacity=capacity), memory=memory, memory_budget=budget
+    )
 
 
 def _preflight(inputs: RunInputs, optimized: OptimizedModule) -> None:
@@ -394,7 +482,7 @@ def _calibrated(inputs: RunInputs, optimized: OptimizedModule) -> CostModel:
         optimized,
         torch.optim.SGD(optimized.parameters(), lr=0.0),
         cost_model=inputs.cost_model,
-        capacity=config.capacity,
+        capacity=config.capacity_tokens,
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
     )
     result = calibrate(runtime, seed=config.seed)
@@ -434,24 +522,34 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
     """One strategy's run; `optimized` is the whole model or, with pipelines, this rank's stage."""
     config, directory, rank0 = inputs.config, run_dir(inputs.config, strategy), _is_rank0()
     spec = stage_spec(optimized)
-    optimizer = build_optimizer(
-        optimized.original_module,
-        config.lr,
-        config.weight_decay,
-        (config.beta1, config.beta2),
-        config.zero,
-        stage_group(spec) if spec is not None else None,
-    )
+    group = stage_group(spec) if spec is not None else None
+    betas = (config.beta1, config.beta2)
+    optimizer: torch.optim.Optimizer | DistributedOptimizer
+    if config.dtype == "bf16":
+        optimizer = DistributedOptimizer(
+            optimized.original_module,
+            config.lr,
+            config.weight_decay,
+            betas,
+            group=group,
+            grad_reduce_dtype=TORCH_DTYPES[config.grad_reduce_dtype],
+        )
+    else:
+        optimizer = build_optimizer(
+            optimized.original_module, config.lr, config.weight_decay, betas, config.zero, group
+        )
     schedule = LRSchedule(config.lr, config.warmup, config.schedule_steps, config.min_lr_ratio)
     runtime = Runtime(
         optimized,
         optimizer,
         cost_model=inputs.cost_model,
         strategy=strategy,
-        capacity=config.capacity,
+        capacity=config.capacity_tokens,
         max_grad_norm=config.max_grad_norm,
         context_length=config.max_len if strategy in (STATIC, AUTO) else None,
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
+        memory=inputs.memory,
+        memory_budget=inputs.memory_budget,
     )
     sampler = _sampler(inputs)
     """The local loader's, and in either case what a checkpoint's batch position is checked against."""
@@ -472,7 +570,7 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
     finally:
         log.close()
     final = _save_final(optimized, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
-    return RunResult(strategy, directory, records, eval_loss, final)
+    return RunResult(strategy, directory, records, eval_loss, final, runtime.capacity)
 
 
 def _train_steps(
@@ -633,15 +731,16 @@ def evaluate(runtime: Runtime, batches: list[GlobalBatch]) -> float:
 
 
 def _save_final(optimized: OptimizedModule, inputs: RunInputs, path: Path) -> Path:
-    """`save_pretrained` of the trained weights (fp32) and the tokenizer, on rank 0 (pipelines: every stage's
-    weights gathered into its whole model first); every rank waits for it."""
+    """`save_pretrained` of the trained weights in the run's dtype and the tokenizer, on rank 0 (pipelines: every
+    stage's weights gathered into its whole model first); every rank waits for it."""
     model: Any = inputs.model.module  # from a Hugging Face directory: it has save_pretrained
     gather_stage_weights(model, optimized)
     if _is_rank0():
-        if stage_spec(optimized) is None:
-            model.save_pretrained(path)
-        else:  # this rank's stage is on the device, the others' weights on the host
-            model.save_pretrained(path, state_dict={k: v.detach().cpu() for k, v in model.state_dict().items()})
+        dtype = TORCH_DTYPES[inputs.config.dtype]  # a pipeline's other stages are on the host in fp32
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        model.save_pretrained(
+            path, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        )
         if inputs.tokenizer is not None:
             inputs.tokenizer.tokenizer.save_pretrained(path)
     if dist.is_initialized():

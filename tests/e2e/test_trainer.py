@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from bytescale_compile.data import TokenDataset, eval_prefix, write_dataset
@@ -81,8 +82,9 @@ def test_two_ranks_equal_one_process_and_final_loads(workspace, tmp_path):
 
 @pytest.mark.slow
 def test_bf16_first_step_matches_fp32(workspace, tmp_path):
-    """bf16 autocast over fp32 master weights, on 2 ranks with a ring (K/V travel in bf16), after calibrating the
-    cost model in the job (which trains nothing): finite losses, the first within 1e-2 of fp32's in one process."""
+    """bf16 weights and the distributed optimizer on 2 ranks with a ring (K/V travel in bf16), after calibrating the
+    cost model in the job (which trains nothing): finite losses, the first within 1e-2 of fp32's in one process;
+    predicted peaks recorded, final/ saved in bf16."""
     run_trainer(
         torchrun_command(
             2,
@@ -97,7 +99,11 @@ def test_bf16_first_step_matches_fp32(workspace, tmp_path):
     fp32, bf16 = run_losses(tmp_path / "fp32"), run_losses(tmp_path / "bf16")
     assert all(np.isfinite(bf16)) and abs(bf16[0] - fp32[0]) <= 1e-2, (bf16, fp32)
     assert bf16 != fp32, "bf16 computed exactly like fp32: autocast did not apply"
-    assert sum(r["p2p_bytes"] for r in run_metrics(tmp_path / "bf16")) > 0
+    records = run_metrics(tmp_path / "bf16")
+    assert sum(r["p2p_bytes"] for r in records) > 0
+    assert all(r["predicted_peak_bytes"] > 0 for r in records) and all(r["reduce_time"] >= 0 for r in records)
+    final = safetensors.torch.load_file(str(tmp_path / "bf16" / "final" / "model.safetensors"))
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}  # final/ in the run's dtype
 
 
 def _error(args: list[str], capsys) -> str:

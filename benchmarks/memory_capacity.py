@@ -1,0 +1,83 @@
+"""The capacity C `bytescale-compile memory` picks for LLaMA-3-8B and LLaMA-70B shapes, and bytes per parameter.
+
+Prints:
+  1. per model, tp (1, 2, 8; hdp = 64 / tp, pp 1, bf16) and device (80 GiB, 141 GiB): static GiB, bytes per
+     parameter, workspace, C without and with offload, and the longest share of a sequence one rank can hold
+     (offload r = 1); "-" where the static bytes alone do not fit;
+  2. bytes per parameter of fp32 (plain and ZeRO-1) and bf16 (fp32 and bf16 gradient reduction) at N = 1, 4, 64.
+Each model is a 2-layer copy compiled on the meta device (no weights, no device memory), as the command does.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import LlamaConfig  # noqa: E402
+
+from bytescale_compile.cli import protocol_inputs  # noqa: E402
+from bytescale_compile.planner.memory import MemoryBudgetError, MemoryModel  # noqa: E402
+from bytescale_compile.train.memory import compile_on_meta, memory_model, meta_model  # noqa: E402
+
+GiB = 2**30
+WORLD = 64
+"""Devices per model replica group: hdp = WORLD / tp."""
+DEVICES = {"80G": 80 * GiB, "141G": 141 * GiB}
+SHAPES: dict[str, dict[str, Any]] = {
+    "LLaMA-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "LLaMA-70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+}
+
+
+def capacities() -> None:
+    print(f"bf16, pp 1, hdp = {WORLD} / tp; C in tokens per rank")
+    header = (
+        f"{'model':<11} {'tp':>2} {'hdp':>3} {'device':>6} {'static':>10} {'B/param':>7} {'workspace':>9} "
+        f"{'C no offload':>12} {'C offload':>9} {'longest/rank':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, shape in SHAPES.items():
+        config = LlamaConfig(**shape, num_key_value_heads=8, vocab_size=128256)
+        model, layers = meta_model(config, "bf16")
+        optimized = compile_on_meta(model, protocol_inputs(model, 32))
+        for tp in (1, 2, 8):
+            for device, budget in DEVICES.items():
+                m = memory_model(optimized, total_layers=layers, hdp=WORLD // tp, dtype="bf16", tp=tp, budget=budget)
+                row = (
+                    f"{name:<11} {tp:>2} {WORLD // tp:>3} {device:>6} {m.static.total / GiB:>6.1f} GiB "
+                    f"{m.bytes_per_param:>7.2f} {m.workspace_bytes / GiB:>5.1f} GiB"
+                )
+                try:
+                    found = (m.capacity(budget, False), m.capacity(budget, True), m.longest_per_rank(budget))
+                    print(row + f" {found[0]:>12,} {found[1]:>9,} {found[2]:>12,}")
+                except MemoryBudgetError:
+                    print(row + f" {'-':>12} {'-':>9} {'-':>12}")
+
+
+def bytes_per_param() -> None:
+    params = 8_030_261_248
+    print(f"\nbytes per parameter ({params:,} parameters, 25 MiB buckets)")
+    layouts = {
+        "fp32": ("fp32", False, "fp32"),
+        "fp32 ZeRO-1": ("fp32", True, "fp32"),
+        "bf16": ("bf16", False, "fp32"),
+        "bf16, bf16 reduction": ("bf16", False, "bf16"),
+    }
+    print(f"{'layout':<22} " + " ".join(f"{f'N = {n}':>8}" for n in (1, 4, 64)))
+    for label, (dtype, zero, reduce) in layouts.items():
+        values = [
+            MemoryModel(
+                params=params, hdp_size=n, dtype=dtype, zero=zero, grad_reduce_dtype=reduce, layers=32
+            ).bytes_per_param
+            for n in (1, 4, 64)
+        ]
+        print(f"{label:<22} " + " ".join(f"{v:>8.2f}" for v in values))
+
+
+if __name__ == "__main__":
+    capacities()
+    bytes_per_param()

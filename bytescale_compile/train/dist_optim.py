@@ -1,0 +1,317 @@
+"""The distributed optimizer: bf16 weights on every rank, fp32 main weights and AdamW moments sharded.
+
+What one rank holds per parameter, with N ranks sharing the parameters (the HDP ranks, or a pipeline stage's):
+2 bytes of bf16 weight, 4 of fp32 gradient (`GradBuffer`), and a 1/N shard of the 4-byte fp32 main weight and the
+8 bytes of Adam moments: 6 + 12/N in all, against 16 (or 8 + 8/N with ZeRO-1) when fp32 weights are their own
+master. Weights and gradients share one layout of buckets (`grad_buffer.bucket_layout`); rank i owns the i-th
+slice of every bucket, and its main weights are the fragments of parameters that fall in its slices. Torch's
+own AdamW updates those fragments (weight decay by the group of the parameter a fragment comes from), the
+fragments are rounded into the rank's slice of the bf16 weights, and each bucket of weights is all-gathered.
+
+Checkpoints hold the fp32 main weights under the parameters' names and global shapes, and the moments under the
+names torch's flattened optimizer state dict uses (`state.<param>.exp_avg`), as `ShardedTensor`s whose local
+shards are the rectangular pieces of this rank's fragments (`_boxes`): the same keys and shapes as a replicated
+fp32 run, read back by whatever fragments the loading ranks hold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from .collectives import BUCKET_BYTES
+from .grad_buffer import Bucket, GradBuffer, all_gather_single, bucket_layout
+from .optim import param_groups
+
+__all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class DistributedOptimizerError(ValueError):
+    """The model or the settings cannot train with the distributed optimizer (the message says which)."""
+
+
+@dataclass(frozen=True)
+class _Fragment:
+    """Elements [lo, hi) of parameter `param` (flat index), at [shard, shard + hi - lo) of this rank's shard."""
+
+    param: int
+    lo: int
+    hi: int
+    shard: int
+
+
+class DistributedOptimizer:
+    """`DistributedOptimizer(model, lr, weight_decay, betas, group=None)`: AdamW on sharded fp32 main weights.
+
+    Construct it on every rank of `group` (default: all) at once, from the model in fp32: the main weights start
+    from those values, and the model's trainable parameters become `dtype` views of one contiguous buffer.
+    Each step: `start(micro_batches)` before the backward passes, `finish()` after them (the gradients then
+    summed over the group, each rank holding its slice), `grad_norm()`, `clip_(coef)`, `step()`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        *,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        grad_reduce_dtype: torch.dtype = torch.float32,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise DistributedOptimizerError(
+                f"the distributed optimizer keeps weights in bf16 (or fp32, where the main weights copy them), not "
+                f"{dtype}: fp16 would need loss scaling"
+            )
+        if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise DistributedOptimizerError(f"grad_reduce_dtype must be float32 or bfloat16, got {grad_reduce_dtype}")
+        groups = [g for g in param_groups(model, weight_decay) if g["params"]]
+        self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
+        if not self.params:
+            raise DistributedOptimizerError(f"{type(model).__name__} has no trainable parameter")
+        if any(p.dtype != torch.float32 for p in self.params):
+            found = sorted({str(p.dtype) for p in self.params})
+            raise DistributedOptimizerError(
+                f"build the distributed optimizer from the model in fp32 (its main weights start from those "
+                f"values), found parameters in {found}"
+            )
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.names = [names[id(p)] for p in self.params]
+        self.group, self.dtype = group, dtype
+        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        element = torch.finfo(torch.float32).bits // 8
+        offsets, self.buckets = bucket_layout([p.numel() for p in self.params], self.size, bucket_bytes // element)
+        self.offsets = offsets
+        self.grads = GradBuffer(
+            self.params, offsets, self.buckets, _reduce_group(group), self.size, self.rank, grad_reduce_dtype
+        )
+        device = self.params[0].device
+        self.weights = torch.zeros(self.buckets[-1].end, dtype=dtype, device=device)
+        shard_size = sum(b.end - b.start for b in self.buckets) // self.size
+        self.main = torch.zeros(shard_size, dtype=torch.float32, device=device)
+        self.moments = {m: torch.zeros(shard_size, dtype=torch.float32, device=device) for m in _MOMENTS}
+        self.fragments = [
+            f
+            for i in range(len(self.params))
+            for f in _fragments_of(self.buckets, offsets, self.params, self.rank, self.size, i)
+        ]
+        self._main_views = [self._view(self.main, f) for f in self.fragments]
+        with torch.no_grad():
+            for fragment, view in zip(self.fragments, self._main_views):
+                view.copy_(self.params[fragment.param].reshape(-1)[fragment.lo : fragment.hi])
+            for p, offset in zip(self.params, offsets):
+                self.weights[offset : offset + p.numel()].copy_(p.reshape(-1))
+                p.data = self.weights[offset : offset + p.numel()].view(p.shape)
+                p.grad = None  # an fp32 gradient left beside bf16 data would break the compiled graphs
+        decayed = {id(p) for p in groups[0]["params"]} if groups[0]["weight_decay"] else set()
+        self._decayed = [id(p) in decayed for p in self.params]
+        groups_of_fragments: list[dict[str, Any]] = [
+            {"params": [v for v, f in zip(self._main_views, self.fragments) if self._decayed[f.param]]},
+            {
+                "params": [v for v, f in zip(self._main_views, self.fragments) if not self._decayed[f.param]],
+                "weight_decay": 0.0,
+            },
+        ]
+        self.inner = torch.optim.AdamW(groups_of_fragments, lr=lr, betas=betas, weight_decay=weight_decay)
+        for view, fragment in zip(self._main_views, self.fragments):
+            lo, hi = self._buffer_range(fragment)
+            view.grad = self.grads.data[lo:hi]
+            self.inner.state[view] = {
+                "step": torch.tensor(0.0),
+                **{m: self._view(self.moments[m], fragment) for m in _MOMENTS},
+            }
+        self.param_groups = self.inner.param_groups
+        """AdamW's groups of fragments: what a schedule sets `lr` on."""
+
+    def _view(self, shard: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
+        return shard[fragment.shard : fragment.shard + fragment.hi - fragment.lo]
+
+    def _buffer_range(self, fragment: _Fragment) -> tuple[int, int]:
+        start = self.offsets[fragment.param]
+        return start + fragment.lo, start + fragment.hi
+
+    def _bucket_shards(self) -> Iterator[tuple[Bucket, int, int, int]]:
+        """Per bucket: this rank's slice [lo, hi) of the flat buffers and where it starts in the shard."""
+        shard = 0
+        for bucket in self.buckets:
+            lo, hi = bucket.shard(self.rank, self.size)
+            yield bucket, lo, hi, shard
+            shard += hi - lo
+
+    # a step ---------------------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: `start` zeroes the buffer, and the parameters' own `.grad` is always None."""
+
+    def start(self, micro_batches: int) -> None:
+        """Zero the gradient sums before a step in which this rank runs `micro_batches` backward passes."""
+        self.grads.start(micro_batches)
+
+    def finish(self) -> int:
+        """Reduce-scatter what the backward has not yet; the bytes this rank reduced."""
+        return self.grads.finish()
+
+    @property
+    def launched_in_backward(self) -> float:
+        """The share of this step's buckets reduce-scattered while the backward still ran."""
+        return self.grads.launched_in_backward / len(self.buckets)
+
+    def grad_norm(self) -> float:
+        """The 2-norm of the whole model's summed gradient: every rank's slices, over every rank (with
+        pipelines, each stage's ranks hold disjoint slices of disjoint parameters)."""
+        squares = torch.zeros((), dtype=torch.float64, device=self.main.device)
+        for view in self._main_views:
+            squares += cast(torch.Tensor, view.grad).double().pow(2).sum()
+        if dist.is_initialized():
+            dist.all_reduce(squares)
+        return math.sqrt(float(squares))
+
+    def clip_(self, max_norm: float, total_norm: float) -> None:
+        """Scale the gradients as `clip_grads_with_norm_` would, on this rank's slices."""
+        torch.nn.utils.clip_grads_with_norm_(
+            self._main_views, max_norm, torch.tensor(total_norm, device=self.main.device)
+        )
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's fp32 fragments, then every rank's bf16 weights all-gathered."""
+        self.inner.step()
+        self._gather_weights()
+
+    def _gather_weights(self) -> None:
+        for bucket, lo, hi, shard in self._bucket_shards():
+            self.weights[lo:hi].copy_(self.main[shard : shard + hi - lo])
+            if self.size > 1:
+                all_gather_single(self.weights[bucket.start : bucket.end], self.weights[lo:hi], group=self.group)
+
+    def remove_hooks(self) -> None:
+        """Stop accumulating the model's gradients (another optimizer takes the model over)."""
+        self.grads.remove_hooks()
+
+    # checkpoints ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The main weights under the parameters' names, and the optimizer state under torch's flattened names
+        (`state.<param>.<exp_avg|exp_avg_sq|step>`, `param_groups.<param>.<hyperparameter>`), tensors as
+        ShardedTensors of this rank's pieces."""
+        model = {name: self._sharded(self.main, i) for i, name in enumerate(self.names)}
+        step = self._step_count()
+        optim: dict[str, Any] = {}
+        for i, name in enumerate(self.names):
+            for m in _MOMENTS:
+                optim[f"state.{name}.{m}"] = self._sharded(self.moments[m], i)
+            optim[f"state.{name}.step"] = step.clone()
+            group = self._group_of(i)
+            for key, value in group.items():
+                if key != "params":
+                    optim[f"param_groups.{name}.{key}"] = value
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After DCP has read into `state_dict()`'s tensors (this rank's pieces, in place): the step counts and
+        hyperparameters taken over, and the bf16 weights rebuilt from the main weights."""
+        optim = state["optim"]
+        for i, name in enumerate(self.names):
+            group = self._group_of(i)
+            for key in group:
+                if key != "params" and f"param_groups.{name}.{key}" in optim:
+                    group[key] = optim[f"param_groups.{name}.{key}"]
+        steps = {float(optim[f"state.{name}.step"]) for name in self.names}
+        for view in self._main_views:
+            self.inner.state[view]["step"] = torch.tensor(max(steps))
+        with torch.no_grad():
+            self._gather_weights()
+
+    def _step_count(self) -> torch.Tensor:
+        """Adam's step count (the same for every fragment; 0 before the first step)."""
+        counts = [float(self.inner.state[v]["step"]) for v in self._main_views]
+        return torch.tensor(max(counts, default=0.0))
+
+    def _group_of(self, i: int) -> dict[str, Any]:
+        """AdamW's group of parameter `i`'s fragments: decayed (matrices, embeddings) or not."""
+        return self.inner.param_groups[0 if self._decayed[i] else 1]
+
+    def _sharded(self, shard: torch.Tensor, i: int) -> ShardedTensor | torch.Tensor:
+        """Parameter `i`'s pieces of the fp32 `shard` (main weights or a moment) as a ShardedTensor of its shape
+        (one process without torch.distributed: the whole parameter, a plain tensor)."""
+        shape = tuple(self.params[i].shape)
+        if not dist.is_initialized():
+            (fragment,) = _fragments_of(self.buckets, self.offsets, self.params, 0, 1, i)
+            return self._view(shard, fragment).view(shape)
+        every = []
+        local = []
+        for rank in range(self.size):
+            for fragment in _fragments_of(self.buckets, self.offsets, self.params, rank, self.size, i):
+                for offsets, sizes, start in _boxes(shape, fragment.lo, fragment.hi):
+                    meta = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{shard.device}")
+                    every.append(meta)
+                    if rank == self.rank:
+                        at = fragment.shard + start - fragment.lo
+                        piece = shard[at : at + math.prod(sizes)].view(sizes)
+                        local.append(Shard(piece, meta))
+        properties = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False)
+        metadata = ShardedTensorMetadata(every, torch.Size(shape), properties)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=self.group)
+
+
+def _fragments_of(
+    buckets: list[Bucket], offsets: list[int], params: list[nn.Parameter], rank: int, size: int, i: int
+) -> Iterator[_Fragment]:
+    """Rank `rank`'s fragments of parameter `i` (its `shard` offsets are only meaningful for `rank`)."""
+    start, end = offsets[i], offsets[i] + params[i].numel()
+    shard = 0
+    for bucket in buckets:
+        lo, hi = bucket.shard(rank, size)
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            yield _Fragment(i, a - start, b - start, shard + a - lo)
+        shard += hi - lo
+
+
+def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The flat range [lo, hi) of a row-major tensor of `shape` as rectangular boxes: (offsets, sizes, flat start)
+    each, in order. A range that starts or ends mid-row splits into the partial rows and the whole rows between."""
+    if not shape:
+        if lo < hi:
+            yield (), (), lo
+        return
+    inner = math.prod(shape[1:])
+    first, last = lo // inner, (hi - 1) // inner
+    if lo % inner == 0 and hi % inner == 0 or hi - lo == 0:
+        if lo < hi:
+            yield (first, *[0] * (len(shape) - 1)), (last - first + 1, *shape[1:]), lo
+        return
+    if first == last:
+        for offsets, sizes, start in _boxes(shape[1:], lo - first * inner, hi - first * inner):
+            yield (first, *offsets), (1, *sizes), start + first * inner
+        return
+    head_end = (first + 1) * inner
+    yield from _boxes(shape, lo, head_end)
+    tail_start = last * inner
+    if head_end < tail_start:
+        yield from _boxes(shape, head_end, tail_start)
+    yield from _boxes(shape, tail_start, hi)
+
+
+def _reduce_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A process group of `group`'s ranks for the gradient reductions alone, so that they run beside the ring's
+    P2P on the default group (one communicator would serialise or even deadlock them). A pipeline stage's group
+    is already its own; the default group gets a twin (created on every rank at once)."""
+    if not dist.is_initialized() or group is not None:
+        return group
+    return dist.new_group(list(range(dist.get_world_size())))

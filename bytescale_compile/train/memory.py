@@ -1,0 +1,346 @@
+"""From a compiled model to the planner's `MemoryModel`: parameters per rank, activations per token, workspace.
+
+The activation figures are the compile report's saved-activation table (what the backward really keeps, as
+the partitioner CUDA training uses chose it), so no formula per architecture is needed; the model can live on
+the `meta` device, where compiling costs seconds and no memory (`meta_model`, `compile_on_meta`).
+
+Approximations, each erring towards more memory:
+- Parameters per rank with tp: every matrix of a layer and the embedding and lm_head are divided by tp; vectors
+  (norm gains, biases) stay whole. With pp: the largest stage, ceil(layers / pp) layers plus the larger of the
+  embedding and the lm_head plus everything outside the layers.
+- Activations with tp (no sequence parallelism): a tensor of at most `hidden` elements per token that is not
+  split over heads (the residual stream, norm inputs and statistics, token ids, rotary tables) stays whole on
+  every tp rank; every other (q/k/v and attention outputs laid out by heads, the MLP's intermediates) is divided
+  by tp. The attention output reshaped to hidden width before o_proj counts whole.
+- Activations with pp: every stage is charged the tensors outside the layers (embedding side and loss side).
+- Layers: the mean over the model's layers, the layers the report lists standing for them: the last listed one
+  for the model's last layer (it also keeps its output, the final norm's input), the others for the rest.
+  Exact when the report lists every layer; a 2-layer copy stands for a uniform model's layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..config import DEFAULT_CHUNK_SIZE, Config
+from ..passes.report import CompileReport, SavedActivation
+from ..planner.memory import ALLOCATOR_SLACK, BUCKET_BYTES, MemoryModel
+from ..planner.model_shape import LAYERS, ModelConfigError, model_shape
+from .stages import stage_specs
+
+if TYPE_CHECKING:
+    from ..api import OptimizedModule
+
+__all__ = [
+    "LOSS_BUFFERS",
+    "TORCH_DTYPES",
+    "ParamCounts",
+    "compile_on_meta",
+    "device_memory",
+    "loss_workspace_bytes",
+    "memory_model",
+    "meta_model",
+    "param_counts",
+    "parse_memory",
+]
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The training dtype's name -> the dtype the model's weights (and so its activations) are built in."""
+
+LOSS_BUFFERS = 2
+"""[chunk, vocab] fp32 buffers the fused loss holds per chunk: the logits and their gradient."""
+
+_LOSS_PASS = "fused_loss"
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+"""The first numbered component of a parameter's name is its decoder layer (`model.layers.3.mlp...`)."""
+_MEMORY_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_MEMORY_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """A memory size as people write it, binary units: '80G', '80GB' and '80GiB' are 80 x 2^30 bytes; '141G',
+    '1.5T', '1000' (bytes)."""
+    m = _MEMORY_SIZE.match(text)
+    if m is None:
+        raise ValueError(f"expected a memory size like 80G, 141GiB or 24GB, got {text!r}")
+    value = int(float(m.group(1)) * _MEMORY_UNITS[m.group(2).upper()])
+    if value < 1:
+        raise ValueError(f"a memory size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def device_memory(device: torch.device | str) -> int:
+    """Total memory of a CUDA device; anything else has no fixed budget to read, so the caller must give one."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"device {device} has no memory size to plan with: pass the per-device budget explicitly "
+            f"(--memory-budget SIZE, e.g. 80G)"
+        )
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """A model's parameters by where they live: what pp and tp divide differently."""
+
+    embedding: int
+    head: int
+    """0 when tied to the embedding (counted there)."""
+    layer_matrices: float
+    """Per decoder layer, mean over the layers present: the weights tp splits."""
+    layer_vectors: float
+    """Per decoder layer: norm gains and biases, which stay whole under tp."""
+    other: int
+    """Outside the layers, the embedding and the head (the final norm)."""
+    layers_present: int
+    largest: int
+    """Elements of the largest matrix (the embedding or lm_head in a language model)."""
+
+    def total(self, total_layers: int) -> int:
+        """The whole model's parameters with `total_layers` such layers."""
+        per_layer = self.layer_matrices + self.layer_vectors
+        return round(total_layers * per_layer) + self.embedding + self.head + self.other
+
+    def per_rank(self, total_layers: int, pp: int, tp: int) -> int:
+        """Parameters of the largest pipeline stage's tensor-parallel shard (module docstring)."""
+        layers = max(len(s.layers) for s in stage_specs(total_layers, pp))
+        per_layer = math.ceil(self.layer_matrices / tp) + self.layer_vectors
+        embedding, head = math.ceil(self.embedding / tp), math.ceil(self.head / tp)
+        ends = embedding + head if pp == 1 else max(embedding, head)
+        return round(layers * per_layer) + ends + self.other
+
+
+def param_counts(model: nn.Module) -> ParamCounts:
+    """Count `model`'s parameters by embedding, lm_head, decoder layer (the first numbered name component) and
+    the rest; shared parameters once. Works on the meta device."""
+    inner = getattr(model, "original_module", model)
+    embedding_ids = {id(p) for p in _module(inner, "get_input_embeddings", "embed_tokens").parameters()}
+    head_ids = {id(p) for p in _module(inner, "get_output_embeddings", "lm_head").parameters()} - embedding_ids
+    embedding = head = other = 0
+    matrices: dict[int, int] = {}
+    vectors: dict[int, int] = {}
+    for name, p in inner.named_parameters():
+        n = p.numel()
+        m = _LAYER.search(name)
+        if id(p) in embedding_ids:
+            embedding += n
+        elif id(p) in head_ids:
+            head += n
+        elif m is not None:
+            layer = int(m.group(1))
+            bucket = matrices if p.dim() >= 2 else vectors
+            bucket[layer] = bucket.get(layer, 0) + n
+        else:
+            other += n
+    layers = sorted(set(matrices) | set(vectors))
+    count = max(1, len(layers))
+    return ParamCounts(
+        embedding=embedding,
+        head=head,
+        layer_matrices=sum(matrices.values()) / count,
+        layer_vectors=sum(vectors.values()) / count,
+        other=other,
+        layers_present=len(layers),
+        largest=max((p.numel() for p in inner.parameters() if p.dim() >= 2), default=0),
+    )
+
+
+def _module(model: nn.Module, getter: str, attr: str) -> nn.Module:
+    """The module a Hugging Face getter returns, else the attribute of our LLaMA's name, else an empty one."""
+    found = getattr(model, getter, None)
+    module = found() if callable(found) else getattr(model, attr, None)
+    return module if isinstance(module, nn.Module) else nn.Module()
+
+
+def loss_workspace_bytes(
+    vocab: int, hidden: int, weight_bytes: int, tp: int = 1, chunk: int = DEFAULT_CHUNK_SIZE
+) -> int:
+    """What the fused loss holds besides the saved activations, at the end of the forward when they all are
+    live: lm_head's gradient accumulated in fp32 and its copy in the weight's dtype (kept for the backward), and
+    the fp32 logits of one chunk with their gradient. Divided by tp (a vocab-parallel loss)."""
+    head_grads = vocab * hidden * (4 + weight_bytes)
+    chunk_buffers = LOSS_BUFFERS * chunk * vocab * 4
+    return math.ceil((head_grads + chunk_buffers) / tp)
+
+
+def memory_model(
+    model: OptimizedModule | nn.Module,
+    *,
+    total_layers: int,
+    hdp: int,
+    dtype: str,
+    pp: int = 1,
+    tp: int = 1,
+    zero: bool = False,
+    grad_reduce_dtype: str = "fp32",
+    budget: int | None = None,
+    workspace_bytes: int | None = None,
+    params: int | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+    activations: bool = True,
+) -> MemoryModel:
+    """The `MemoryModel` of one rank training `model` (compiled in training mode) as a model of `total_layers`
+    decoder layers over pp stages, tp shards and `hdp` HDP ranks. Every graph in `model.compiled_graphs` counts
+    (the pieces of a graph break add up), so call it after one training compilation: a recompilation's graphs
+    would count twice.
+
+    `params`: parameters per rank when known better than counted (default: the model's, its mean layer scaled
+    to `total_layers`, split by pp and tp). `workspace_bytes` default: the fused loss's buffers
+    (`loss_workspace_bytes`) plus `ALLOCATOR_SLACK` of `budget` (no slack without a budget).
+    `activations=False`: the static part alone, from a model not compiled yet (the fused loss assumed), to
+    check a budget before paying for a compilation.
+    Raises ValueError for a model never compiled, compiled without a backward, saving [T, T] tensors, or a tp
+    that does not divide its heads.
+    """
+    layers = max(len(s.layers) for s in stage_specs(total_layers, pp))
+    share = _tp_share(model, tp) if tp > 1 else None
+    layer_bytes, outside, fused = 0.0, 0.0, True
+    if activations:
+        report = _report(model)
+        per_layer, outside = report.activation_bytes_per_token(share)
+        if not per_layer:
+            logger.warning(
+                "the compile report places no saved activation in a numbered layer: all count as outside the "
+                "layers, which offloading never frees"
+            )
+        layer_bytes = _mean_layer(per_layer, total_layers)
+        fused = bool(report.rewrites(_LOSS_PASS))
+    counts = param_counts(model)
+    if workspace_bytes is None:
+        workspace_bytes = (_loss_workspace(model, tp) if fused else 0) + (
+            round(ALLOCATOR_SLACK * budget) if budget else 0
+        )
+    return MemoryModel(
+        params=params if params is not None else counts.per_rank(total_layers, pp, tp),
+        hdp_size=hdp,
+        dtype=dtype,
+        zero=zero,
+        grad_reduce_dtype=grad_reduce_dtype,
+        bucket_bytes=bucket_bytes,
+        largest_param=math.ceil(counts.largest / tp),
+        layers=layers,
+        layer_bytes_per_token=layer_bytes,
+        other_bytes_per_token=outside,
+        workspace_bytes=workspace_bytes,
+        in_flight=pp,
+    )
+
+
+def _mean_layer(per_layer: dict[int, float], total_layers: int) -> float:
+    """Bytes per token of the mean layer of `total_layers`, from the layers a report lists (module docstring)."""
+    if not per_layer:
+        return 0.0
+    listed = [per_layer[i] for i in sorted(per_layer)]
+    if len(listed) == 1 or total_layers <= 1:
+        return sum(listed) / len(listed)
+    rest = sum(listed[:-1]) / (len(listed) - 1)
+    return ((total_layers - 1) * rest + listed[-1]) / total_layers
+
+
+def _report(model: nn.Module) -> CompileReport:
+    """Every graph `model` compiled so far, checked: a backward's saved activations, each linear in the tokens."""
+    name = type(getattr(model, "original_module", model)).__name__
+    graphs = getattr(model, "compiled_graphs", None)
+    if not isinstance(graphs, list):
+        raise ValueError(f"{name} is not an optimize()d model: it has no compile report to read activations from")
+    report = CompileReport(graphs=graphs)
+    if not report.graphs:
+        raise ValueError(f"{name} has not been compiled: run it once (compile_and_run) before modelling its memory")
+    if not report.saved_activations:
+        notes = "; ".join(g.saved_activations_note for g in report.graphs if g.saved_activations_note)
+        raise ValueError(
+            f"{name}'s compile report lists no saved activations ({notes or 'compiled without a backward?'}): "
+            f"compile it in training mode"
+        )
+    quadratic = [a for a in report.saved_activations if a.bytes_per_token is None and a.alias_of is None]
+    if quadratic:
+        listed = ", ".join(f"`{a.name}` {a.shape} from `{a.source}`" for a in quadratic[:3])
+        raise ValueError(
+            f"{name} saves {len(quadratic)} tensor(s) whose size grows with the square of the tokens ({listed}"
+            f"{' ...' if len(quadratic) > 3 else ''}): no capacity per token exists for them. Let the attention "
+            f"pass rewrite the model's attention (`bytescale-compile inspect` says why it was left alone)"
+        )
+    return report
+
+
+def _tp_share(model: nn.Module, tp: int) -> Callable[[SavedActivation], float]:
+    """The share of each saved tensor a tp rank keeps (module docstring), from the model's hidden size and heads."""
+    try:
+        shape = model_shape(model)
+    except ModelConfigError as e:
+        raise ValueError(f"tp {tp} needs the model's hidden size and heads: {e}") from e
+    if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
+        raise ValueError(
+            f"tp {tp} does not divide the model's {shape.heads} attention heads ({shape.kv_heads} key/value heads): "
+            f"pick a tp that divides both (or that the key/value heads divide)"
+        )
+    heads = {h for h in (shape.heads, shape.kv_heads) if h > 1}
+
+    def share(a: SavedActivation) -> float:
+        dims = [d.strip() for d in a.shape.strip("()").split(",") if d.strip()]
+        sizes = [int(d) for d in dims if d.isdigit()]
+        by_heads = any(d.isdigit() and int(d) in heads for d in dims[:-1])
+        return 1.0 if math.prod(sizes) <= shape.hidden and not by_heads else 1.0 / tp
+
+    return share
+
+
+def _loss_workspace(model: nn.Module, tp: int) -> int:
+    """`loss_workspace_bytes` of the model's lm_head, for a model whose loss the fused-loss pass rewrote (unfused
+    logits are [T, vocab] activations, in the saved-activation table)."""
+    weight = getattr(
+        _module(getattr(model, "original_module", model), "get_output_embeddings", "lm_head"), "weight", None
+    )
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        logger.warning("fused loss found but no lm_head weight: its workspace is not counted")
+        return 0
+    vocab, hidden = weight.shape
+    return loss_workspace_bytes(vocab, hidden, weight.element_size(), tp)
+
+
+def meta_model(config: Any, dtype: str, layers: int = 2) -> tuple[nn.Module, int]:
+    """A Hugging Face causal LM of `config` with its decoder layers cut to `layers`, on the meta device in the
+    run's dtype (no memory, no initialisation), and the config's own layer count. A per-layer list
+    (`layer_types`) is cut alike: the copy has the first layers' kinds."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    field = next((name for name in LAYERS if isinstance(getattr(config, name, None), int)), None)
+    if field is None:
+        raise ValueError(f"{type(config).__name__} says no layer count (none of {', '.join(LAYERS)})")
+    total = getattr(config, field)
+    kept = min(layers, total)
+    setattr(config, field, kept)
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) == total:
+        config.layer_types = layer_types[:kept]
+    config.use_cache = False
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[dtype])
+    return module, total
+
+
+def compile_on_meta(model: nn.Module, inputs: dict[str, Any]) -> OptimizedModule:
+    """`optimize()` `model` (on the meta device) with the partitioner CUDA training uses, and run it once in
+    training mode on `inputs` (the model protocol's kwargs, moved to meta): its report holds the saved
+    activations a GPU run keeps."""
+    from ..api import optimize
+
+    config = Config(partitioner=Config().resolve_partitioner("cuda"), codegen="none")
+    model.train()
+    optimized = optimize(model, config)
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    optimized.compile_and_run(**meta)
+    return optimized

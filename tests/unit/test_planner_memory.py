@@ -1,0 +1,171 @@
+"""The per-rank memory model (`planner/memory.py`): static bytes by dtype, activations under offloading, the
+capacity C a budget allows, and the budget errors. Pure arithmetic: exact on any CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bytescale_compile.planner.memory import BUCKET_BYTES, MemoryBudgetError, MemoryModel, format_bytes
+
+GiB = 2**30
+P = 8_030_261_248
+"""LLaMA-3-8B's parameters."""
+
+
+def model(**overrides) -> MemoryModel:
+    fields = dict(
+        params=P,
+        hdp_size=4,
+        dtype="bf16",
+        layers=32,
+        layer_bytes_per_token=140_000.0,
+        other_bytes_per_token=9_000.0,
+        workspace_bytes=2 * GiB,
+    )
+    return MemoryModel(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("n", [1, 4, 64])
+@pytest.mark.parametrize("params", [P, 1_000_003])
+def test_bf16_is_the_distributed_optimizer(n, params):
+    m = model(params=params, hdp_size=n)
+    s = m.static
+    padded = params + n * math.ceil(4 * params / BUCKET_BYTES)
+    assert m.padded_params == padded
+    assert (s.weights, s.gradients, s.buckets) == (2 * params, 4 * padded, 0)
+    assert s.master == 4 * math.ceil(padded / n)
+    assert s.optimizer == 8 * math.ceil(padded / n)
+    assert 6 + 12 / n <= m.bytes_per_param <= 6 + 12 / n + 0.01
+
+
+def test_bf16_reduction_in_bf16_adds_one_bf16_bucket():
+    fp32 = model(hdp_size=64)
+    bf16 = model(hdp_size=64, grad_reduce_dtype="bf16")
+    assert fp32.static.buckets == 0
+    assert BUCKET_BYTES // 2 <= bf16.static.buckets <= BUCKET_BYTES // 2 + 2 * 64
+    assert bf16.static.total - fp32.static.total == bf16.static.buckets
+    # A bucket closes on the parameter that takes it past bucket_bytes: it can be that much larger.
+    big = model(hdp_size=64, grad_reduce_dtype="bf16", largest_param=10**8)
+    assert big.static.buckets >= 2 * (BUCKET_BYTES // 4 + 10**8)
+
+
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_fp32_is_sixteen_bytes_or_eight_plus_eight_over_n_with_zero(n):
+    plain = model(dtype="fp32", hdp_size=n)
+    zero = model(dtype="fp32", hdp_size=n, zero=True)
+    flat = 0 if n == 1 else BUCKET_BYTES  # the all-reduce flattens one bucket at a time; nothing with one rank
+    assert plain.static.parts() == dict(weights=4 * P, gradients=4 * P, master=0, optimizer=8 * P, buckets=flat)
+    assert plain.static.total == 16 * P + flat
+    assert zero.static.optimizer == 8 * math.ceil(P / n)
+    assert zero.static.total == 8 * P + 8 * math.ceil(P / n) + flat
+    assert zero.bytes_per_param == pytest.approx(8 + 8 / n, abs=0.01)
+
+
+def test_fp32_flat_bucket_never_exceeds_the_gradients():
+    tiny = model(dtype="fp32", params=1000, hdp_size=8)
+    assert tiny.static.buckets == 4 * 1000
+
+
+def test_activations_keep_the_last_two_layers_and_what_lies_outside():
+    m = model(layers=10, layer_bytes_per_token=100.0, other_bytes_per_token=10.0)
+    assert m.activation_bytes(1000, 0.0) == (10 * 100 + 10) * 1000
+    assert m.activation_bytes(1000, 1.0) == (2 * 100 + 10) * 1000
+    assert m.activation_bytes(1000, 0.5) == ((2 + 0.5 * 8) * 100 + 10) * 1000
+    assert m.peak(1000, 0.5) == m.static.total + m.activation_bytes(1000, 0.5) + m.workspace_bytes
+    two_stages = model(layers=10, layer_bytes_per_token=100.0, other_bytes_per_token=10.0, in_flight=2)
+    assert two_stages.activation_bytes(1000, 1.0) == 2 * m.activation_bytes(1000, 1.0)
+
+
+@pytest.mark.parametrize("l", [1, 2])
+def test_offload_frees_nothing_with_two_layers_or_fewer(l):
+    m = model(layers=l, layer_bytes_per_token=100.0, other_bytes_per_token=10.0)
+    assert m.activation_bytes(1000, 1.0) == m.activation_bytes(1000, 0.0) == (l * 100 + 10) * 1000
+    budget = 100 * GiB
+    assert m.capacity(budget, offload=True) == m.capacity(budget, offload=False) == m.longest_per_rank(budget)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layers=st.integers(1, 96),
+    layer=st.floats(1.0, 1e6),
+    other=st.floats(0.0, 1e5),
+    budget=st.integers(60 * GiB, 200 * GiB),
+    n=st.sampled_from([1, 4, 64]),
+    dtype=st.sampled_from(["fp32", "bf16"]),
+    in_flight=st.integers(1, 4),
+)
+def test_capacity_fits_the_budget_and_is_the_largest_that_does(layers, layer, other, budget, n, dtype, in_flight):
+    m = model(
+        params=1_000_000_000,
+        hdp_size=n,
+        dtype=dtype,
+        layers=layers,
+        layer_bytes_per_token=layer,
+        other_bytes_per_token=other,
+        in_flight=in_flight,
+    )
+    c = m.capacity(budget, offload=False)
+    assert m.peak(c) <= budget < m.peak(c + 1)
+    c = m.capacity(budget, offload=True)
+    longest = layers * c / 2 if layers > 2 else c
+    assert m.peak(c, 0.0) <= budget  # a packed micro-batch of C tokens
+    assert m.peak(longest, 1.0) <= budget  # the largest share of a sequence D(s) allows at r = 1
+    for r in (0.25, 0.5, 0.75):  # at any r, D(s) puts at most l C / (2 + (1 - r)(l - 2)) tokens on a rank
+        share = layers * c / (2 + (1 - r) * (layers - 2)) if layers > 2 else c
+        assert m.peak(share, r) <= budget
+    bigger = layers * (c + 1) / 2 if layers > 2 else c + 1
+    assert m.peak(bigger, 1.0) > budget
+    assert m.longest_per_rank(budget) == (layers * c // 2 if layers > 2 else c)
+
+
+def test_budget_below_the_static_bytes_is_refused_naming_both():
+    m = model(dtype="fp32", hdp_size=1)
+    budget = 80 * GiB
+    with pytest.raises(MemoryBudgetError) as e:
+        m.capacity(budget, offload=False)
+    message = str(e.value)
+    assert isinstance(e.value, ValueError)
+    assert format_bytes(budget) in message and str(budget) in message
+    assert format_bytes(m.static.total) in message and "16.00 bytes per parameter" in message
+    assert "--zero" in message and "--dtype bf16" in message and "larger budget" in message
+
+
+def test_budget_without_room_for_one_token_is_refused():
+    m = model(layer_bytes_per_token=1e6, other_bytes_per_token=0.0)
+    budget = m.static.total + m.workspace_bytes + 1000
+    with pytest.raises(MemoryBudgetError, match="less than one token"):
+        m.capacity(budget, offload=False)
+    assert m.available(budget) == 1000
+
+
+def test_static_only_model_checks_budgets_but_has_no_capacity():
+    m = model(layer_bytes_per_token=0.0, other_bytes_per_token=0.0)
+    assert m.available(80 * GiB) > 0
+    with pytest.raises(ValueError, match="no capacity"):
+        m.capacity(80 * GiB, offload=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(dtype="fp16"), "dtype"),
+        (dict(dtype="fp32", grad_reduce_dtype="bf16"), "applies to bf16"),
+        (dict(hdp_size=0), "hdp_size"),
+        (dict(layer_bytes_per_token=-1.0), "layer_bytes_per_token"),
+        (dict(workspace_bytes=-1), "workspace_bytes"),
+    ],
+)
+def test_bad_fields_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        model(**overrides)
+
+
+def test_describe_lists_every_part_and_the_capacities():
+    text = model(hdp_size=64).describe(80 * GiB)
+    for word in ("weights", "gradients", "master", "optimizer", "buckets", "total", "bytes/param", "workspace"):
+        assert word in text
+    assert "C without offload" in text and "C with offload" in text and "longest per rank" in text
