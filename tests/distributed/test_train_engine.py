@@ -56,7 +56,7 @@ def _equivalence_worker(rank: int, world: int, strategy: str, zero: bool) -> Non
     "strategy,zero",
     [
         pytest.param("balance", False, marks=pytest.mark.slow),  # the plain optimizer: every other runtime test
-        ("balance", True),
+        pytest.param("balance", True, marks=pytest.mark.slow),  # ZeRO-1 runs by default in test_train_checkpoint
         pytest.param("naive", False, marks=pytest.mark.slow),
         pytest.param("static", False, marks=pytest.mark.slow),
     ],
@@ -71,6 +71,7 @@ def _too_long_worker(rank: int, world: int) -> None:
         runtime.step([torch.zeros(5, dtype=torch.long), torch.zeros(400, dtype=torch.long)])
 
 
+@pytest.mark.slow  # the refusal runs by default in the trainer's pre-flight tests and tests/unit/test_planner_limits.py
 def test_sequence_too_long_fails_on_every_rank_before_any_compute():
     run_distributed(_too_long_worker, 2)
 
