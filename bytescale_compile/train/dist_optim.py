@@ -29,7 +29,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from .collectives import BUCKET_BYTES
-from .grad_buffer import Bucket, GradBuffer, all_gather_single, bucket_layout
+from .grad_buffer import GradBuffer, all_gather_single, bucket_layout
 from .optim import param_groups
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
@@ -94,22 +94,21 @@ class DistributedOptimizer:
         self.group, self.dtype = group, dtype
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        element = torch.finfo(torch.float32).bits // 8
-        offsets, self.buckets = bucket_layout([p.numel() for p in self.params], self.size, bucket_bytes // element)
+        fp32_bytes = 4
+        offsets, self.buckets = bucket_layout([p.numel() for p in self.params], self.size, bucket_bytes // fp32_bytes)
         self.offsets = offsets
         self.grads = GradBuffer(
             self.params, offsets, self.buckets, _reduce_group(group), self.size, self.rank, grad_reduce_dtype
         )
         device = self.params[0].device
         self.weights = torch.zeros(self.buckets[-1].end, dtype=dtype, device=device)
-        shard_size = sum(b.end - b.start for b in self.buckets) // self.size
+        widths = [(b.end - b.start) // self.size for b in self.buckets]
+        self._shard_starts = [sum(widths[:k]) for k in range(len(widths))]
+        """Where a rank's slice of each bucket begins in its shard (the same on every rank)."""
+        shard_size = sum(widths)
         self.main = torch.zeros(shard_size, dtype=torch.float32, device=device)
         self.moments = {m: torch.zeros(shard_size, dtype=torch.float32, device=device) for m in _MOMENTS}
-        self.fragments = [
-            f
-            for i in range(len(self.params))
-            for f in _fragments_of(self.buckets, offsets, self.params, self.rank, self.size, i)
-        ]
+        self.fragments = [f for i in range(len(self.params)) if (f := self._fragment(i, self.rank)) is not None]
         self._main_views = [self._view(self.main, f) for f in self.fragments]
         with torch.no_grad():
             for fragment, view in zip(self.fragments, self._main_views):
@@ -138,20 +137,22 @@ class DistributedOptimizer:
         self.param_groups = self.inner.param_groups
         """AdamW's groups of fragments: what a schedule sets `lr` on."""
 
+    def _fragment(self, i: int, rank: int) -> _Fragment | None:
+        """Group rank `rank`'s part of parameter `i`: where the param meets that rank's slice of its bucket."""
+        bucket = self.buckets[self.grads.bucket_of[i]]
+        lo, hi = bucket.shard(rank, self.size)
+        start, end = self.offsets[i], self.offsets[i] + self.params[i].numel()
+        a, b = max(lo, start), min(hi, end)
+        if a >= b:
+            return None
+        return _Fragment(i, a - start, b - start, self._shard_starts[bucket.index] + a - lo)
+
     def _view(self, shard: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
         return shard[fragment.shard : fragment.shard + fragment.hi - fragment.lo]
 
     def _buffer_range(self, fragment: _Fragment) -> tuple[int, int]:
         start = self.offsets[fragment.param]
         return start + fragment.lo, start + fragment.hi
-
-    def _bucket_shards(self) -> Iterator[tuple[Bucket, int, int, int]]:
-        """Per bucket: this rank's slice [lo, hi) of the flat buffers and where it starts in the shard."""
-        shard = 0
-        for bucket in self.buckets:
-            lo, hi = bucket.shard(self.rank, self.size)
-            yield bucket, lo, hi, shard
-            shard += hi - lo
 
     # a step ---------------------------------------------------------------------------------------------
 
@@ -194,7 +195,8 @@ class DistributedOptimizer:
         self._gather_weights()
 
     def _gather_weights(self) -> None:
-        for bucket, lo, hi, shard in self._bucket_shards():
+        for bucket, shard in zip(self.buckets, self._shard_starts):
+            lo, hi = bucket.shard(self.rank, self.size)
             self.weights[lo:hi].copy_(self.main[shard : shard + hi - lo])
             if self.size > 1:
                 all_gather_single(self.weights[bucket.start : bucket.end], self.weights[lo:hi], group=self.group)
@@ -250,37 +252,24 @@ class DistributedOptimizer:
         """Parameter `i`'s pieces of the fp32 `shard` (main weights or a moment) as a ShardedTensor of its shape
         (one process without torch.distributed: the whole parameter, a plain tensor)."""
         shape = tuple(self.params[i].shape)
-        if not dist.is_initialized():
-            (fragment,) = _fragments_of(self.buckets, self.offsets, self.params, 0, 1, i)
-            return self._view(shard, fragment).view(shape)
+        if not dist.is_initialized():  # one rank: its fragment is the whole parameter
+            return self._view(shard, cast(_Fragment, self._fragment(i, 0))).view(shape)
         every = []
         local = []
         for rank in range(self.size):
-            for fragment in _fragments_of(self.buckets, self.offsets, self.params, rank, self.size, i):
-                for offsets, sizes, start in _boxes(shape, fragment.lo, fragment.hi):
-                    meta = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{shard.device}")
-                    every.append(meta)
-                    if rank == self.rank:
-                        at = fragment.shard + start - fragment.lo
-                        piece = shard[at : at + math.prod(sizes)].view(sizes)
-                        local.append(Shard(piece, meta))
+            fragment = self._fragment(i, rank)
+            if fragment is None:
+                continue
+            for offsets, sizes, start in _boxes(shape, fragment.lo, fragment.hi):
+                meta = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{shard.device}")
+                every.append(meta)
+                if rank == self.rank:
+                    at = fragment.shard + start - fragment.lo
+                    piece = shard[at : at + math.prod(sizes)].view(sizes)
+                    local.append(Shard(piece, meta))
         properties = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False)
         metadata = ShardedTensorMetadata(every, torch.Size(shape), properties)
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=self.group)
-
-
-def _fragments_of(
-    buckets: list[Bucket], offsets: list[int], params: list[nn.Parameter], rank: int, size: int, i: int
-) -> Iterator[_Fragment]:
-    """Rank `rank`'s fragments of parameter `i` (its `shard` offsets are only meaningful for `rank`)."""
-    start, end = offsets[i], offsets[i] + params[i].numel()
-    shard = 0
-    for bucket in buckets:
-        lo, hi = bucket.shard(rank, size)
-        a, b = max(lo, start), min(hi, end)
-        if a < b:
-            yield _Fragment(i, a - start, b - start, shard + a - lo)
-        shard += hi - lo
 
 
 def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:

@@ -273,7 +273,6 @@ class Runtime:
             step_time=step_time,
         )
         result.validate()
-        self._check_memory(result)
         return result
 
     def predicted_peaks(self, step_plan: Plan) -> list[int] | None:
@@ -293,9 +292,9 @@ class Runtime:
             for r in range(step_plan.world_size)
         ]
 
-    def _check_memory(self, step_plan: Plan) -> None:
-        """Refuse a plan whose predicted peak on some rank exceeds the memory budget, before anything runs."""
-        peaks, memory = self.predicted_peaks(step_plan), self.memory
+    def _check_memory(self, step_plan: Plan, peaks: list[int] | None) -> None:
+        """Refuse a plan whose predicted `peaks` exceed the memory budget on some rank, before anything runs."""
+        memory = self.memory
         if peaks is None or memory is None or self.memory_budget is None or max(peaks) <= self.memory_budget:
             return
         rank = int(np.argmax(peaks))
@@ -382,6 +381,8 @@ class Runtime:
         start = time.perf_counter()
         step_plan = self.plan(np.asarray(batch.lengths)) if plan is None else self._given_plan(plan, batch.lengths)
         plan_time = time.perf_counter() - start
+        peaks = self.predicted_peaks(step_plan)
+        self._check_memory(step_plan, peaks)  # the planner's plans and given ones alike
         self.optimizer.zero_grad(set_to_none=False)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -432,7 +433,7 @@ class Runtime:
             bubbles=self.executor.bubbles(ranks.busy, float(ranks.forward_backward_time.max())),
             reduce_time=reduce_time,
             reduce_overlap=sharded.launched_in_backward if sharded is not None else 0.0,
-            predicted_peak_bytes=self.predicted_peaks(step_plan),
+            predicted_peak_bytes=peaks,
             measured_peak_bytes=ranks.measured_peak_bytes.astype(int).tolist() if self.device.type == "cuda" else None,
         )
         self._compare_with_prediction(stats)

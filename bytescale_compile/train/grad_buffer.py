@@ -91,7 +91,8 @@ class GradBuffer:
         device = params[0].device
         self.data = torch.zeros(buckets[-1].end, dtype=torch.float32, device=device)
         self.views = [self.data[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, params)]
-        self._bucket_of = {i: b.index for b in buckets for i in b.params}
+        self.bucket_of = {i: b.index for b in buckets for i in b.params}
+        """Parameter index -> the one bucket it lies in."""
         self._index = {id(p): i for i, p in enumerate(params)}
         self._handles: list[RemovableHandle] = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
         self.expected = 0
@@ -114,7 +115,7 @@ class GradBuffer:
 
     def _accumulate(self, param: torch.Tensor) -> None:
         i = self._index[id(param)]
-        bucket = self._bucket_of[i]
+        bucket = self.bucket_of[i]
         if bucket < self._launched:
             raise GradientOrderError(
                 f"a gradient of parameter {i} {tuple(param.shape)} arrived after its bucket {bucket} was "
