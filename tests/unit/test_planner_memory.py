@@ -113,10 +113,12 @@ def test_capacity_fits_the_budget_and_is_the_largest_that_does(layers, layer, ot
     c = m.capacity(budget, offload=True)
     longest = layers * c / 2 if layers > 2 else c
     assert m.peak(c, 0.0) <= budget  # a packed micro-batch of C tokens
-    assert m.peak(longest, 1.0) <= budget  # the largest share of a sequence D(s) allows at r = 1
+    # fractional shares: the bytes of a share that fills the budget exactly may round 1 ulp above it
+    rounding = budget * 1e-12
+    assert m.peak(longest, 1.0) <= budget + rounding  # the largest share of a sequence D(s) allows at r = 1
     for r in (0.25, 0.5, 0.75):  # at any r, D(s) puts at most l C / (2 + (1 - r)(l - 2)) tokens on a rank
         share = layers * c / (2 + (1 - r) * (layers - 2)) if layers > 2 else c
-        assert m.peak(share, r) <= budget
+        assert m.peak(share, r) <= budget + rounding
     bigger = layers * (c + 1) / 2 if layers > 2 else c + 1
     assert m.peak(bigger, 1.0) > budget
     assert m.longest_per_rank(budget) == (layers * c // 2 if layers > 2 else c)
