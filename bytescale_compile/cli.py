@@ -211,13 +211,23 @@ def _inspect_stages(model: nn.Module, config: Any, inputs: dict[str, Any], args:
 
 
 def _cost_model(name: str, hardware: str | None = None, tp: int = 1) -> Any:
-    """A preset or profiled cost model; `hardware` puts its ranks on a cluster preset of TP `tp`."""
+    """A preset or profiled cost model; `hardware` puts its ranks on a cluster preset of TP `tp`, whose
+    all-reduces T(s) charges on the cluster's intra-node links. TP > 1 without a cluster is refused: there
+    is no link to charge them on, and ignoring --tp would plan a TP group as one GPU."""
     import dataclasses
 
     from .planner import CostModel, Hardware
 
+    if tp > 1 and not hardware:
+        raise CLIError(
+            f"--tp {tp} needs --hardware (l20 | h100-nvlink): the cluster preset gives the TP group's devices "
+            f"and the intra-node link its all-reduces run on"
+        )
     try:
         cluster = Hardware.preset(hardware, tp_size=tp) if hardware else None
+    except ValueError as e:
+        raise CLIError(f"--hardware {hardware} --tp {tp}: {e}") from e
+    try:
         cost = CostModel.load(name) if name.endswith(".json") else CostModel.preset(name, cluster)
     except (OSError, ValueError) as e:
         raise CLIError(str(e)) from e
@@ -251,7 +261,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     mbs = outcome.plan.micro_batches
     shared = [m for m in mbs if m.shared]
-    print(f"{args.strategy}: {len(lens)} sequences, {int(lens.sum())} tokens over {args.ranks} ranks (C={capacity})")
+    where = f"{args.ranks} HDP ranks" + (f" x TP {args.tp} ({args.ranks * args.tp} GPUs)" if args.tp > 1 else "")
+    print(f"{args.strategy}: {len(lens)} sequences, {int(lens.sum())} tokens over {where} (C={capacity})")
     print(
         f"  micro-batches: {len(mbs)} ({len(shared)} shared, largest group {max((len(m.ranks) for m in shared), default=1)})"
     )
@@ -558,6 +569,30 @@ def _add_data_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_data_prepare)
 
 
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """plan's and simulate's cluster: --ranks counts HDP ranks (the planner's world size), each a TP group of
+    --tp GPUs of the --hardware preset, as `Hardware.preset` builds one rank, holding C tokens."""
+    p.add_argument(
+        "--ranks",
+        type=_int_at_least(1),
+        default=1024,
+        help="HDP ranks, the planner's world size; each is a TP group of --tp GPUs, so ranks x tp GPUs in all",
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="cluster preset for the ranks: l20 | h100-nvlink (default: private 25 GB/s links per rank)",
+    )
+    p.add_argument(
+        "--tp",
+        type=_int_at_least(1),
+        default=1,
+        help="GPUs per HDP rank on the --hardware cluster (needed when > 1; must divide the GPUs per switch): "
+        "each layer's TP all-reduces are charged on their intra-node links",
+    )
+    p.add_argument("--capacity", type=_size, default="8K", help="tokens per HDP rank (its TP group's), C")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="bytescale-compile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -590,16 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan one global batch and print a summary or the plan JSON")
     p.add_argument("--dataset", choices=datasets, default="byted")
     p.add_argument("--global-tokens", type=_size, default="32M")
-    p.add_argument("--ranks", type=_int_at_least(1), default=1024)
-    p.add_argument("--capacity", type=_size, default="8K", help="tokens per rank, C")
+    _add_cluster_arguments(p)
     p.add_argument("--strategy", default="balance", help="the planner's strategy (an unknown name lists them)")
     p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
-    p.add_argument(
-        "--hardware",
-        default=None,
-        help="cluster preset for the ranks: l20 | h100-nvlink (default: private 25 GB/s links per rank)",
-    )
-    p.add_argument("--tp", type=_int_at_least(1), default=1, help="devices per HDP rank on the --hardware cluster")
     p.add_argument(
         "--context", type=_size, default=None, help="context length (truncates longer samples; the static mesh's row)"
     )
@@ -612,20 +640,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
     p.add_argument("--dataset", choices=datasets, default="github")
     p.add_argument("--context", type=_sizes, default="256K,512K,1M,2M")
-    p.add_argument("--ranks", type=_int_at_least(1), default=1024)
-    p.add_argument("--capacity", type=_size, default="8K")
+    _add_cluster_arguments(p)
     p.add_argument("--global-tokens", type=_size, default="32M")
     p.add_argument(
         "--strategies",
         default="static,naive,balance",
         help="comma-separated planner strategies (an unknown name lists them)",
     )
-    p.add_argument(
-        "--hardware",
-        default=None,
-        help="cluster preset for the ranks: l20 | h100-nvlink (default: private 25 GB/s links per rank)",
-    )
-    p.add_argument("--tp", type=_int_at_least(1), default=1, help="devices per HDP rank on the --hardware cluster")
     p.add_argument("--pp", type=_int_at_least(1), default=1)
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--plot", default=None, help="write a throughput-vs-context PNG here (missing folders are created)")

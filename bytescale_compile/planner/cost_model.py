@@ -4,7 +4,8 @@ ranks D(s) and offload ratio r a long sequence needs.
 The equations are sympy expressions over symbolic coefficients, solved once at import and lambdified
 to numpy, so one CostModel evaluates them on arrays of 10^5 sequence lengths in about a millisecond.
 Coefficients come from a model shape and a hardware description (`CostModel.analytic`, the Table 1
-presets of `CostModel.preset`) or from the profiler (`planner/profiler.py`, source "profiled").
+presets of `CostModel.preset`) or from the profiler (`planner/profiler.py`, source "profiled"). T(s) also
+charges the tensor-parallel all-reduces of an HDP rank that is a TP group (`tp_all_reduce_time`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ __all__ = [
     "HARDWARE_PRESETS",
     "KERNELS_PER_LAYER",
     "PRESETS",
+    "TP_ALL_REDUCES_PER_LAYER",
     "CostModel",
     "Hardware",
     "ModelShape",
     "Topology",
+    "tp_all_reduce_time",
 ]
 
 BF16 = 2
@@ -37,6 +40,11 @@ BF16 = 2
 
 KERNELS_PER_LAYER = 20
 """Launches per layer that the analytic gamma charges `Hardware.latency` for."""
+
+TP_ALL_REDUCES_PER_LAYER = 4
+"""Megatron tensor parallelism's all-reduces of a layer's hidden state, fwd+bwd: forward after attention's
+row-parallel o_proj and after the MLP's down_proj, backward on the inputs of the column-parallel qkv and
+gate/up projections."""
 
 CEIL_RTOL = 1e-12
 """D's ceiling forgives this relative float error, so a sequence of exactly k x Act(C) gets k ranks."""
@@ -150,6 +158,18 @@ class Hardware:
         topology = data.get("topology")
         return cls(**{**data, "topology": Topology(**topology) if topology is not None else None})
 
+    @property
+    def tp_size(self) -> int:
+        """Devices per HDP rank: the topology's TP size. Without a topology 1, so no TP communication is
+        charged (a rank is one device, or a TP group whose coefficients already hold its all-reduces)."""
+        return 1 if self.topology is None else self.topology.tp_size
+
+    @property
+    def tp_link(self) -> float:
+        """Bytes/s per direction of one device's intra-node link, which the TP all-reduces run on (NVLink,
+        or PCIe through the switch on the L20 servers); infinite without a topology (no TP traffic)."""
+        return math.inf if self.topology is None else self.topology.device_link
+
     def ring_bandwidth(self, group_size) -> np.ndarray:
         """Bytes/s per rank of a ring of `group_size` adjacent ranks (vectorised)."""
         if self.topology is None:
@@ -230,12 +250,20 @@ PRESETS: dict[str, ModelShape] = {
 
 # --- Eq. 2, symbolically -------------------------------------------------------------------------
 # s: sequence length, r: offload ratio, C: capacity (tokens per rank), l: layers per rank,
-# W: ranks available (max_sequence only), B: min(B_d2h, B_h2d).
+# W: ranks available (max_sequence only), B: min(B_d2h, B_h2d), tau: TP seconds per token and layer.
 s_, r_, C_, l_, W_ = sympy.symbols("s r C l W", positive=True)
 alpha1_, beta1_, gamma_, alpha2_, beta2_, B_ = sympy.symbols("alpha1 beta1 gamma alpha2 beta2 B", positive=True)
-_COEFFS = (alpha1_, beta1_, gamma_, alpha2_, beta2_, B_)
+tau_ = sympy.Symbol("tau", nonnegative=True)
+_COEFFS = (alpha1_, beta1_, gamma_, alpha2_, beta2_, B_, tau_)
 
-_T = alpha1_ * s_**2 + beta1_ * s_ + gamma_
+# tp: devices per HDP rank, h: bytes of one token's hidden state, B_dev: a device's intra-node link.
+tp_, h_, B_dev_ = sympy.symbols("tp h B_dev", positive=True)
+_TAU = TP_ALL_REDUCES_PER_LAYER * 2 * (tp_ - 1) / tp_ * h_ / B_dev_
+"""Ring all-reduces over tp devices, each moving 2 (tp - 1) / tp of its h bytes per token out of (and into)
+every device."""
+_TAU_FN = sympy.lambdify((tp_, h_, B_dev_), _TAU, "numpy")
+
+_T = alpha1_ * s_**2 + beta1_ * s_ + gamma_ + tau_ * s_
 _ACT = alpha2_ * s_ + beta2_
 _D_FRAC = (2 * _ACT + (1 - r_) * (l_ - 2) * _ACT) / (l_ * _ACT.subs(s_, C_))
 _R_OVERLAP = sympy.solve(sympy.Eq(_T, _ACT * r_ / B_), r_)[0]
@@ -272,6 +300,17 @@ _BOUNDARIES = [
 _BOUNDARIES_FN = sympy.lambdify((C_, l_, W_, *_COEFFS), _BOUNDARIES, "numpy")
 
 
+def tp_all_reduce_time(tp_size: int, bytes_per_token: float, link_bandwidth: float) -> float:
+    """Seconds per token and layer, fwd+bwd, that an HDP rank of `tp_size` devices spends in Megatron TP's
+    `TP_ALL_REDUCES_PER_LAYER` ring all-reduces of its tokens' hidden states (`bytes_per_token` each),
+    every device sending at `link_bandwidth` bytes/s (its own intra-node link, not the group's). With
+    sequence parallelism each all-reduce becomes a reduce-scatter plus an all-gather of the same bytes,
+    so the same time. Exactly 0 at tp_size 1."""
+    if tp_size == 1:
+        return 0.0
+    return float(_TAU_FN(tp_size, bytes_per_token, link_bandwidth))
+
+
 def _ceil(x: np.ndarray) -> np.ndarray:
     return np.ceil(x * (1 - CEIL_RTOL))
 
@@ -295,9 +334,10 @@ def _check_capacity(capacity: int) -> None:
 
 @dataclass(frozen=True)
 class CostModel:
-    """T(s) = alpha1 s^2 + beta1 s + gamma (seconds, one layer, fwd+bwd), Act(s) = alpha2 s + beta2 (bytes,
-    one layer), plus what the planner needs beside them: total layers, the K/V bytes a ring step moves per
-    token and layer, the parameter bytes, the hardware's bandwidths and latency."""
+    """T(s) = alpha1 s^2 + beta1 s + gamma + tau s (seconds, one layer, fwd+bwd; tau s the TP all-reduces,
+    `tp_all_reduce_time`), Act(s) = alpha2 s + beta2 (bytes, one layer), plus what the planner needs beside
+    them: total layers, the K/V bytes a ring step moves per token and layer, the parameter bytes, the
+    hardware's bandwidths and latency."""
 
     alpha1: float
     beta1: float
@@ -318,13 +358,17 @@ class CostModel:
     boundary_bytes_per_token: float | None = None
     """Bytes of one token's hidden state at a pipeline-stage boundary (hidden x activation bytes), what a
     stage sends on per token; None: read back from alpha1, exact for analytic models only
-    (`sim.simulator.boundary_bytes_per_token`)."""
+    (`hidden_bytes_per_token`)."""
     mixer_layers: int = 0
     """Of `layers`, those whose token mixer is a convolution or a scan (hybrid models) rather than attention: no
     K/V travels for them, only `mixer_state_bytes` per chunk boundary (the compile report's `mixer_costs`)."""
     mixer_state_bytes: float = 0.0
     """Bytes one chunk boundary of a shared sequence moves forward, over all mixer layers: halos and state
     summaries, whatever the sequence's length."""
+    tp_comm_time: float | None = None
+    """Seconds per token and layer of the TP all-reduces, the tau of T(s). None: derived from the hardware's
+    TP group (`tp_all_reduce_time`); 0 charges none, for coefficients measured on a TP group, which already
+    hold them."""
 
     @property
     def ring_layers(self) -> int:
@@ -358,6 +402,11 @@ class CostModel:
         if not (math.isfinite(self.mixer_state_bytes) and self.mixer_state_bytes >= 0):
             raise ValueError(
                 f"CostModel ({self.source}): mixer_state_bytes must be >= 0, got {self.mixer_state_bytes!r}"
+            )
+        tp_comm = self.tp_comm_time
+        if tp_comm is not None and not (isinstance(tp_comm, (int, float)) and math.isfinite(tp_comm) and tp_comm >= 0):
+            raise ValueError(
+                f"CostModel ({self.source}): tp_comm_time must be None or a finite number >= 0, got {tp_comm!r}"
             )
         boundary = self.boundary_bytes_per_token
         if boundary is not None and not (
@@ -401,7 +450,8 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
         """A model written by `save` (the profiler's output); errors name the file and a missing key. Files
-        written before `device` was recorded load with device None."""
+        written before `device` was recorded load with device None; before `tp_comm_time`, with tau derived
+        from the hardware (0 without a topology, whose rank is one device)."""
         path = Path(path)
         try:
             text = path.read_text()
@@ -424,6 +474,7 @@ class CostModel:
                 boundary_bytes_per_token=data.get("boundary_bytes_per_token"),
                 mixer_layers=data.get("mixer_layers", 0),
                 mixer_state_bytes=data.get("mixer_state_bytes", 0.0),
+                tp_comm_time=data["coefficients"].get("tp_comm_time"),
             )
         except KeyError as e:
             raise ValueError(
@@ -438,7 +489,7 @@ class CostModel:
         data = {
             "format": _FORMAT,
             "source": self.source,
-            "coefficients": {k: getattr(self, k) for k in (*_COEFFICIENT_KEYS, "ring_overhead")},
+            "coefficients": {k: getattr(self, k) for k in (*_COEFFICIENT_KEYS, "ring_overhead", "tp_comm_time")},
             "layers": self.layers,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "param_bytes": self.param_bytes,
@@ -472,20 +523,45 @@ class CostModel:
         """min(B_d2h, B_h2d): an offloaded activation has to go out and come back."""
         return min(self.d2h_bandwidth, self.h2d_bandwidth)
 
+    @property
+    def hidden_bytes_per_token(self) -> float:
+        """Bytes of one token's hidden state, what a stage boundary sends and a TP all-reduce reduces:
+        `boundary_bytes_per_token`, else hidden x bf16 with hidden read back from attention's coefficient,
+        alpha1 = 3 x 2 hidden / rate (files written before the figure was recorded)."""
+        if self.boundary_bytes_per_token is not None:
+            return self.boundary_bytes_per_token
+        hw = self.hardware
+        return float(BF16 * round(self.alpha1 * hw.matmul_flops * hw.mfu / 6))
+
+    @cached_property
+    def tp_time_per_token(self) -> float:
+        """tau: seconds per token and layer, fwd+bwd, of the rank's TP all-reduces (`tp_comm_time` when
+        given, else `tp_all_reduce_time` of the hardware's TP group and link); 0 at TP 1."""
+        if self.tp_comm_time is not None:
+            return float(self.tp_comm_time)
+        hw = self.hardware
+        return tp_all_reduce_time(hw.tp_size, self.hidden_bytes_per_token, hw.tp_link)
+
     @cached_property
     def exprs(self) -> dict[str, sympy.Expr]:
         """EXPRS with this model's coefficients; free symbols s, r, C, l."""
-        values = dict(
-            zip(_COEFFS, (self.alpha1, self.beta1, self.gamma, self.alpha2, self.beta2, self.offload_bandwidth))
-        )
+        values = dict(zip(_COEFFS, self._coeffs()))
         return {k: e.subs(values) for k, e in EXPRS.items()}
 
     def _coeffs(self) -> tuple[float, ...]:
-        return (self.alpha1, self.beta1, self.gamma, self.alpha2, self.beta2, self.offload_bandwidth)
+        return (
+            self.alpha1,
+            self.beta1,
+            self.gamma,
+            self.alpha2,
+            self.beta2,
+            self.offload_bandwidth,
+            self.tp_time_per_token,
+        )
 
     # --- evaluations (vectorised) ----------------------------------------------------------------
     def layer_time(self, s) -> np.ndarray:
-        """T(s): seconds, fwd+bwd of one layer over s tokens."""
+        """T(s): seconds, fwd+bwd of one layer over s tokens, the TP all-reduces included."""
         return np.asarray(_T_FN(np.asarray(s, np.float64), 0, 0, 0, *self._coeffs()), np.float64)
 
     def act(self, s) -> np.ndarray:
@@ -498,8 +574,9 @@ class CostModel:
 
     def flops(self, s) -> np.ndarray:
         """Model FLOPs of a sequence, fwd+bwd, all layers: the compute part of T (gamma, the launch
-        overhead, left out) at matmul_flops x mfu. Exact for analytic models; for profiled ones the FLOPs
-        this hardware would need for the measured time, which is what FLOP-equal buckets balance."""
+        overhead, and tau, the TP all-reduces, left out) at matmul_flops x mfu. Exact for analytic models;
+        for profiled ones the FLOPs this hardware would need for the measured time, which is what FLOP-equal
+        buckets balance."""
         s = np.asarray(s, np.float64)
         return self.layers * (self.alpha1 * s * s + self.beta1 * s) * (self.hardware.matmul_flops * self.hardware.mfu)
 

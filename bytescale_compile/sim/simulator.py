@@ -49,7 +49,6 @@ __all__ = [
 
 CONTENTION_ROUNDS = 4
 """Re-runs of the timeline with link bandwidths shared among the rings that overlap in it."""
-BF16 = 2
 
 
 def simulate(plan: Plan, cost_model: CostModel, sends: bool = True) -> Timeline:
@@ -66,14 +65,9 @@ def step_time(plan: Plan, cost_model: CostModel, sends: bool = True) -> float:
 
 
 def boundary_bytes_per_token(cost_model: CostModel) -> float:
-    """Bytes one token's activations take at a stage boundary: the cost model's own figure (hidden x
-    activation bytes, recorded by the analytic model, the profiler and calibration), else hidden x bf16
-    with hidden read back from attention's coefficient, alpha1 = 3 x 2 hidden / rate (files written before
-    the figure was recorded)."""
-    if cost_model.boundary_bytes_per_token is not None:
-        return cost_model.boundary_bytes_per_token
-    hw = cost_model.hardware
-    return float(BF16 * round(cost_model.alpha1 * hw.matmul_flops * hw.mfu / 6))
+    """Bytes one token's activations take at a stage boundary: its hidden state
+    (`CostModel.hidden_bytes_per_token`, which the TP all-reduces of T(s) reduce too)."""
+    return cost_model.hidden_bytes_per_token
 
 
 def _boundary_bandwidths(plan: Plan, cost_model: CostModel, rank: int) -> list[float]:
