@@ -12,6 +12,8 @@ from .lazy import lazy_getattr
 if TYPE_CHECKING:
     from .api import OptimizedModule, RecompileLimitError, explain, optimize
     from .capture.backend import ShardingError
+    from .capture.tensor_parallel import TensorParallelError
+    from .capture.tp_plan import tensor_parallel
     from .config import Config
     from .passes.report import CompileReport
     from .train.engine import Runtime, StepStats
@@ -23,6 +25,8 @@ _EXPORTS = {
     "OptimizedModule": ".api",
     "RecompileLimitError": ".api",
     "ShardingError": ".capture.backend",
+    "TensorParallelError": ".capture.tensor_parallel",
+    "tensor_parallel": ".capture.tp_plan",
     "Config": ".config",
     "CompileReport": ".passes.report",
     "Runtime": ".train.engine",
@@ -39,6 +43,8 @@ __all__ = [
     "CompileReport",
     "RecompileLimitError",
     "ShardingError",
+    "TensorParallelError",
+    "tensor_parallel",
     "Runtime",
     "StepStats",
     "pipeline_stage",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -14,6 +15,7 @@ from torch import nn
 from .capture import Backend, ShardingError
 from .capture.layers import mark_repeated_layers
 from .capture.mixers import AdaptedMixer, adapt_mixers
+from .capture.tensor_parallel import LocalRunner, TPLayout, find_tp_layout
 from .config import Config
 from .passes.report import CompileReport, GraphReport
 from .runtime.context import MicroBatchContext, current_context, row_packing
@@ -57,6 +59,9 @@ class OptimizedModule(nn.Module):
         self.__signature__ = inspect.signature(model.forward)
         if config.compile_layers_once:
             mark_repeated_layers(model)
+        self.tp_layout: TPLayout | None = find_tp_layout(model)
+        """The TP group and each sharded module's layout when parameters are DTensors (`capture/tensor_parallel.py`)."""
+        self._local = LocalRunner(model, self.tp_layout) if self.tp_layout is not None else None
         self.mixers_adapted: list[AdaptedMixer] = []
         """Hugging Face mixer modules whose convolution and scan now run as segment-aware ops."""
         self.mixers_not_adapted: list[tuple[str, str]] = []
@@ -121,6 +126,7 @@ class OptimizedModule(nn.Module):
         self._pending.clear()
         try:
             with (
+                self._local.localized() if self._local is not None else contextlib.nullcontext(),
                 self._row_packing(args, kwargs),
                 torch._dynamo.config.patch(
                     fail_on_recompile_limit_hit=True,
@@ -136,10 +142,13 @@ class OptimizedModule(nn.Module):
                 f"compiles anew); call torch._dynamo.reset() between independent models, or keep dynamic=True"
             ) from e
         if self._pending:
-            self._report = CompileReport(graphs=list(self._pending))
+            self._report = CompileReport(graphs=list(self._pending), tensor_parallel=self._tp_described())
             self._compiled_graphs += self._pending
             self._mixers_left_alone = CompileReport(graphs=self._compiled_graphs).token_mixers_left_alone()
         return out
+
+    def _tp_described(self) -> dict[str, str]:
+        return self.tp_layout.describe() if self.tp_layout is not None else {}
 
     def _position_ids(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         arguments = self.__signature__.bind_partial(*args, **kwargs).arguments

@@ -93,10 +93,16 @@ def hf_llama(num_layers: int = 2) -> nn.Module:
 
 
 def reference_step(
-    model: nn.Module, batch: list[torch.Tensor], lr: float, hf: bool = False, max_grad_norm: float = 1.0
+    model: nn.Module,
+    batch: list[torch.Tensor],
+    lr: float,
+    hf: bool = False,
+    max_grad_norm: float = 1.0,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Plain single-process SGD step over every sequence of a global batch, token-level loss (Eq. 1)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    """Plain single-process step over every sequence of a global batch, token-level loss (Eq. 1), of `optimizer`
+    over `model`'s parameters (default: SGD at `lr`)."""
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=lr)
     num_items = torch.tensor(sum(len(s) - 1 for s in batch))
     total = torch.zeros(())
     for seq in batch:

@@ -24,7 +24,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 
 from ..config import Config
 from ..kernels.dispatch import choose
-from ..ops import KERNEL_OPS
+from ..ops import KERNEL_OPS, REFERENCE_OPS
 from ..passes.attention import NAME as ATTENTION
 from ..passes.attention import rewrite_attention
 from ..passes.loss import NAME as FUSED_LOSS
@@ -203,8 +203,8 @@ def _kernel_choices(gm: fx.GraphModule, device_type: str) -> dict[str, str]:
         for node in module.graph.nodes
         if isinstance(node.target, torch._ops.OpOverload)
     }
-    ours = [op for op in KERNEL_OPS if op in called]
-    return dict.fromkeys(ours, choose(torch.device(device_type))) if ours else {}
+    ours = {op: choose(torch.device(device_type)) for op in KERNEL_OPS if op in called}
+    return ours | {op: "reference" for op in REFERENCE_OPS if op in called}
 
 
 def _device_type(example_inputs: list[Any]) -> str:

@@ -9,15 +9,29 @@ costs three matmuls instead of the four that a separate forward and backward wou
 Models that scale or soft-cap their logits (Granite, Cohere, Gemma2) give the loss
 ``softcap * tanh(scale * z / softcap)`` (or ``scale * z``) of the linear's output z; the chunk applies
 that transform before the softmax and its derivative after, so z's gradient is what the matmuls see.
+
+`vocab_parallel_linear_cross_entropy_chunked` is the same loss for an lm_head split over the vocabulary
+across a tensor-parallel group (Megatron's vocabulary-parallel cross-entropy): each rank walks its
+[chunk_size, V/tp] logits twice, once for the per-token max, sum of exp and target logit that the group
+combines, once more for the gradients, which need the whole vocabulary's log-sum-exp. It has no Triton
+variant: it runs as written here on every device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["ChunkGrad", "chunk_rows", "linear_cross_entropy_chunked", "run_chunks"]
+__all__ = [
+    "ChunkGrad",
+    "chunk_rows",
+    "linear_cross_entropy_chunked",
+    "run_chunks",
+    "vocab_parallel_linear_cross_entropy_chunked",
+]
 
 CPU_CHUNK_BUDGET_BYTES = 256 * 2**20
 """The [chunk, V] buffers of one chunk on the CPU (1024 rows of V = 32K in fp32 take 125 MiB)."""
@@ -65,6 +79,23 @@ def _check_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> None:
         )
 
 
+def _row_weights(valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Each token's share of the loss: 1 (sum) or 1/n_valid (mean) at valid targets, 0 at ignored ones."""
+    row_weight = valid.float()
+    if reduction == "mean":
+        row_weight /= valid.sum().clamp(min=1)
+    return row_weight
+
+
+def _softmax_to_dlogits_(
+    exp_logits: torch.Tensor, row_factor: torch.Tensor, safe_target: torch.Tensor, target_weight: torch.Tensor
+) -> None:
+    """Turn exp(logits - c) into d(loss)/d(logits) in place: × `row_factor` (row weight / sum of exp(logits - c),
+    giving the weighted softmax), then - `target_weight` at each row's target column `safe_target` [rows, 1]."""
+    exp_logits.mul_(row_factor.unsqueeze(1))
+    exp_logits.scatter_add_(1, safe_target, -target_weight.to(exp_logits.dtype).unsqueeze(1))
+
+
 def _logits_to_dlogits(
     work: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, row_weight: torch.Tensor
 ) -> torch.Tensor:
@@ -79,9 +110,17 @@ def _logits_to_dlogits(
     work.exp_()
     sum_exp = work.sum(dim=1, dtype=torch.float32)
     token_loss = (sum_exp.log() - target_logit) * valid
-    work.mul_((row_weight / sum_exp).unsqueeze(1))
-    work.scatter_add_(1, safe_target, -row_weight.to(work.dtype).unsqueeze(1))
+    _softmax_to_dlogits_(work, row_weight / sum_exp, safe_target, row_weight)
     return token_loss.sum()
+
+
+def _cap_logits_(z: torch.Tensor, scale: float, softcap: float | None) -> None:
+    """Overwrite the linear's output z with the logits the loss sees, when its derivative is not needed."""
+    if softcap is None:
+        if scale != 1.0:
+            z.mul_(scale)
+        return
+    z.mul_(scale / softcap).tanh_().mul_(softcap)
 
 
 def _transform_logits_(
@@ -94,13 +133,62 @@ def _transform_logits_(
     to `derivative_buf` (z's shape and dtype), since z itself is overwritten.
     """
     if softcap is None:
-        if scale != 1.0:
-            z.mul_(scale)
+        _cap_logits_(z, scale, None)
         return scale
     capped = z.mul_(scale / softcap).tanh_()
     derivative = torch.mul(capped, capped, out=derivative_buf).neg_().add_(1.0).mul_(scale)
     capped.mul_(softcap)
     return derivative
+
+
+@dataclass(frozen=True)
+class _LogitsWork:
+    """The logit transform of the torch kernels and the [chunk, V] buffers it needs: an fp32 copy of
+    low-precision logits when they are upcast, and tanh's derivative under a soft-cap."""
+
+    scale: float
+    softcap: float | None
+    work_buf: torch.Tensor | None
+    derivative_buf: torch.Tensor | None
+
+    @classmethod
+    def allocate(
+        cls, hidden: torch.Tensor, vocab: int, chunk_size: int, upcast: bool, scale: float, softcap: float | None
+    ) -> tuple[int, _LogitsWork]:
+        """(tokens per chunk, the buffers for such a chunk): the chunk shrinks to fit the device's budget for the
+        logits, the upcast copy and the derivative together."""
+        upcast_buffer = upcast and hidden.dtype != torch.float32
+        work_dtype = torch.float32 if upcast_buffer else hidden.dtype
+        work_bytes = work_dtype.itemsize * (int(upcast_buffer) + int(softcap is not None))
+        chunk_size = chunk_rows(chunk_size, hidden.shape[0], vocab, hidden.dtype.itemsize + work_bytes, hidden.device)
+        shape = (min(chunk_size, hidden.shape[0]), vocab)
+        work_buf = hidden.new_empty(shape, dtype=work_dtype) if upcast_buffer else None
+        derivative_buf = hidden.new_empty(shape, dtype=work_dtype) if softcap is not None else None
+        return chunk_size, cls(scale, softcap, work_buf, derivative_buf)
+
+    def _work(self, z: torch.Tensor) -> torch.Tensor:
+        """Where the chunk's logits are computed: the upcast buffer holding a copy of z, or z itself."""
+        return z if self.work_buf is None else self.work_buf[: z.shape[0]].copy_(z)
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """The chunk's logits, from the linear's output z (overwritten when not upcast)."""
+        work = self._work(z)
+        _cap_logits_(work, self.scale, self.softcap)
+        return work
+
+    def logits_and_derivative(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """The chunk's logits and d(logits)/dz, for `grad_to_z_` once the logits are their gradient."""
+        work = self._work(z)
+        rows = z.shape[0]
+        derivative_buf = None if self.derivative_buf is None else self.derivative_buf[:rows]
+        return work, _transform_logits_(work, self.scale, self.softcap, derivative_buf)
+
+    def grad_to_z_(self, z: torch.Tensor, dlogits: torch.Tensor, derivative: torch.Tensor | float) -> None:
+        """Leave d(loss)/dz in z (in its own dtype, for both gradient matmuls) from d(loss)/d(logits)."""
+        if self.softcap is not None or self.scale != 1.0:
+            dlogits.mul_(derivative)
+        if self.work_buf is not None:
+            z.copy_(dlogits)
 
 
 ChunkGrad = Callable[[torch.Tensor, slice], torch.Tensor]
@@ -122,6 +210,24 @@ def _accumulate_grad_weight(grad_weight: torch.Tensor, dlogits: torch.Tensor, h:
         grad_weight += dlogits.t() @ h
 
 
+def _chunk_outputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_size: int
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """(rows, their hidden, their linear output z) for `chunk_size` tokens at a time. Every z is a view of
+    one [chunk_size, V] buffer, so the caller is done with a chunk when it asks for the next."""
+    n_tokens = hidden.shape[0]
+    buf = hidden.new_empty(min(chunk_size, n_tokens), weight.shape[0])
+    for start in range(0, n_tokens, chunk_size):
+        rows_of = slice(start, min(start + chunk_size, n_tokens))
+        h = hidden[rows_of]
+        z = buf[: h.shape[0]]
+        if bias is None:
+            torch.matmul(h, weight.t(), out=z)
+        else:
+            torch.addmm(bias, h, weight.t(), out=z)
+        yield rows_of, h, z
+
+
 def run_chunks(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -133,30 +239,21 @@ def run_chunks(
     chunk_size: int,
     chunk_grad: ChunkGrad,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The chunk loop both implementations share: logits of `chunk_size` tokens at a time, turned into
+    """The chunk loop the implementations share: logits of `chunk_size` tokens at a time, turned into
     their gradient by `chunk_grad`, then grad_hidden, and grad_weight/grad_bias accumulated in fp32.
     Every matmul runs on the inputs' dtype; the loss stays on the device (no host sync)."""
-    n_tokens, vocab = hidden.shape[0], weight.shape[0]
     n_valid = (target != ignore_index).sum()
-    logits_buf = hidden.new_empty(min(chunk_size, n_tokens), vocab)
     grad_hidden = torch.empty_like(hidden)
     grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32)
-    grad_bias = None if bias is None else bias.new_zeros(vocab, dtype=torch.float32)
+    grad_bias = None if bias is None else bias.new_zeros(weight.shape[0], dtype=torch.float32)
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
 
-    for start in range(0, n_tokens, chunk_size):
-        rows_of = slice(start, min(start + chunk_size, n_tokens))
-        h = hidden[rows_of]
-        logits = logits_buf[: h.shape[0]]
-        if bias is None:
-            torch.matmul(h, weight.t(), out=logits)
-        else:
-            torch.addmm(bias, h, weight.t(), out=logits)
-        loss_sum += chunk_grad(logits, rows_of)
-        torch.matmul(logits, weight, out=grad_hidden[rows_of])
-        _accumulate_grad_weight(grad_weight, logits, h)
+    for rows_of, h, dlogits in _chunk_outputs(hidden, weight, bias, chunk_size):
+        loss_sum += chunk_grad(dlogits, rows_of)
+        torch.matmul(dlogits, weight, out=grad_hidden[rows_of])
+        _accumulate_grad_weight(grad_weight, dlogits, h)
         if grad_bias is not None:
-            grad_bias += logits.sum(dim=0, dtype=torch.float32)
+            grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
 
     loss = loss_sum / n_valid if reduction == "mean" else loss_sum
     return (
@@ -191,28 +288,110 @@ def linear_cross_entropy_chunked(
     """
     _check_targets(target, ignore_index, weight.shape[0])
     valid = target != ignore_index
-    row_weight = valid.float()
-    if reduction == "mean":
-        row_weight /= valid.sum().clamp(min=1)
-    upcast_buffer = upcast and hidden.dtype != torch.float32
-    work_dtype = torch.float32 if upcast_buffer else hidden.dtype
-    work_bytes = work_dtype.itemsize * (int(upcast_buffer) + int(softcap is not None))
-    chunk_size = chunk_rows(
-        chunk_size, hidden.shape[0], weight.shape[0], hidden.dtype.itemsize + work_bytes, hidden.device
-    )
-    buf_shape = (min(chunk_size, hidden.shape[0]), weight.shape[0])
-    work_buf = hidden.new_empty(buf_shape, dtype=work_dtype) if upcast_buffer else None
-    derivative_buf = hidden.new_empty(buf_shape, dtype=work_dtype) if softcap is not None else None
+    row_weight = _row_weights(valid, reduction)
+    chunk_size, logits_work = _LogitsWork.allocate(hidden, weight.shape[0], chunk_size, upcast, scale, softcap)
 
-    def chunk_grad(logits: torch.Tensor, rows_of: slice) -> torch.Tensor:
-        rows = logits.shape[0]
-        work = work_buf[:rows].copy_(logits) if work_buf is not None else logits  # the buffer iff upcast_buffer
-        derivative = _transform_logits_(work, scale, softcap, None if derivative_buf is None else derivative_buf[:rows])
-        loss = _logits_to_dlogits(work, target[rows_of], valid[rows_of], row_weight[rows_of])
-        if softcap is not None or scale != 1.0:
-            work.mul_(derivative)
-        if upcast_buffer:
-            logits.copy_(work)  # dlogits in the input dtype feed both gradient matmuls
+    def chunk_grad(z: torch.Tensor, rows_of: slice) -> torch.Tensor:
+        logits, derivative = logits_work.logits_and_derivative(z)
+        loss = _logits_to_dlogits(logits, target[rows_of], valid[rows_of], row_weight[rows_of])
+        logits_work.grad_to_z_(z, logits, derivative)
         return loss
+
+    return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)
+
+
+# --- vocabulary-parallel --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TokenStats:
+    """Per token, fp32 [N]: the max logit, the sum of exp(logit - max) and the target's logit (0 where it is
+    not among the logits summed). Of one vocabulary shard, or, combined, of the whole vocabulary."""
+
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor
+    target_logit: torch.Tensor
+
+    def token_loss(self, valid: torch.Tensor) -> torch.Tensor:
+        """log-sum-exp - target logit at valid targets, 0 at ignored ones."""
+        return (self.sum_exp.log() + self.row_max - self.target_logit) * valid
+
+
+def _shard_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_size: int,
+    logits_work: _LogitsWork,
+    safe_target: torch.Tensor,
+    in_shard: torch.Tensor,
+) -> _TokenStats:
+    """The first walk over the chunks: this shard's statistics, the logits discarded chunk by chunk."""
+    n_tokens = hidden.shape[0]
+    row_max, sum_exp, target_logit = hidden.new_empty((3, n_tokens), dtype=torch.float32)
+    for rows_of, _, z in _chunk_outputs(hidden, weight, bias, chunk_size):
+        logits = logits_work.logits(z)
+        chunk_max = logits.amax(dim=1, keepdim=True)
+        row_max[rows_of] = chunk_max.squeeze(1)
+        target_logit[rows_of] = logits.gather(1, safe_target[rows_of]).squeeze(1)
+        sum_exp[rows_of] = logits.sub_(chunk_max).exp_().sum(dim=1, dtype=torch.float32)
+    return _TokenStats(row_max, sum_exp, torch.where(in_shard, target_logit, 0.0))
+
+
+def _combine_over_group(shard: _TokenStats, group: dist.ProcessGroup) -> _TokenStats:
+    """The whole vocabulary's statistics from every shard's, as Megatron combines them: an all-reduce of the
+    max, then one of the sums of exp rescaled to it together with the target logits (only their owner's is
+    non-zero)."""
+    row_max = shard.row_max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    sums = torch.stack([shard.sum_exp * (shard.row_max - row_max).exp(), shard.target_logit])
+    dist.all_reduce(sums, group=group)
+    return _TokenStats(row_max, sums[0], sums[1])
+
+
+def vocab_parallel_linear_cross_entropy_chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    chunk_size: int,
+    scale: float,
+    softcap: float | None,
+    group: dist.ProcessGroup,
+    vocab_start: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`linear_cross_entropy_chunked` of an lm_head whose rows are split over the ranks of `group`: this
+    rank holds weight (and bias) rows [vocab_start, vocab_start + V/tp) of the whole vocabulary.
+
+    hidden [N, H] and target [N] (ids of the whole vocabulary) are the same on every rank. Every rank
+    calls it (it communicates twice, O(N) each). Returns the loss of the whole vocabulary (the same on
+    every rank), this rank's partial grad_hidden (the sum over the group is the gradient: the caller
+    all-reduces it, a column-parallel lm_head's input already does in backward), and the gradients
+    of this rank's weight and bias rows. Costs one matmul more than the unsplit loss: the logits are
+    recomputed for the gradients, which need the whole vocabulary's log-sum-exp.
+    """
+    vocab = weight.shape[0]
+    _check_targets(target, ignore_index, vocab * dist.get_world_size(group))
+    valid = target != ignore_index
+    local_target = target - vocab_start
+    in_shard = valid & (local_target >= 0) & (local_target < vocab)
+    safe_target = torch.where(in_shard, local_target, 0).unsqueeze(1)
+    chunk_size, logits_work = _LogitsWork.allocate(hidden, vocab, chunk_size, upcast, scale, softcap)
+    stats = _combine_over_group(
+        _shard_stats(hidden, weight, bias, chunk_size, logits_work, safe_target, in_shard), group
+    )
+    token_loss = stats.token_loss(valid)
+    row_weight = _row_weights(valid, reduction)
+    row_factor, target_weight = row_weight / stats.sum_exp, row_weight * in_shard
+
+    def chunk_grad(z: torch.Tensor, rows_of: slice) -> torch.Tensor:
+        logits, derivative = logits_work.logits_and_derivative(z)
+        logits.sub_(stats.row_max[rows_of].to(logits.dtype).unsqueeze(1)).exp_()
+        _softmax_to_dlogits_(logits, row_factor[rows_of], safe_target[rows_of], target_weight[rows_of])
+        logits_work.grad_to_z_(z, logits, derivative)
+        return token_loss[rows_of].sum()
 
     return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)

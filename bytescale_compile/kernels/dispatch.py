@@ -5,7 +5,8 @@ signatures. CUDA tensors with Triton importable run the Triton kernels; everythi
 references. `BYTESCALE_KERNELS=reference|triton` (read at every call) overrides the choice;
 `triton` with CPU tensors runs the kernels in Triton's interpreter, which needs `TRITON_INTERPRET=1`
 set when the process starts (see `triton_mode`). The compile report records `choose`'s answer for the
-device of each compiled graph's inputs (`capture/backend.py`).
+device of each compiled graph's inputs (`capture/backend.py`). The vocabulary-parallel loss has no Triton
+kernel: its torch reference runs on every device.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "block_attention_fwd",
     "block_attention_bwd",
     "linear_cross_entropy_chunked",
+    "vocab_parallel_linear_cross_entropy_chunked",
 ]
 
 ENV_VAR = "BYTESCALE_KERNELS"
@@ -248,3 +250,7 @@ def linear_cross_entropy_chunked(
         else triton_.linear_cross_entropy_chunked_triton
     )
     return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap)
+
+
+vocab_parallel_linear_cross_entropy_chunked = cross_entropy_ref.vocab_parallel_linear_cross_entropy_chunked
+"""The torch reference on every device, whatever `choose` says: no Triton kernel implements it."""

@@ -96,9 +96,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, -1, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, cfg.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         groups = cfg.num_heads // cfg.num_kv_heads
@@ -136,6 +136,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "colwise_gather_output",
+    }
+    """Megatron's layout in Hugging Face's plan format (`bytescale_compile.tensor_parallel` applies it): heads
+    and MLP columns split, the lm_head over the vocabulary (the loss pass fuses it vocabulary-parallel)."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg

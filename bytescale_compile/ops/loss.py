@@ -5,21 +5,36 @@ The loss pass replaces ``F.linear`` (+ optional ``.float()``, logit scale and fi
 weight and bias in its forward (three matmuls instead of four) and returns them as extra outputs;
 its autograd backward only scales them by the incoming gradient of the loss. Under `torch.autocast`
 the matmuls run in the autocast dtype and the softmax in fp32, as linear + cross_entropy would.
+
+``bytescale::vocab_parallel_linear_cross_entropy`` is the same loss for a tensor-parallel lm_head split
+over the vocabulary (each rank holds V/tp rows of the weight): the ranks combine per-token statistics,
+never the logits (Megatron's vocabulary-parallel cross-entropy). It runs the torch reference kernel on
+every device.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from bytescale_compile.config import DEFAULT_CHUNK_SIZE
-from bytescale_compile.kernels.dispatch import linear_cross_entropy_chunked
+from bytescale_compile.kernels.dispatch import (
+    linear_cross_entropy_chunked,
+    vocab_parallel_linear_cross_entropy_chunked,
+)
 from bytescale_compile.ops.autocast import register_autocast_rule, to_autocast_dtype
+from bytescale_compile.ops.tensor_parallel import tp_group, tp_size
 
-__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_op", "REDUCTIONS"]
+__all__ = [
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_op",
+    "vocab_parallel_linear_cross_entropy_op",
+    "REDUCTIONS",
+]
 
 REDUCTIONS = ("sum", "mean")
 
@@ -64,6 +79,33 @@ def _check_args(
         )
 
 
+def _check_shard(weight: Tensor, group_name: str, vocab_start: int) -> None:
+    """Raise ValueError unless `weight` is one of the group's equal vocabulary shards, starting at `vocab_start`."""
+    tp, shard = tp_size(group_name), weight.shape[0]
+    starts = [rank * shard for rank in range(tp)]
+    if vocab_start not in starts:
+        raise ValueError(
+            f"vocab_start must be the rank's index in TP group {group_name!r} (size {tp}) times the shard's "
+            f"V/tp={shard} rows, one of {starts}; got {vocab_start}"
+        )
+
+
+def _run_kernel(
+    kernel: Callable[..., tuple[Tensor, Tensor, Tensor, Optional[Tensor]]],
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    *args: Any,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`kernel` on the tokens flattened (hidden [N, H], target [N]); its outputs as the ops return them:
+    grad_hidden in hidden's shape, grad_bias empty without a bias (an op output cannot be None)."""
+    loss, grad_hidden, grad_weight, grad_bias = kernel(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), *args
+    )
+    return loss, grad_hidden.view(hidden.shape), grad_weight, hidden.new_empty(0) if grad_bias is None else grad_bias
+
+
 @torch.library.custom_op("bytescale::fused_linear_cross_entropy", mutates_args=())
 def fused_linear_cross_entropy_op(
     hidden: Tensor,
@@ -87,16 +129,42 @@ def fused_linear_cross_entropy_op(
     loss itself, so not scaled by any outer factor). grad_bias is empty when bias is None.
     """
     _check_args(hidden, weight, bias, target, reduction, chunk_size, scale, softcap)
-    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    loss, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_chunked(
-        hidden_2d, weight, bias, target.reshape(-1), ignore_index, reduction, upcast, chunk_size, scale, softcap
+    options = (ignore_index, reduction, upcast, chunk_size, scale, softcap)
+    return _run_kernel(linear_cross_entropy_chunked, hidden, weight, bias, target, *options)
+
+
+@torch.library.custom_op("bytescale::vocab_parallel_linear_cross_entropy", mutates_args=())
+def vocab_parallel_linear_cross_entropy_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    chunk_size: int,
+    scale: float,
+    softcap: Optional[float],
+    group_name: str,
+    vocab_start: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`fused_linear_cross_entropy_op` of an lm_head split over the vocabulary across the TP group
+    `group_name`: weight [V/tp, H] and bias [V/tp] are this rank's rows, from `vocab_start` (rank × V/tp);
+    hidden and target (ids of the whole vocabulary) are the same on every rank, and every rank calls it.
+
+    The loss is of the whole vocabulary, the same on every rank; grad_weight and grad_bias are of this
+    rank's rows; grad_hidden is this rank's partial gradient, left for the caller to sum over the group
+    (`copy_to_tp` before the column-parallel lm_head does, in its backward).
+    """
+    _check_args(hidden, weight, bias, target, reduction, chunk_size, scale, softcap)
+    _check_shard(weight, group_name, vocab_start)
+    options = (ignore_index, reduction, upcast, chunk_size, scale, softcap)
+    group = tp_group(group_name)
+    return _run_kernel(
+        vocab_parallel_linear_cross_entropy_chunked, hidden, weight, bias, target, *options, group, vocab_start
     )
-    if grad_bias is None:
-        grad_bias = hidden.new_empty(0)
-    return loss, grad_hidden.view(hidden.shape), grad_weight, grad_bias
 
 
-@fused_linear_cross_entropy_op.register_fake
 def _fake(
     hidden: Tensor,
     weight: Tensor,
@@ -108,9 +176,13 @@ def _fake(
     chunk_size: int,
     scale: float = 1.0,
     softcap: Optional[float] = None,
+    *shard: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Shapes and dtypes only: the data-dependent target check runs in the real kernel."""
+    """Both ops' shapes and dtypes (the vocabulary-parallel op passes its group_name and vocab_start as `shard`);
+    the data-dependent target check runs in the real kernels."""
     _check_args(hidden, weight, bias, target, reduction, chunk_size, scale, softcap)
+    if shard:
+        _check_shard(weight, *shard)
     loss = hidden.new_empty((), dtype=torch.float32 if upcast else hidden.dtype)
     grad_bias = hidden.new_empty(0) if bias is None else torch.empty_like(bias)
     return loss, torch.empty_like(hidden), torch.empty_like(weight), grad_bias
@@ -120,30 +192,25 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     """Keep the gradients the forward already computed; they are constants to autograd."""
     _, grad_hidden, grad_weight, grad_bias = output
     ctx.has_bias = inputs[2] is not None
+    ctx.n_inputs = len(inputs)
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
 
 
-def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple:
-    """Chain rule: the saved gradients are of the loss, so scale them by d(out)/d(loss)."""
+def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple[Optional[Tensor], ...]:
+    """Chain rule: the saved gradients are of the loss, so scale them by d(out)/d(loss). Only hidden, weight
+    and bias (the first three inputs of both ops) get one."""
     grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
     return (
         grad_hidden * grad_loss,
         grad_weight * grad_loss,
         grad_bias * grad_loss if ctx.has_bias else None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
+        *(None,) * (ctx.n_inputs - 3),
     )
 
 
-fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
-
 _UPCAST_ARG = 6
+"""Position of `upcast` in both ops' arguments."""
 
 
 def _autocast_args(dtype: torch.dtype, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -154,7 +221,10 @@ def _autocast_args(dtype: torch.dtype, args: tuple[Any, ...]) -> tuple[Any, ...]
     return tuple(cast)
 
 
-register_autocast_rule(fused_linear_cross_entropy_op, _autocast_args)
+for _op in (fused_linear_cross_entropy_op, vocab_parallel_linear_cross_entropy_op):
+    _op.register_fake(_fake)
+    _op.register_autograd(_backward, setup_context=_setup_context)
+    register_autocast_rule(_op, _autocast_args)
 
 
 def fused_linear_cross_entropy(

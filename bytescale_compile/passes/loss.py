@@ -5,7 +5,7 @@ Matched on the Dynamo graph (pre-autograd), walking back from the cross-entropy'
     z = linear(h, W[, b])
     logits = z through any chain of: views, casts to the same or a wider float (`.float()`),
              × or ÷ a constant (Granite, Cohere), tanh with constant factors around it (Gemma2's
-             final soft-cap `tanh(z / c) * c`)
+             final soft-cap `tanh(z / c) * c`), a `tp_all_gather` of vocabulary shards on the last dim
     loss = cross_entropy(logits.view(-1, V), target, ignore_index=i, reduction="sum" | "mean")
 
 becomes `getitem(bytescale.fused_linear_cross_entropy(h, W, b, target, i, reduction, upcast, chunk,
@@ -14,6 +14,12 @@ without a tanh); what follows the loss (HF's division by `num_items_in_batch`) i
 op never holds the full logits, so graph outputs that returned them (at any point of the chain) get an
 empty tensor instead (training only: in eval mode the pass leaves the model alone and logits come back
 as usual). A chain it cannot fold stays eager, with a reason that names what the model does there.
+
+A tensor-parallel lm_head split over the vocabulary with its output gathered (`capture/tensor_parallel.py`
+runs it as `tp_all_gather(linear(copy_to_tp(h), W_i), -1)`) has the gather in the chain; that becomes
+`bytescale.vocab_parallel_linear_cross_entropy(copy_to_tp(h), W_i, ..., group, rank × V/tp)`, which
+combines per-token statistics over the group instead of gathering the logits. Its grad of h is partial:
+`copy_to_tp`'s backward sums it over the group, as it summed the linear's.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch import fx
 from torch.fx.node import Argument
 
 from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
+from ..ops.tensor_parallel import tp_rank, tp_size
 from .graph import NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
 from .manager import PassContext
 from .report import PassResult, Rewrite, Skipped
@@ -52,6 +59,7 @@ _MUL, _MUL_METHODS = (operator.mul, torch.mul, torch.multiply), ("mul", "multipl
 _DIV, _DIV_METHODS = (operator.truediv, torch.div, torch.true_divide), ("div", "divide", "true_divide", "__truediv__")
 _NEG, _NEG_METHODS = (operator.neg, torch.neg, torch.negative), ("neg", "negative", "__neg__")
 _TANH, _TANH_METHODS = (torch.tanh, F.tanh), ("tanh",)
+_TP_ALL_GATHER = torch.ops.bytescale.tp_all_gather.default
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,17 @@ class _Step:
     tanh: bool = False
     scaled_by: fx.Node | None = None
     """A non-constant operand the logits are multiplied or divided by here."""
+    gathered_over: str | None = None
+    """The TP group (name) whose vocabulary shards of the logits are gathered here."""
+
+
+@dataclass(frozen=True)
+class _VocabShard:
+    """This rank's rows of an lm_head split over the vocabulary across a TP group."""
+
+    group_name: str
+    tp: int
+    vocab_start: int
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,15 @@ class _LossMatch:
     ignore_index: int
     scale: float
     softcap: float | None
+    shard: _VocabShard | None = None
+    """Where the lm_head is split over the vocabulary across a TP group; None for a whole lm_head."""
+
+    @property
+    def op(self) -> torch._ops.OpOverload:
+        """The op the cross-entropy becomes."""
+        if self.shard is None:
+            return torch.ops.bytescale.fused_linear_cross_entropy.default
+        return torch.ops.bytescale.vocab_parallel_linear_cross_entropy.default
 
 
 def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -105,7 +133,7 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result.rewrites.append(
             Rewrite(
                 node.name,
-                "bytescale.fused_linear_cross_entropy",
+                str(match.op.overloadpacket),
                 source,
                 _fuse(gm.graph, node, match, ctx.config.loss_chunk_size),
             )
@@ -116,7 +144,7 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 def _fuse(graph: fx.Graph, ce: fx.Node, match: _LossMatch, chunk_size: int) -> str:
     """Replace the cross-entropy by the fused op and the returned logits by empty tensors; the detail."""
     hidden, weight = match.linear.args[:2]
-    args = (
+    args: tuple[Argument, ...] = (
         hidden,
         weight,
         arg(match.linear, 2, "bias"),
@@ -128,8 +156,11 @@ def _fuse(graph: fx.Graph, ce: fx.Node, match: _LossMatch, chunk_size: int) -> s
         match.scale,
         match.softcap,
     )
-    replace_with_op(graph, ce, torch.ops.bytescale.fused_linear_cross_entropy.default, args)
     detail = f"reduction={match.reduction}, ignore_index={match.ignore_index}, upcast={match.upcast}"
+    if match.shard is not None:
+        args += (match.shard.group_name, match.shard.vocab_start)
+        detail = f"vocabulary-parallel over TP {match.shard.tp}, {detail}"
+    replace_with_op(graph, ce, match.op, args)
     if match.scale != 1.0:
         detail += f", logit scale={match.scale:g}"
     if match.softcap is not None:
@@ -147,11 +178,30 @@ def _match(ce: fx.Node, previous_break: str | None) -> _LossMatch:
     linear, steps = _walk_to_linear(logits, previous_break)
     chain = (linear, *reversed([s.node for s in steps]))
     _check_users(chain, ce)
-    if not same_size(value(logits).shape[-1], value(linear).shape[-1]):
+    shard = _vocab_shard(linear, steps)
+    if not same_size(value(logits).shape[-1], value(linear).shape[-1] * (1 if shard is None else shard.tp)):
         raise NotEquivalent(f"views between the lm_head `{linear.name}` and the loss change the vocabulary dimension")
     scale, softcap = _fold(steps)
     upcast = value(logits).dtype == torch.float32
-    return _LossMatch(linear, chain, upcast, reduction, ignore_index, scale, softcap)
+    return _LossMatch(linear, chain, upcast, reduction, ignore_index, scale, softcap, shard)
+
+
+def _vocab_shard(linear: fx.Node, steps: list[_Step]) -> _VocabShard | None:
+    """The vocabulary shard of an lm_head whose logits are gathered over a TP group on the way to the loss."""
+    gathers = [s for s in steps if s.gathered_over is not None]
+    if not gathers:
+        return None
+    if len(gathers) > 1:
+        raise NotEquivalent(f"logits gathered {len(gathers)} times ({', '.join(f'`{s.node.name}`' for s in gathers)})")
+    gather, shard_rows = gathers[0], value(linear).shape[-1]
+    if not same_size(value(gather.source).shape[-1], shard_rows):
+        raise NotEquivalent(
+            f"views between the lm_head `{linear.name}` and `{gather.node.name}` change the vocabulary dimension"
+        )
+    if not isinstance(shard_rows, int):
+        raise NotEquivalent(f"the vocabulary shard of the lm_head `{linear.name}` has no fixed size ({shard_rows})")
+    group_name = str(gather.gathered_over)
+    return _VocabShard(group_name, tp_size(group_name), tp_rank(group_name) * shard_rows)
 
 
 def _check_cross_entropy(ce: fx.Node) -> tuple[str, int]:
@@ -205,9 +255,11 @@ def _step(node: Argument, previous_break: str | None) -> _Step:
         return _product(node)
     if is_call(node, *_DIV, methods=_DIV_METHODS):
         return _quotient(node)
+    if is_call(node, _TP_ALL_GATHER):
+        return _gather(node)
     raise NotEquivalent(
         f"logits come from `{node.name}` ({_describe(node)}); the fused loss takes the lm_head linear through "
-        f"views, float casts, × or ÷ a constant and a tanh soft-cap only"
+        f"views, float casts, × or ÷ a constant, a tanh soft-cap and a gather over the TP group only"
     )
 
 
@@ -246,6 +298,15 @@ def _quotient(node: fx.Node) -> _Step:
             raise NotEquivalent(f"`{node.name}` divides the logits by 0")
         return _Step(node, logits, factor=1 / _constant(node, divisor))
     return _Step(node, logits, scaled_by=divisor)
+
+
+def _gather(node: fx.Node) -> _Step:
+    """A gather of the vocabulary shards of column-parallel logits: on their last dim, or not fusable."""
+    logits, dim = node.args[0], arg(node, 1, "dim")
+    ndim = value(node).dim()
+    if dim % ndim != ndim - 1:
+        raise NotEquivalent(f"`{node.name}` gathers the logits on dim {dim}, not on the vocabulary (last) dim")
+    return _Step(node, logits, gathered_over=arg(node, 2, "group_name"))
 
 
 def _constant(node: fx.Node, c: float) -> Fraction:

@@ -120,6 +120,8 @@ class CompileReport:
     """The report of the latest compilation: every graph compiled by that call."""
 
     graphs: list[GraphReport] = field(default_factory=list)
+    tensor_parallel: dict[str, str] = field(default_factory=dict)
+    """Module path -> the tensor-parallel layout the compiler saw there (empty without TP)."""
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -226,6 +228,13 @@ class CompileReport:
         lines = [f"# bytescale_compile report ({len(self.graphs)} graph(s))", ""]
         if self.kernels:
             lines += ["Kernels: " + ", ".join(f"`{op}` {impl}" for op, impl in sorted(self.kernels.items())), ""]
+        if self.tensor_parallel:
+            lines += ["## Tensor parallelism per layer", ""]
+            lines += [
+                f"- {_layer_name(path)}: {what}"
+                for path, what in sorted(self.tensor_parallel.items(), key=lambda i: _layer_key(i[0]))
+            ]
+            lines.append("")
         layers = self.mixer_layers()
         if layers:
             lines += ["## Token mixers per layer", ""] + [f"- {line}" for line in layers] + [""]

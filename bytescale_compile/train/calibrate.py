@@ -26,8 +26,9 @@ import torch.distributed as dist
 from ..planner import BALANCE, STATIC, CostModel, MicroBatch, Plan
 from ..planner.plan import local_tokens
 from ..planner.profiler import fit_time
-from .collectives import gather, sync_gradients
+from .collectives import sync_gradients
 from .engine import ListBatch, Runtime
+from .mesh import TrainMesh
 
 __all__ = ["CALIBRATION_FRACTIONS", "Calibration", "calibrate", "calibration_lengths"]
 
@@ -119,10 +120,10 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
         calls.append(_forward_backward(runtime, _all_share(shared_length, world, runtime.capacity), seed))
     times = _timed_rounds(calls, repeats)
     runtime.optimizer.zero_grad(set_to_none=False)
-    (allreduce,) = _timed_rounds([lambda: sync_gradients(runtime.params, world)], repeats)
+    (allreduce,) = _timed_rounds([lambda: sync_gradients(runtime.params, world, runtime.executor.sync_group)], repeats)
     runtime.optimizer.zero_grad(set_to_none=False)
-    bandwidth, latency = _ring_exchange(world, runtime.rank, repeats)
-    table = gather([*times, allreduce, bandwidth, latency], runtime.rank, world, runtime.device).mean(axis=0).tolist()
+    bandwidth, latency = _ring_exchange(runtime.executor.mesh, repeats)
+    table = runtime.gather([*times, allreduce, bandwidth, latency]).mean(axis=0).tolist()
     allreduce, bandwidth, latency = table[-3:]
     times, shared = table[: len(lengths)], (table[len(lengths)] if ring else None)
     slots = _compute_slots(runtime)
@@ -191,16 +192,19 @@ def _timed_rounds(calls: Sequence[Callable[[], object]], repeats: int) -> list[f
     return [statistics.median(kept) for kept in samples]
 
 
-def _ring_exchange(world: int, rank: int, repeats: int) -> tuple[float, float]:
-    """(bytes/s, seconds of latency) of every rank sending to rank + 1 while receiving from rank - 1."""
+def _ring_exchange(mesh: TrainMesh, repeats: int) -> tuple[float, float]:
+    """(bytes/s, seconds of latency) of every HDP rank sending to HDP rank + 1 while receiving from HDP rank - 1,
+    among the ranks of this TP index (the peers of a ring)."""
+    world, rank = mesh.hdp, mesh.hdp_rank
     if world == 1:
         return float("inf"), 0.0
+    after, before = mesh.global_rank((rank + 1) % world), mesh.global_rank((rank - 1) % world)
 
     def exchange(numel: int) -> Callable[[], None]:
         send, recv = torch.zeros(numel, dtype=torch.uint8), torch.empty(numel, dtype=torch.uint8)
 
         def run() -> None:
-            ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+            ops = [dist.P2POp(dist.isend, send, after), dist.P2POp(dist.irecv, recv, before)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
 
@@ -215,7 +219,7 @@ def _compute_slots(runtime: Runtime) -> float | None:
     CPU processes on one machine that are more than that; None otherwise."""
     if runtime.device.type != "cpu":
         return None
-    slots = (os.cpu_count() or 1) / torch.get_num_threads()
+    slots = (os.cpu_count() or 1) / torch.get_num_threads() / runtime.tp_size  # HDP ranks: tp processes each
     return slots if runtime.world_size > slots else None
 
 

@@ -27,7 +27,8 @@ DCP saves one `Stateful`, the model and its optimizer (`_AppState` under "app"),
 - a pipeline stage (`train/stages.py`) numbers its layers from 0, so its names go through `full_model_name`
   and no two stages' names collide;
 - a ZeRO-1 `ZeroRedundancyOptimizer` holds its rank's parameters' state only: DCP's helpers run on its local
-  optimizer, so each rank writes the state of its own parameters and nothing is gathered.
+  optimizer, so each rank writes the state of its own parameters and nothing is gathered (with tensor
+  parallelism, DTensors of its TP shards).
 
 Tensors several ranks hold alike (the model, a replicated optimizer) are written once. The names do not
 depend on how the ranks split the state, but a resume still needs the layout it was saved with (resharding
@@ -67,6 +68,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .dist_optim import DistributedOptimizer
+from .mesh import tp_size_of
 from .stages import full_model_name, stage_spec
 
 __all__ = [
@@ -197,6 +199,8 @@ class _Layout:
     zero: bool
     distributed: bool = False
     """The distributed optimizer's shards (bf16 weights, fp32 main weights sharded)."""
+    tp_size: int = 1
+    """Ranks of a TP group (DTensor parameters)."""
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: Optimizer) -> _Layout:
@@ -206,15 +210,15 @@ class _Layout:
             spec.pp_size if spec is not None else 1,
             isinstance(optimizer, ZeroRedundancyOptimizer),
             isinstance(optimizer, DistributedOptimizer),
+            tp_size_of(model),
         )
 
     def describe(self) -> str:
-        if self.distributed:
+        if self.distributed or self.zero:
+            kind = "distributed-optimizer shards (bf16 weights)" if self.distributed else "ZeRO optimizer shards"
             stages = f" in each of {self.pp_size} pipeline stages" if self.pp_size > 1 else ""
-            return f"distributed-optimizer shards (bf16 weights) over {self.world_size // self.pp_size} rank(s){stages}"
-        if self.zero:
-            stages = f" in each of {self.pp_size} pipeline stages" if self.pp_size > 1 else ""
-            return f"ZeRO optimizer shards over {self.world_size // self.pp_size} rank(s){stages}"
+            tp = f" at each of {self.tp_size} TP indices" if self.tp_size > 1 else ""
+            return f"{kind} over {self.world_size // (self.pp_size * self.tp_size)} rank(s){stages}{tp}"
         if self.pp_size > 1:
             return f"the optimizer states of {self.pp_size} pipeline stages"
         return "a replicated optimizer state"
@@ -590,13 +594,19 @@ def _check_complete(path: Path) -> None:
 
 
 def _check_layout(path: Path, now: _Layout) -> None:
-    """The same number of ranks, pipeline stages and ZeRO setting as the save (resharding is not implemented);
-    a manifest written before the distributed optimizer existed did not use it."""
+    """The same number of ranks, TP size, pipeline stages and ZeRO setting as the save (resharding is not
+    implemented); a manifest written before the distributed optimizer or tensor parallelism existed used neither."""
     manifest = _read_manifest(path)
-    missing = [f.name for f in fields(_Layout) if f.name not in manifest and f.name != "distributed"]
+    missing = [f.name for f in fields(_Layout) if f.name not in manifest and f.name not in ("distributed", "tp_size")]
     if missing:
         raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lacks {missing} (damaged?)")
     saved = _Layout(**{f.name: manifest[f.name] for f in fields(_Layout) if f.name in manifest})
+    if saved.tp_size != now.tp_size:
+        raise CheckpointError(
+            f"checkpoint directory {path} was saved with tensor parallelism tp {saved.tp_size}, this run has tp "
+            f"{now.tp_size}: resume with --tp {saved.tp_size} (resharding to another tp is not implemented), or "
+            "start a new run in another --out"
+        )
     if saved.world_size != now.world_size:
         raise CheckpointError(
             f"checkpoint directory {path} was saved by {saved.world_size} rank(s), this run has "

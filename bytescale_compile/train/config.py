@@ -174,6 +174,11 @@ class TrainConfig:
         "pipeline stages per HDP rank: the job's processes are pp x HDP ranks (stage-major), the "
         "model split at decoder layers, each stage run in 1F1B",
     )
+    tp: int = _setting(
+        1,
+        "tensor parallelism: each HDP rank is a group of tp processes (adjacent ranks, one node) sharding the "
+        "model's heads and MLP columns (its Hugging Face base_model_tp_plan); processes = pp x HDP ranks x tp",
+    )
     seed: int = _setting(0, "initialisation and batch order")
     cost_model: str | None = _setting(
         None,
@@ -232,7 +237,7 @@ class TrainConfig:
         if self.memory_budget is not None:
             _check_int("memory_budget", self.memory_budget, 1)
         _check_choice("loader", self.loader, LOADERS)
-        for key in ("steps", "global_tokens", "pp"):
+        for key in ("steps", "global_tokens", "pp", "tp"):
             _check_int(key, getattr(self, key), 1)
         _check_int("max_len", self.max_len, 2)
         for key in ("warmup", "eval_every", "checkpoint_every", "keep_last", "seed", "prefetch_steps"):

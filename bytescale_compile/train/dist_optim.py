@@ -12,6 +12,11 @@ Checkpoints hold the fp32 main weights under the parameters' names and global sh
 names torch's flattened optimizer state dict uses (`state.<param>.exp_avg`), as `ShardedTensor`s whose local
 shards are the rectangular pieces of this rank's fragments (`_boxes`): the same keys and shapes as a replicated
 fp32 run, read back by whatever fragments the loading ranks hold.
+
+Under tensor parallelism a DTensor parameter stays a DTensor, its local tensor the bf16 view into the buffer: the
+layout is of local shards, the group the HDP ranks of this rank's TP index (`mesh.replica_group`), and a piece's
+box sits at its TP shard's offset in the global tensor. Every TP index needs the same layout (its pieces are
+named for each TP rank at once), so TP shards must be even.
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as TPShard
 
-from .collectives import BUCKET_BYTES
+from .collectives import BUCKET_BYTES, local
 from .grad_buffer import GradBuffer, all_gather_single, bucket_layout
+from .mesh import replica_group
 from .optim import param_groups
 
-__all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
+__all__ = ["DistributedOptimizer", "DistributedOptimizerError", "restore_fp32_"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -54,8 +62,10 @@ class _Fragment:
 class DistributedOptimizer:
     """`DistributedOptimizer(model, lr, weight_decay, betas, group=None)`: AdamW on sharded fp32 main weights.
 
-    Construct it on every rank of `group` (default: all) at once, from the model in fp32: the main weights start
-    from those values, and the model's trainable parameters become `dtype` views of one contiguous buffer.
+    Construct it on every rank at once, from the model in fp32: the main weights start from those values, and the
+    model's trainable parameters become `dtype` views of one contiguous buffer (a DTensor's local tensor). `group`
+    defaults to the ranks holding the same parameters (`mesh.replica_group`: all, or the HDP ranks of this TP
+    index); a pipeline stage without tensor parallelism passes its `stage_group`.
     Each step: `start(micro_batches)` before the backward passes, `finish()` after them (the gradients then
     summed over the group, each rank holding its slice), `grad_norm()`, `clip_(coef)`, `step()`.
     """
@@ -83,25 +93,36 @@ class DistributedOptimizer:
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
         if not self.params:
             raise DistributedOptimizerError(f"{type(model).__name__} has no trainable parameter")
-        if any(p.dtype != torch.float32 for p in self.params):
-            found = sorted({str(p.dtype) for p in self.params})
+        if any(local(p).dtype != torch.float32 for p in self.params):
+            found = sorted({str(local(p).dtype) for p in self.params})
             raise DistributedOptimizerError(
                 f"build the distributed optimizer from the model in fp32 (its main weights start from those "
                 f"values), found parameters in {found}"
             )
         names = {id(p): name for name, p in model.named_parameters()}
         self.names = [names[id(p)] for p in self.params]
+        self._tp = _TPShards.of(self.params, self.names)
+        group = replica_group(model, group)
         self.group, self.dtype = group, dtype
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self._group_ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() else [0]
+        """Global rank of each group rank."""
         fp32_bytes = 4
-        offsets, self.buckets = bucket_layout([p.numel() for p in self.params], self.size, bucket_bytes // fp32_bytes)
+        numels = [local(p).numel() for p in self.params]
+        offsets, self.buckets = bucket_layout(numels, self.size, bucket_bytes // fp32_bytes)
         self.offsets = offsets
+        device = self.params[0].device
+        self.weights = torch.zeros(self.buckets[-1].end, dtype=dtype, device=device)
+        originals = [local(p).detach() for p in self.params]  # what the main weights start from, kept from here
+        with torch.no_grad():
+            for p, offset, value in zip(self.params, offsets, originals):
+                view = self.weights[offset : offset + value.numel()]
+                view.copy_(value.reshape(-1))
+                _rebind(p, view.view(value.shape))  # before the gradient hooks: a DTensor's rebinding swaps it
         self.grads = GradBuffer(
             self.params, offsets, self.buckets, _reduce_group(group), self.size, self.rank, grad_reduce_dtype
         )
-        device = self.params[0].device
-        self.weights = torch.zeros(self.buckets[-1].end, dtype=dtype, device=device)
         widths = [(b.end - b.start) // self.size for b in self.buckets]
         self._shard_starts = [sum(widths[:k]) for k in range(len(widths))]
         """Where a rank's slice of each bucket begins in its shard (the same on every rank)."""
@@ -112,11 +133,7 @@ class DistributedOptimizer:
         self._main_views = [self._view(self.main, f) for f in self.fragments]
         with torch.no_grad():
             for fragment, view in zip(self.fragments, self._main_views):
-                view.copy_(self.params[fragment.param].reshape(-1)[fragment.lo : fragment.hi])
-            for p, offset in zip(self.params, offsets):
-                self.weights[offset : offset + p.numel()].copy_(p.reshape(-1))
-                p.data = self.weights[offset : offset + p.numel()].view(p.shape)
-                p.grad = None  # an fp32 gradient left beside bf16 data would break the compiled graphs
+                view.copy_(originals[fragment.param].reshape(-1)[fragment.lo : fragment.hi])
         decayed = {id(p) for p in groups[0]["params"]} if groups[0]["weight_decay"] else set()
         self._decayed = [id(p) in decayed for p in self.params]
         groups_of_fragments: list[dict[str, Any]] = [
@@ -141,7 +158,7 @@ class DistributedOptimizer:
         """Group rank `rank`'s part of parameter `i`: where the param meets that rank's slice of its bucket."""
         bucket = self.buckets[self.grads.bucket_of[i]]
         lo, hi = bucket.shard(rank, self.size)
-        start, end = self.offsets[i], self.offsets[i] + self.params[i].numel()
+        start, end = self.offsets[i], self.offsets[i] + local(self.params[i]).numel()
         a, b = max(lo, start), min(hi, end)
         if a >= b:
             return None
@@ -174,10 +191,12 @@ class DistributedOptimizer:
 
     def grad_norm(self) -> float:
         """The 2-norm of the whole model's summed gradient: every rank's slices, over every rank (with
-        pipelines, each stage's ranks hold disjoint slices of disjoint parameters)."""
+        pipelines, each stage's ranks hold disjoint slices of disjoint parameters; with tensor parallelism each TP
+        index its shards, and a replicated parameter is counted at TP index 0 only)."""
         squares = torch.zeros((), dtype=torch.float64, device=self.main.device)
-        for view in self._main_views:
-            squares += cast(torch.Tensor, view.grad).double().pow(2).sum()
+        for view, fragment in zip(self._main_views, self.fragments):
+            if self._tp.counted(fragment.param):
+                squares += cast(torch.Tensor, view.grad).double().pow(2).sum()
         if dist.is_initialized():
             dist.all_reduce(squares)
         return math.sqrt(float(squares))
@@ -255,21 +274,101 @@ class DistributedOptimizer:
         if not dist.is_initialized():  # one rank: its fragment is the whole parameter
             return self._view(shard, cast(_Fragment, self._fragment(i, 0))).view(shape)
         every = []
-        local = []
+        mine = []
         for rank in range(self.size):
             fragment = self._fragment(i, rank)
             if fragment is None:
                 continue
-            for offsets, sizes, start in _boxes(shape, fragment.lo, fragment.hi):
-                meta = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{shard.device}")
-                every.append(meta)
-                if rank == self.rank:
-                    at = fragment.shard + start - fragment.lo
-                    piece = shard[at : at + math.prod(sizes)].view(sizes)
-                    local.append(Shard(piece, meta))
+            for holder, origin in self._tp.holders(i, self._group_ranks[rank]):
+                for offsets, sizes, start in _boxes(self._tp.shapes[i], fragment.lo, fragment.hi):
+                    at = [o + d for o, d in zip(offsets, origin)]
+                    meta = ShardMetadata(at, list(sizes), f"rank:{holder}/{shard.device}")
+                    every.append(meta)
+                    if holder == dist.get_rank():
+                        first = fragment.shard + start - fragment.lo
+                        mine.append(Shard(shard[first : first + math.prod(sizes)].view(sizes), meta))
         properties = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False)
         metadata = ShardedTensorMetadata(every, torch.Size(shape), properties)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=self.group)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(mine, metadata)
+
+
+@dataclass(frozen=True)
+class _TPShards:
+    """Where the parameters' local tensors sit in their global ones under tensor parallelism (tp 1: in place)."""
+
+    size: int
+    rank: int
+    shapes: list[tuple[int, ...]]
+    """Each parameter's local shape: the same at every TP index (even shards)."""
+    dims: list[int | None]
+    """The dimension each parameter is sharded on over its TP group; None: replicated (or a plain tensor)."""
+
+    @classmethod
+    def of(cls, params: list[nn.Parameter], names: list[str]) -> _TPShards:
+        """Read from the DTensor parameters; `DistributedOptimizerError` for a layout the buffer cannot share."""
+        mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+        size = mesh.size() if mesh is not None else 1
+        dims = [_shard_dim(p, name, size) for p, name in zip(params, names)]
+        return cls(
+            size, mesh.get_local_rank() if mesh is not None else 0, [tuple(local(p).shape) for p in params], dims
+        )
+
+    def counted(self, i: int) -> bool:
+        """Whether this rank's squares of parameter `i` enter the norm: each TP shard's, a replicated one's once."""
+        return self.dims[i] is not None or self.rank == 0
+
+    def holders(self, i: int, global_rank: int) -> list[tuple[int, tuple[int, ...]]]:
+        """The global ranks holding the fragments that `global_rank` holds of parameter `i` at their own TP index,
+        each with where its local tensor begins in the global one: itself for a replicated parameter, every rank
+        of its TP group (adjacent ranks: tp is the innermost mesh dimension) for a sharded one."""
+        dim, shape = self.dims[i], self.shapes[i]
+        if dim is None:
+            return [(global_rank, (0,) * len(shape))]
+        first = global_rank - self.rank
+        return [(first + t, tuple(t * n if d == dim else 0 for d, n in enumerate(shape))) for t in range(self.size)]
+
+
+def _shard_dim(p: nn.Parameter, name: str, tp: int) -> int | None:
+    """The dimension `p` is evenly sharded on (None: replicated or plain); `DistributedOptimizerError` otherwise."""
+    if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
+        return None
+    placement = p.placements[0]
+    if len(p.placements) != 1 or not isinstance(placement, TPShard):
+        raise DistributedOptimizerError(
+            f"parameter `{name}` has placements {p.placements}; the distributed optimizer takes Shard or Replicate "
+            f"on a 1-D TP mesh"
+        )
+    dim = placement.dim % p.ndim
+    if p.shape[dim] % tp:
+        raise DistributedOptimizerError(
+            f"parameter `{name}` {tuple(p.shape)} is sharded on dim {dim} unevenly over tp {tp}: the distributed "
+            f"optimizer needs every TP rank to hold the same shard shape; pick a tp that divides {p.shape[dim]}"
+        )
+    return dim
+
+
+def _rebind(p: nn.Parameter, data: torch.Tensor) -> None:
+    """Make `data` (of `p`'s local shape) the storage of `p`, which stays the same object: a plain parameter takes
+    it as `.data`; a DTensor one is swapped in place (`swap_tensors`) with a DTensor of the same placements around
+    it, keeping its attributes (`.data` would retype the DTensor but leave its local tensor)."""
+    if not isinstance(p, DTensor):
+        p.data = data
+    else:
+        wrapped = DTensor.from_local(
+            data, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+        new = nn.Parameter(wrapped, requires_grad=p.requires_grad)
+        new.__dict__.update(p.__dict__)
+        torch.utils.swap_tensors(p, new)
+    p.grad = None  # an fp32 gradient left beside bf16 data would break the compiled graphs
+
+
+def restore_fp32_(model: nn.Module) -> None:
+    """Give every parameter of `model` its own fp32 storage again, as the same objects (the distributed optimizer
+    left them views of its bf16 buffer): what a model needs before another optimizer is built on it."""
+    with torch.no_grad():
+        for p in model.parameters():
+            _rebind(p, local(p).detach().float().clone())
 
 
 def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..api import OptimizedModule, optimize
 from ..config import Config
@@ -50,7 +51,7 @@ from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
 from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork
-from .collectives import gather, sync_gradients
+from .collectives import clip_grads_, gather, sync_gradients
 from .dist_optim import DistributedOptimizer
 from .executor import Executor, WholeModelExecutor
 from .pipeline import PipelineExecutor
@@ -177,14 +178,16 @@ class RankFigures:
         rank: int,
         world_size: int,
         device: torch.device,
+        tp_size: int = 1,
     ) -> RankFigures:
+        """Rows of the global ranks that lead their TP group (every rank of a group did the same work)."""
         mine = {
             **dataclasses.asdict(work),
             "forward_backward_time": forward_backward_time,
             "measured_peak_bytes": measured_peak_bytes,
         }
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(*gather([float(mine[name]) for name in names], rank, world_size, device).T)
+        return cls(*gather([float(mine[name]) for name in names], rank, world_size, device)[::tp_size].T)
 
 
 class Runtime:
@@ -240,9 +243,12 @@ class Runtime:
         """Runs this rank's micro-batches: of the whole model, or of its pipeline stage."""
         self.device = self.executor.device
         self.pp_size = self.executor.pp_size
-        self.world_size = self.global_world_size // self.pp_size
+        self.tp_size = self.model.tp_layout.size if self.model.tp_layout is not None else 1
+        """Ranks of a TP group: one HDP rank of the plans."""
+        self._refuse_with_tp(optimizer)
+        self.world_size = self.global_world_size // (self.pp_size * self.tp_size)
         """HDP ranks: the ranks a plan is made for."""
-        self.rank = self.global_rank % self.world_size
+        self.rank = (self.global_rank // self.tp_size) % self.world_size
         if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps must be an int >= 1, got {max_skipped_steps!r}")
         self.max_skipped_steps = max_skipped_steps
@@ -253,6 +259,15 @@ class Runtime:
         self._skipped_in_a_row: list[int] = []
         self._timed: list[StepStats] = []
         """This Runtime's steps so far, up to the last of `_COMPARED_CALLS`."""
+
+    def _refuse_with_tp(self, optimizer: object) -> None:
+        """Torch's own ZeRO-1 under tensor parallelism, refused before any step rather than failing in one."""
+        if self.tp_size > 1 and type(optimizer) is ZeroRedundancyOptimizer:
+            raise ValueError(
+                f"torch's ZeroRedundancyOptimizer broadcasts whole parameters, which c10d cannot do for tensor-parallel "
+                f"(DTensor) ones (tp {self.tp_size}): build ZeRO-1 with train.optim.build_optimizer(model, ..., "
+                f"zero=True), which broadcasts local shards"
+            )
 
     def plan(self, lengths: np.ndarray) -> Plan:
         """The step's plan, validated before any communication (identical on every rank).
@@ -399,7 +414,7 @@ class Runtime:
         reduce_time = time.perf_counter() - began - forward_backward_time
         measured = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         ranks = RankFigures.gather(
-            work, forward_backward_time, measured, self.global_rank, self.global_world_size, self.device
+            work, forward_backward_time, measured, self.global_rank, self.global_world_size, self.device, self.tp_size
         )
         loss = float(ranks.loss.sum())
         grad_norm = self._clip_gradients()
@@ -465,7 +480,12 @@ class Runtime:
         without gradients, so nothing is offloaded and no parameter or optimizer state changes."""
         batch = _as_batch(batch, self.vocab_size)
         loss = self.executor.evaluate(self.plan(np.asarray(batch.lengths)), batch)
-        return float(gather([loss], self.global_rank, self.global_world_size, self.device).sum())
+        return float(self.gather([loss]).sum())
+
+    def gather(self, values: list[float]) -> np.ndarray:
+        """Every HDP rank's `values` as a [pp × HDP ranks, len(values)] array (stage-major; a TP group's once:
+        its ranks did the same work), from one all-reduce over the world."""
+        return gather(values, self.global_rank, self.global_world_size, self.device)[:: self.tp_size]
 
     def _count_skip(self, skipped: bool, loss: float, grad_norm: float) -> None:
         """Raise once `max_skipped_steps` steps in a row were skipped (the parameters are still those before them)."""
@@ -487,9 +507,7 @@ class Runtime:
             return norm
         norm = self.executor.grad_norm(self.params)
         if self.max_grad_norm is not None and math.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_(
-                self.params, self.max_grad_norm, torch.tensor(norm, device=self.device)
-            )
+            clip_grads_(self.params, self.max_grad_norm, norm)
         return norm
 
 

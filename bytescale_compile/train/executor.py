@@ -11,6 +11,7 @@ rank plans with. `WholeModelExecutor` (here) runs HDP without pipelines; `Pipeli
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import time
 from abc import ABC, abstractmethod
@@ -27,6 +28,8 @@ from ..runtime.context import micro_batch
 from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
 from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
+from .collectives import grad_square_sum
+from .mesh import TrainMesh, hdp_group
 from .stages import is_hf_model
 
 __all__ = ["Executor", "WholeModelExecutor", "rank_work"]
@@ -43,6 +46,8 @@ class Executor(ABC):
     """Stages of a pipeline (1: the whole model)."""
     sync_group: dist.ProcessGroup | None
     """The ranks that hold the same parameters, over which gradients are summed (None: every rank)."""
+    mesh: TrainMesh
+    """Where this rank sits in the world laid out (pp, hdp, tp)."""
 
     def __init__(self, model: OptimizedModule, mixed_precision: torch.dtype | None = None) -> None:
         self.model, self.mixed_precision = model, mixed_precision
@@ -115,13 +120,15 @@ def rank_work(
 
 
 class WholeModelExecutor(Executor):
-    """The whole model on every rank: this rank's micro-batches one after another, gradients summed over all
-    ranks (HDP without pipelines)."""
+    """The whole model on every TP group: this HDP rank's micro-batches one after another, gradients summed over
+    the HDP ranks (HDP without pipelines; with tensor parallelism each rank of a TP group runs them alike)."""
 
     def __init__(self, model: OptimizedModule, mixed_precision: torch.dtype | None = None) -> None:
         super().__init__(model, mixed_precision)
-        self.pp_size, self.sync_group = 1, None
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.mesh = TrainMesh.of_world(tp=model.tp_layout.size if model.tp_layout is not None else 1)
+        self.pp_size = 1
+        self.sync_group = hdp_group(self.mesh) if self.mesh.tp > 1 else None
+        self.rank = self.mesh.hdp_rank
 
     def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
         num_items = num_targets(batch.lengths)
@@ -131,7 +138,7 @@ class WholeModelExecutor(Executor):
         act_ctx = self.act_ctx(mine)
         for i, mb in enumerate(mine):
             began = time.perf_counter()
-            inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
+            inputs = self._in_mesh(build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items))
             act_ctx.update_micro_batch_id(i)
             with micro_batch(ctx=inputs.context), act_ctx:
                 mb_loss = self._loss(inputs).float()
@@ -149,7 +156,7 @@ class WholeModelExecutor(Executor):
         try:
             with torch.no_grad():
                 for mb in plan.micro_batches_of(self.rank):
-                    inputs = build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items)
+                    inputs = self._in_mesh(build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items))
                     with micro_batch(ctx=inputs.context):
                         loss += self._loss(inputs).double().cpu()
         finally:
@@ -157,8 +164,14 @@ class WholeModelExecutor(Executor):
         return loss.item()
 
     def grad_norm(self, params: list[nn.Parameter]) -> float:
-        """Every rank holds the whole summed gradient: its own norm is the model's."""
-        return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        """Every TP group holds the whole summed gradient: its own norm is the model's (a TP shard's squares
+        summed over the group, a replicated gradient's counted once)."""
+        layout = self.model.tp_layout
+        if layout is None:
+            return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        squares = torch.tensor(grad_square_sum(params, count_replicated=self.mesh.tp_rank == 0), dtype=torch.float64)
+        dist.all_reduce(squares, group=layout.mesh.get_group())
+        return float(squares.sqrt())
 
     def shard_blockers(self) -> list[str]:
         return self.model.shard_blockers()
@@ -168,6 +181,14 @@ class WholeModelExecutor(Executor):
 
     def bubbles(self, busy: np.ndarray, forward_backward_time: float) -> list[float] | None:
         return None
+
+    def _in_mesh(self, inputs: MicroBatchInputs) -> MicroBatchInputs:
+        """`inputs` with a shared micro-batch's ring among the global ranks of its HDP ranks at this TP index."""
+        group = inputs.context.group
+        if self.mesh.tp == 1 or group is None:
+            return inputs
+        context = dataclasses.replace(inputs.context, group=tuple(self.mesh.global_rank(r) for r in group))
+        return dataclasses.replace(inputs, context=context)
 
     def _loss(self, inputs: MicroBatchInputs) -> torch.Tensor:
         """The model's loss of one micro-batch, its forward under autocast."""

@@ -10,6 +10,8 @@ a process group of its own (so it runs beside the ring's P2P on the default grou
 compute). Buckets are always launched in bucket order, waiting for earlier ones, so every rank issues the same
 collectives in the same order whatever its micro-batch count or the order its backward ran in; `finish`
 launches what is left (all of it on a rank with no micro-batch, or a parameter no micro-batch used) and waits.
+A tensor-parallel (DTensor) parameter takes the place of its local shard: the group is then the HDP ranks of
+this rank's TP index, which hold the same shard.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from .collectives import local
 
 __all__ = ["Bucket", "GradBuffer", "GradientOrderError", "all_gather_single", "bucket_layout", "reduce_scatter_single"]
 
@@ -90,7 +94,7 @@ class GradBuffer:
         self.reduce_dtype = reduce_dtype
         device = params[0].device
         self.data = torch.zeros(buckets[-1].end, dtype=torch.float32, device=device)
-        self.views = [self.data[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, params)]
+        self.views = [self.data[o : o + local(p).numel()].view(local(p).shape) for o, p in zip(offsets, params)]
         self.bucket_of = {i: b.index for b in buckets for i in b.params}
         """Parameter index -> the one bucket it lies in."""
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -124,7 +128,7 @@ class GradBuffer:
             )
         grad = param.grad
         assert grad is not None  # the hook runs after accumulation
-        self.views[i].add_(grad)
+        self.views[i].add_(local(grad))
         param.grad = None
         self._received[i] += 1
         if self._received[i] == self.expected:

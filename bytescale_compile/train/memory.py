@@ -35,6 +35,7 @@ from ..config import DEFAULT_CHUNK_SIZE, Config
 from ..passes.report import CompileReport, SavedActivation
 from ..planner.memory import ALLOCATOR_SLACK, BUCKET_BYTES, MemoryModel
 from ..planner.model_shape import LAYERS, ModelConfigError, model_shape
+from .collectives import local
 from .stages import stage_specs
 
 if TYPE_CHECKING:
@@ -124,7 +125,8 @@ class ParamCounts:
 
 def param_counts(model: nn.Module) -> ParamCounts:
     """Count `model`'s parameters by embedding, lm_head, decoder layer (the first numbered name component) and
-    the rest; shared parameters once. Works on the meta device."""
+    the rest; shared parameters once; a tensor-parallel parameter by this rank's shard. Works on the meta
+    device."""
     inner = getattr(model, "original_module", model)
     embedding_ids = {id(p) for p in _module(inner, "get_input_embeddings", "embed_tokens").parameters()}
     head_ids = {id(p) for p in _module(inner, "get_output_embeddings", "lm_head").parameters()} - embedding_ids
@@ -132,7 +134,7 @@ def param_counts(model: nn.Module) -> ParamCounts:
     matrices: dict[int, int] = {}
     vectors: dict[int, int] = {}
     for name, p in inner.named_parameters():
-        n = p.numel()
+        n = local(p).numel()
         m = _LAYER.search(name)
         if id(p) in embedding_ids:
             embedding += n
@@ -153,7 +155,7 @@ def param_counts(model: nn.Module) -> ParamCounts:
         layer_vectors=sum(vectors.values()) / count,
         other=other,
         layers_present=len(layers),
-        largest=max((p.numel() for p in inner.parameters() if p.dim() >= 2), default=0),
+        largest=max((local(p).numel() for p in inner.parameters() if p.dim() >= 2), default=0),
     )
 
 

@@ -2,13 +2,16 @@
 
 Weight decay pulls matrices and embeddings toward zero; on a norm's gain or a bias it would only fight
 the scale the layer needs, so parameters with fewer than two dimensions get none (the usual GPT/LLaMA
-recipe). The schedule is a pure function of the step, set on the optimizer before every step: a resumed
+recipe). With ZeRO-1 each rank of the group that holds the same parameters keeps and updates the state of its
+share of them; a tensor-parallel (DTensor) parameter is partitioned and broadcast as this rank's local shard.
+The schedule is a pure function of the step, set on the optimizer before every step: a resumed
 run gets exactly the learning rates of an uninterrupted one without any scheduler state.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,7 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["LRSchedule", "build_optimizer", "param_groups"]
+from .collectives import local
+from .mesh import replica_group
+
+__all__ = ["LRSchedule", "LocalZeroRedundancyOptimizer", "build_optimizer", "param_groups"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -37,14 +43,38 @@ def build_optimizer(
     zero: bool = False,
     process_group: dist.ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW over `param_groups`; with `zero`, ZeRO-1 (each rank of `process_group`, default all, keeps and
-    updates its shard of the state; a pipeline stage passes its `stage_group`)."""
+    """AdamW over `param_groups`; with `zero`, ZeRO-1: each rank of `process_group` keeps and updates its shard
+    of the state. The group defaults to the ranks holding the same parameters (`mesh.replica_group`: all, or with
+    tensor parallelism the HDP ranks of this TP index); a pipeline stage without it passes its `stage_group`."""
     groups = [g for g in param_groups(model, weight_decay) if g["params"]]
     if zero:
-        return ZeroRedundancyOptimizer(
-            groups, optimizer_class=torch.optim.AdamW, process_group=process_group, lr=lr, betas=betas
+        return LocalZeroRedundancyOptimizer(
+            groups,
+            optimizer_class=torch.optim.AdamW,
+            process_group=replica_group(model, process_group),
+            lr=lr,
+            betas=betas,
         )
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+class LocalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+    """Torch's ZeRO-1, its updated parameters broadcast as local tensors: c10d cannot broadcast a DTensor, and a
+    tensor-parallel rank holds and updates only its shard. The partition (by global size) is the same at every TP
+    index, so each parameter's state lives on one HDP rank, as DTensors over its TP group. A plain parameter is
+    its own local tensor: without tensor parallelism this is torch's ZeRO-1 bit for bit."""
+
+    _partition_parameters: Callable[[], list[list[dict[str, Any]]]]
+    """Torch's partition, per rank its parameter groups (a method its type stub leaves out)."""
+
+    def _broadcast_params_from_rank(self, rank: int) -> list[Any]:
+        """Group rank `rank`'s share, as local tensors: the handles of the asynchronous broadcasts."""
+        source = dist.get_global_rank(self.process_group, rank)
+        return [
+            dist.broadcast(local(p.detach()), src=source, group=self.process_group, async_op=True)
+            for group in self._partition_parameters()[rank]
+            for p in group["params"]
+        ]
 
 
 class HasParamGroups(Protocol):

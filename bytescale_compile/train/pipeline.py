@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..api import OptimizedModule
 from ..planner.pipeline_order import Op, chained_micro_batches, stage_order
@@ -49,7 +50,9 @@ from ..runtime.context import MicroBatchContext, micro_batch
 from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
 from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
+from .collectives import grad_square_sum
 from .executor import Executor, rank_work
+from .mesh import TrainMesh, hdp_group, tp_size_of
 from .stages import StageSpec, full_model_name, split_stages, stage_inputs, stage_spec
 
 __all__ = [
@@ -57,7 +60,7 @@ __all__ = [
     "PipelineSetupError",
     "StageTransferError",
     "check_stage_plan",
-    "gather_stage_weights",
+    "whole_state",
     "pipeline_stage",
     "stage_group",
 ]
@@ -134,32 +137,37 @@ def _stage_groups(world: int, pp_size: int) -> list[dist.ProcessGroup]:
     return [dist.new_group([s * hdp + r for r in range(hdp)]) for s in range(pp_size)]
 
 
-def gather_stage_weights(model: nn.Module, stage: nn.Module) -> None:
-    """Copy every stage's parameters and buffers into global rank 0's whole `model` (the others' copies of
-    the other stages stay as they were): what a save of the whole model after pipeline training needs. Every
-    rank calls it; the first HDP rank of each stage sends."""
+def whole_state(model: nn.Module, stage: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole `model`'s trained tensors on the host, tensor-parallel shards gathered, on global rank 0 (None on
+    the others): what a save of the whole model needs. `stage` is this rank's module (`model` itself without
+    pipelines). Every rank calls it; the first HDP rank of each stage contributes (its TP group gathers first)."""
     spec = stage_spec(stage)
-    if spec is None:
-        return
-    hdp = dist.get_world_size() // spec.pp_size
     plain = getattr(stage, "original_module", stage)
-    mine = (
-        {full_model_name(spec, name): t.detach().cpu() for name, t in plain.state_dict().items()}
-        if dist.get_rank() % hdp == 0
-        else {}
-    )
-    gathered: list[dict[str, torch.Tensor]] | None = None
-    if dist.get_rank() == 0:
-        gathered = [{} for _ in range(dist.get_world_size())]
-    dist.gather_object(mine, gathered, dst=0)
-    if gathered is None:
-        return
-    whole = model.state_dict()
-    for tensors in gathered:
-        for name, tensor in tensors.items():
-            if name not in whole:
-                raise PipelineSetupError(f"stage tensor {name} is not in the whole model {type(model).__name__}")
-            whole[name].copy_(tensor)
+    mesh = TrainMesh.of_world(tp=tp_size_of(plain), pp=spec.pp_size if spec is not None else 1)
+    mine: dict[str, torch.Tensor] = {}
+    if mesh.hdp_rank == 0:
+        tensors = {name: _whole(t).detach().cpu() for name, t in plain.state_dict().items()}
+        if mesh.tp_rank == 0:
+            mine = {full_model_name(spec, k) if spec is not None else k: t for k, t in tensors.items()}
+    if spec is None:
+        return mine if mesh.rank == 0 else None
+    gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(mesh.pp * mesh.hdp * mesh.tp)]
+    dist.gather_object(mine, gathered if mesh.rank == 0 else None, dst=0)
+    if mesh.rank != 0 or gathered is None:
+        return None
+    whole = {name: t for tensors in gathered for name, t in tensors.items()}
+    unknown, missing = whole.keys() - model.state_dict().keys(), model.state_dict().keys() - whole.keys()
+    if unknown or missing:
+        raise PipelineSetupError(
+            f"the stages' tensors do not make up {type(model).__name__}: not in it {sorted(unknown)[:3]}, "
+            f"in no stage {sorted(missing)[:3]}"
+        )
+    return whole
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel shard gathered over its TP group (a collective), a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def check_stage_plan(plan: Plan, spec: StageSpec, world_size: int, rank: int) -> None:
@@ -211,26 +219,30 @@ class PipelineExecutor(Executor):
         super().__init__(stage, mixed_precision)
         self.spec, self.pp_size = spec, spec.pp_size
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if self.world_size % spec.pp_size:
+        tp = stage.tp_layout.size if stage.tp_layout is not None else 1
+        if self.world_size % (spec.pp_size * tp):
             raise PipelineSetupError(
-                f"{self.world_size} processes cannot hold pipelines of {spec.pp_size} stages: "
-                f"the job needs a multiple of {spec.pp_size}"
+                f"{self.world_size} processes cannot hold pipelines of {spec.pp_size} stages of TP groups of {tp}: "
+                f"the job needs a multiple of {spec.pp_size * tp}"
             )
-        self.hdp = self.world_size // spec.pp_size
-        if self.rank // self.hdp != spec.index:
+        self.mesh = TrainMesh.of_world(tp=tp, pp=spec.pp_size)
+        self.hdp = self.mesh.hdp
+        if self.mesh.stage != spec.index:
             raise PipelineSetupError(
-                f"global rank {self.rank} runs stage {self.rank // self.hdp} (stage-major, "
-                f"{self.hdp} HDP ranks) but holds stage module {spec.index}"
+                f"global rank {self.rank} runs stage {self.mesh.stage} (stage-major, {self.hdp} HDP ranks of "
+                f"{tp} TP ranks) but holds stage module {spec.index}"
             )
-        self.hdp_rank = self.rank % self.hdp
-        self.sync_group = stage_group(spec)
+        self.hdp_rank = self.mesh.hdp_rank
+        self.stride = self.hdp * tp
+        """Global ranks between a rank and its pipeline neighbour (the same HDP rank and TP index)."""
+        self.sync_group = hdp_group(self.mesh) if tp > 1 else stage_group(spec)
         self.hidden_size = int(stage.config.hidden_size)
         self._blockers: list[str] | None = None
 
     def check(self, plan: Plan, batch: BatchLike) -> None:
         """That a plan its caller validated (the Runtime: `check_stage_plan` less `Plan.validate`, which is
         not cheap at scale and ran already) fits this job and the batch's lengths."""
-        _check_fit(plan, self.spec, self.world_size, self.rank)
+        _check_fit(plan, self.spec, self.world_size // self.mesh.tp, self.rank // self.mesh.tp)
         lengths = [int(n) for n in np.asarray(batch.lengths)]
         if lengths != plan.sequences:
             raise PlanError(
@@ -262,9 +274,9 @@ class PipelineExecutor(Executor):
 
     def grad_norm(self, params: list[nn.Parameter]) -> float:
         """The 2-norm of the whole model's gradient, over every stage, once each stage's gradients are summed
-        over its HDP ranks (its ranks then hold equal ones: the first of them counts the stage)."""
-        grads = [p.grad for p in params if p.grad is not None]  # all of them, after `sync_gradients`
-        squares = sum(float(g.double().pow(2).sum()) for g in grads) if self.hdp_rank == 0 else 0.0
+        over its HDP ranks (its ranks then hold equal ones: the first of them counts the stage; of a TP group,
+        every rank its shards and the first the replicated gradients)."""
+        squares = grad_square_sum(params, count_replicated=self.mesh.tp_rank == 0) if self.hdp_rank == 0 else 0.0
         total = torch.tensor(squares, dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return math.sqrt(float(total))
@@ -322,7 +334,7 @@ class PipelineExecutor(Executor):
         mb, waited, received = inputs.micro_batch, 0.0, None
         if not self.spec.is_first:
             shape = (1, inputs.num_tokens, self.hidden_size)
-            received, waited = self._receive(self.rank - self.hdp, mb, "hidden states", shape)
+            received, waited = self._receive(self.rank - self.stride, mb, "hidden states", shape)
             received.requires_grad_(torch.is_grad_enabled())
         context = self._context(inputs)
         kwargs = stage_inputs(self.spec, inputs.model_kwargs(self.device, self.hf_labels), received)
@@ -332,7 +344,7 @@ class PipelineExecutor(Executor):
             out = self._loss(out).float()
             tally.loss += float(out.detach())
         else:
-            tally.stage_bytes += self._send(out, self.rank + self.hdp, mb, sends)
+            tally.stage_bytes += self._send(out, self.rank + self.stride, mb, sends)
         tally.count(context.ring_stats, RingStats())
         return _InFlight(context, received, out), waited
 
@@ -346,11 +358,11 @@ class PipelineExecutor(Executor):
             if self.spec.is_last:
                 state.output.backward()
             else:
-                grad, waited = self._receive(self.rank + self.hdp, mb, "gradient", tuple(state.output.shape))
+                grad, waited = self._receive(self.rank + self.stride, mb, "gradient", tuple(state.output.shape))
                 torch.autograd.backward(state.output, grad)
         if state.received is not None:
             input_grad = cast(torch.Tensor, state.received.grad)  # the backward above reached the stage's input
-            tally.stage_bytes += self._send(input_grad, self.rank - self.hdp, mb, sends)
+            tally.stage_bytes += self._send(input_grad, self.rank - self.stride, mb, sends)
         tally.count(state.context.ring_stats, before)
         return waited
 
@@ -359,7 +371,7 @@ class PipelineExecutor(Executor):
         mb = inputs.micro_batch
         if not mb.shared:
             return inputs.context
-        return dataclasses.replace(inputs.context, group=tuple(self.spec.index * self.hdp + r for r in mb.ranks))
+        return dataclasses.replace(inputs.context, group=tuple(self.mesh.global_rank(r) for r in mb.ranks))
 
     def _loss(self, output: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)

@@ -73,19 +73,20 @@ def preflight(
         )
         if limit.too_long.size:
             raise PreflightError(
-                _message(what, [position(int(i)) for i in limit.too_long], used[limit.too_long], limit)
+                _message(what, [position(int(i)) for i in limit.too_long], used[limit.too_long], limit, config.tp)
             )
 
 
-def _message(what: str, positions: list[str], lengths: np.ndarray, limit: LengthLimit) -> str:
+def _message(what: str, positions: list[str], lengths: np.ndarray, limit: LengthLimit, tp: int) -> str:
     shown = ", ".join(positions[:_SHOWN])
     more = f" and {len(positions) - _SHOWN} more" if len(positions) > _SHOWN else ""
     plural = "s" if len(positions) > 1 else ""
     ways = [f"--max-len {limit.max_len} (truncates them)"]
     if limit.enough_capacity is not None:
         ways.append(f"--capacity {limit.enough_capacity}")
-    if limit.enough_ranks is not None:
-        ways.append(f"{limit.enough_ranks} HDP ranks (torchrun --nproc_per_node={limit.enough_processes} in all)")
+    if limit.enough_ranks is not None and limit.enough_processes is not None:
+        processes = limit.enough_processes * tp  # each HDP rank a TP group
+        ways.append(f"{limit.enough_ranks} HDP ranks (torchrun --nproc_per_node={processes} in all)")
     ways.append(f"data prepared with --long-docs split --max-len {limit.max_len} (pieces instead of truncation)")
     return (
         f"{len(positions)} sequence{plural} of {what}, at dataset position{plural} {shown}{more}, cannot be "

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ..api import OptimizedModule, optimize
+from ..capture.tensor_parallel import TensorParallelError
+from ..capture.tp_plan import check_tensor_parallel, tensor_parallel
 from ..data import (
     GlobalBatch,
     GlobalBatchSampler,
@@ -65,14 +67,14 @@ from .config import (
     load_config,
     to_toml,
 )
-from .dist_optim import DistributedOptimizer
+from .dist_optim import DistributedOptimizer, restore_fp32_
 from .engine import CostModelWarning, Runtime, default_cost_model
 from .flops import peak_tflops
 from .memory import TORCH_DTYPES, device_memory, memory_model
 from .metrics import LoggerError, MetricsLog, StepRecord, check_loggers, echo, progress
 from .models import LoadedModel, load_model
 from .optim import LRSchedule, build_optimizer
-from .pipeline import gather_stage_weights, pipeline_stage, stage_group
+from .pipeline import pipeline_stage, stage_group, whole_state
 from .preflight import preflight
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
 from .signals import Stopped, StopRequest
@@ -176,8 +178,11 @@ def setup(config: TrainConfig) -> RunInputs:
         _check_same_tokens(train_data, eval_data)
     model = load_model(config.model, config.seed)
     _check_vocabulary(train_data, model)
+    _check_processes(config.pp, config.tp)
     if config.pp > 1:
         _check_pipeline(config.pp, model)
+    if config.tp > 1:
+        _check_tensor_parallel(config.tp, model)
     tokenizer = _final_tokenizer(config, train_data, model)
     cost = CostModel.load(config.cost_model) if config.cost_model else _analytic_cost_model(model, config.dtype)
     if config.loader == "ray":
@@ -287,19 +292,31 @@ def _check_same_tokens(train: TrainData, held_out: TrainData) -> None:
         )
 
 
-def _check_pipeline(pp: int, model: LoadedModel) -> None:
-    """The job's processes (torchrun's WORLD_SIZE, 1 without it) form pipelines of `pp` stages, and the model
-    splits into them."""
+def _check_processes(pp: int, tp: int) -> None:
+    """The job's processes (torchrun's WORLD_SIZE, 1 without it) are pp x HDP ranks x tp."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % pp:
+    if world % (pp * tp):
+        what = " and ".join(f"{name} = {size}" for name, size in (("pp", pp), ("tp", tp)) if size > 1)
         raise ConfigError(
-            f"pp = {pp} needs a multiple of {pp} processes (pp x HDP ranks), but the job has {world}: "
-            f"run torchrun --nproc_per_node with a multiple of {pp}"
+            f"{what} needs a multiple of {pp * tp} processes (pp x HDP ranks x tp), but the job has {world}: "
+            f"run torchrun --nproc_per_node with a multiple of {pp * tp}"
         )
+
+
+def _check_pipeline(pp: int, model: LoadedModel) -> None:
+    """The model splits into pipelines of `pp` stages."""
     try:
         split_stages(model.module, pp)
     except (UnsupportedModelError, ValueError) as e:
         raise ConfigError(f"pp = {pp}: model {model.spec} cannot be split into pipeline stages: {e}") from e
+
+
+def _check_tensor_parallel(tp: int, model: LoadedModel) -> None:
+    """The model has a tensor-parallel plan that splits its heads evenly over `tp`."""
+    try:
+        check_tensor_parallel(model.module, tp)
+    except TensorParallelError as e:
+        raise ConfigError(f"tp = {tp}: model {model.spec}: {e}") from e
 
 
 def _check_vocabulary(data: TrainData, model: LoadedModel) -> None:
@@ -351,6 +368,8 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
             "--memory-budget (e.g. 16G) or a --capacity in tokens"
         )
     model = inputs.model.module
+    if config.tp > 1:  # the user's model object, sharded in place: final/ is saved from it
+        tensor_parallel(model.to(device), config.tp)
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     # the whole model for one process per HDP rank, or to calibrate on (then only this rank's pipeline stage)
     whole = optimize(model.to(device)) if config.pp == 1 or config.calibrates else None
@@ -376,8 +395,8 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     results = []
     with _ray_session(config), StopRequest() as stop:
         for strategy in config.strategies:
-            for p in model.parameters():  # a bf16 run's distributed optimizer left them in bf16
-                p.data, p.grad = p.data.float(), None
+            restore_fp32_(model)  # a bf16 run's distributed optimizer left them views of its bf16 buffer
+            model.zero_grad(set_to_none=True)
             model.load_state_dict(initial)
             results.append(_train(inputs, strategy, optimized, stop))
     return results
@@ -390,8 +409,9 @@ def _with_memory(inputs: RunInputs, optimized: OptimizedModule, device: torch.de
     --capacity auto."""
     config = inputs.config
     budget = config.memory_budget or (device_memory(device) if device.type == "cuda" else None)
-    Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model).shard_blockers()
-    hdp = (dist.get_world_size() if dist.is_initialized() else 1) // config.pp
+    runtime = Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model)
+    runtime.shard_blockers()
+    hdp = runtime.world_size
     try:
         if inputs.shape is None:
             raise ValueError(f"the layer count of {inputs.model.spec} cannot be read from its config")
@@ -450,7 +470,7 @@ def _preflight(inputs: RunInputs, optimized: OptimizedModule) -> None:
     config = inputs.config
     runtime = Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model)
     blockers = runtime.shard_blockers()
-    hdp = runtime.global_world_size // config.pp
+    hdp = runtime.world_size
     for strategy in config.strategies:
         preflight(config, inputs.train_data, inputs.held_out, hdp, config.pp, strategy, runtime.cost_model, blockers)
 
@@ -522,7 +542,8 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
     """One strategy's run; `optimized` is the whole model or, with pipelines, this rank's stage."""
     config, directory, rank0 = inputs.config, run_dir(inputs.config, strategy), _is_rank0()
     spec = stage_spec(optimized)
-    group = stage_group(spec) if spec is not None else None
+    # a stage's HDP ranks; with TP those of this rank's TP index, which the optimizers find themselves (None)
+    group = stage_group(spec) if spec is not None and config.tp == 1 else None
     betas = (config.beta1, config.beta2)
     optimizer: torch.optim.Optimizer | DistributedOptimizer
     if config.dtype == "bf16":
@@ -569,6 +590,8 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
             records, eval_loss = _train_steps(inputs, runtime, schedule, batches, log, stop, done + 1)
     finally:
         log.close()
+        if isinstance(optimizer, DistributedOptimizer):  # the next strategy's optimizer hooks the same parameters
+            optimizer.remove_hooks()
     final = _save_final(optimized, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
     return RunResult(strategy, directory, records, eval_loss, final, runtime.capacity)
 
@@ -731,13 +754,12 @@ def evaluate(runtime: Runtime, batches: list[GlobalBatch]) -> float:
 
 
 def _save_final(optimized: OptimizedModule, inputs: RunInputs, path: Path) -> Path:
-    """`save_pretrained` of the trained weights in the run's dtype and the tokenizer, on rank 0 (pipelines: every
-    stage's weights gathered into its whole model first); every rank waits for it."""
+    """`save_pretrained` of the trained weights in the run's dtype and the tokenizer, on rank 0 (every pipeline
+    stage's weights, tensor-parallel shards gathered); every rank waits for it."""
     model: Any = inputs.model.module  # from a Hugging Face directory: it has save_pretrained
-    gather_stage_weights(model, optimized)
-    if _is_rank0():
+    weights = whole_state(model, optimized)
+    if weights is not None:
         dtype = TORCH_DTYPES[inputs.config.dtype]  # a pipeline's other stages are on the host in fp32
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         model.save_pretrained(
             path, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
         )

@@ -217,7 +217,7 @@ def test_pipelines_on_4_ranks_equal_one_process_resume_and_save_final(workspace,
 
 def test_pipeline_stages_that_do_not_fit_the_job_or_the_model_are_refused(workspace, tmp_path, capsys, monkeypatch):
     err = _error(train_args(workspace, tmp_path / "out", "--pp", "2"), capsys)
-    assert "pp = 2 needs a multiple of 2 processes (pp x HDP ranks), but the job has 1" in err
+    assert "pp = 2 needs a multiple of 2 processes (pp x HDP ranks x tp), but the job has 1" in err
     monkeypatch.setenv("WORLD_SIZE", "3")
     err = _error(train_args(workspace, tmp_path / "out", "--pp", "3"), capsys)
     assert "cannot be split into pipeline stages" in err and "larger than the model's 2 decoder layers" in err
