@@ -55,7 +55,7 @@ class TPModule:
     def describe(self) -> str:
         return {
             "colwise": "column-parallel (output sharded)",
-            "colwise_gather_output": "column-parallel, output gathered",
+            "colwise_gather_output": "column-parallel, output gathered (vocabulary-parallel if the loss pass fuses it)",
             "rowwise": "row-parallel (all-reduce)",
             "rowwise_split_input": "row-parallel, input split, all-reduce",
             "vocab_parallel_embedding": "vocabulary-parallel embedding (all-reduce)",

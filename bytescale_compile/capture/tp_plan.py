@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import re
 from typing import Any
 
@@ -64,9 +65,15 @@ def tp_plan_of(model: nn.Module) -> dict[str, str | ParallelStyle]:
 
 def tp_mesh(tp_size: int, device_type: str = "cpu", pp_size: int = 1) -> DeviceMesh:
     """This rank's TP group as a 1-D mesh of the world laid out (pp, hdp, tp), tp innermost."""
-    if not dist.is_initialized():
-        raise TensorParallelError("tensor parallelism needs torch.distributed initialized (run under torchrun)")
-    world = dist.get_world_size()
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    elif "WORLD_SIZE" in os.environ:  # under torchrun: init_device_mesh below starts the default process group
+        world = int(os.environ["WORLD_SIZE"])
+    else:
+        raise TensorParallelError(
+            f"tensor parallelism over {tp_size} ranks needs that many processes: run the script under torchrun "
+            f"(torchrun --nproc_per_node={tp_size * pp_size} script.py), or initialise torch.distributed first"
+        )
     if tp_size < 1 or world % (tp_size * pp_size):
         raise TensorParallelError(
             f"world size {world} is not divisible by tp × pp = {tp_size} × {pp_size}: the world is laid out "
