@@ -25,7 +25,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch.nn.functional as F
@@ -37,6 +37,12 @@ from torch.distributed.tensor.placement_types import Placement
 from ..ops.tensor_parallel import copy_to_tp, split_to_tp, tp_all_gather, tp_all_reduce
 
 __all__ = ["TensorParallelError", "TPModule", "TPLayout", "LocalRunner", "find_tp_layout", "check_tp_innermost"]
+
+
+GRAD_ALL_REDUCE = "tp_grad_all_reduce"
+"""Attribute marking a plain (replicated) parameter whose gradient each TP rank computes only in part, like a
+per-head norm applied to the rank's local heads (Hugging Face's `replicated_with_grad_allreduce`): it enters each
+call through `copy_to_tp`, so its gradient is summed over the TP group."""
 
 
 class TensorParallelError(ValueError):
@@ -61,6 +67,7 @@ class TPModule:
             "vocab_parallel_embedding": "vocabulary-parallel embedding (all-reduce)",
             "colwise_embedding": "column-parallel embedding (hidden sharded)",
             "colwise_embedding_gather": "column-parallel embedding, output gathered",
+            "replicated_with_grad_allreduce": "replicated, gradient summed over the TP group",
         }[self.style]
 
 
@@ -90,6 +97,13 @@ class TPLayout:
 
 def find_tp_layout(model: nn.Module) -> TPLayout | None:
     """The model's TP layout, None when no parameter is a DTensor; `TensorParallelError` for what cannot run."""
+    hf_tp = getattr(model, "_tp_size", None)  # set by Hugging Face's from_pretrained(tp_plan=...)
+    if isinstance(hf_tp, int) and hf_tp > 1:
+        raise TensorParallelError(
+            f"{type(model).__name__} was sharded by Hugging Face's tp_plan (tp_size {hf_tp}), whose styles this "
+            f"compiler does not read: load it without tp_plan and shard it with bytescale_compile.tensor_parallel("
+            f"model, {hf_tp}), which applies the same base_model_tp_plan through torch's parallelize_module"
+        )
     dtensors = {name: p for name, p in model.named_parameters() if isinstance(p, DTensor)}
     if not dtensors:
         _refuse_orphan_hooks(model)
@@ -114,6 +128,8 @@ def find_tp_layout(model: nn.Module) -> TPLayout | None:
         style = _style(path, module)
         if style is not None:
             modules.append(TPModule(path, style))
+        elif _grad_summed(module):
+            modules.append(TPModule(path, "replicated_with_grad_allreduce"))
     sharded = {m.path for m in modules}
     for name, p in dtensors.items():
         owner = name.rpartition(".")[0]
@@ -123,6 +139,10 @@ def find_tp_layout(model: nn.Module) -> TPLayout | None:
                 f"style this compiler knows (ColwiseParallel or RowwiseParallel on nn.Linear / nn.Embedding)"
             )
     return TPLayout(mesh, modules)
+
+
+def _grad_summed(module: nn.Module) -> list[str]:
+    return [n for n, p in module._parameters.items() if p is not None and getattr(p, GRAD_ALL_REDUCE, False)]
 
 
 def check_tp_innermost(mesh: DeviceMesh) -> None:
@@ -264,6 +284,8 @@ class _Swap:
     hooks: OrderedDict
     bias_after_reduce: bool = False
     """A row-parallel linear with a (replicated) bias: added after the all-reduce, not by every rank's linear."""
+    grad_summed: list[str] = field(default_factory=list)
+    """Plain parameters marked `GRAD_ALL_REDUCE`, entering the call through `copy_to_tp`."""
 
 
 class LocalRunner:
@@ -280,6 +302,8 @@ class LocalRunner:
             style = styles.get(path)
             if not dtensors and style is None:
                 continue
+            if style == "replicated_with_grad_allreduce":
+                style = None  # no forward of its own: only its parameters enter through copy_to_tp
             if isinstance(module, nn.Embedding) and style and (module.max_norm or module.sparse):
                 raise TensorParallelError(
                     f"embedding `{path}` uses max_norm or sparse gradients: not supported with TP"
@@ -287,6 +311,7 @@ class LocalRunner:
             swap = _Swap(
                 module, dtensors, None, _without_tp(module._forward_pre_hooks), _without_tp(module._forward_hooks)
             )
+            swap.grad_summed = _grad_summed(module)
             swap.forward = self._forward(module, style, group, swap)
             self._swaps.append(swap)
 
@@ -319,6 +344,8 @@ class LocalRunner:
                 params = cast(dict[str, Any], m._parameters)  # local tensors, not Parameters, for the call
                 for name in swap.dtensors:
                     params[name] = params[name].to_local()
+                for name in swap.grad_summed:
+                    params[name] = copy_to_tp(params[name], self.layout.group_name)
                 if swap.bias_after_reduce:
                     self._bias_locals[id(swap)] = cast(Tensor, m._parameters["bias"])
                     m._parameters["bias"] = None

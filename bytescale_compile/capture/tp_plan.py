@@ -9,6 +9,7 @@ The plan comes from, in order: the `plan` argument; a Hugging Face model's `conf
     colwise_gather_output   ColwiseParallel(output_layouts=Replicate()) a vocabulary-parallel lm_head
     rowwise_split_input     RowwiseParallel(input_layouts=Replicate())
     embedding_rowwise       RowwiseParallel(input_layouts=Replicate()) a vocabulary-parallel embedding
+    replicated_with_grad_allreduce    whole on every rank, gradient summed (a per-head norm on local heads)
 
 Everything is checked before any parameter moves: the heads and KV heads of every attention layer
 divide by tp, and each sharded dimension does.
@@ -28,11 +29,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from .tensor_parallel import TensorParallelError, check_tp_innermost
+from .tensor_parallel import GRAD_ALL_REDUCE, TensorParallelError, check_tp_innermost
 
 __all__ = ["tensor_parallel", "check_tensor_parallel", "tp_plan_of", "tp_mesh"]
 
 log = logging.getLogger(__name__)
+
+
+class GradAllReduce:
+    """Hugging Face's `replicated_with_grad_allreduce`: the module stays whole on every rank, but it sees the rank's
+    local heads, so its parameters are marked `GRAD_ALL_REDUCE` and their gradients summed over the group."""
+
 
 STYLES: dict[str, Any] = {
     "colwise": lambda: ColwiseParallel(),
@@ -40,6 +47,7 @@ STYLES: dict[str, Any] = {
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": GradAllReduce,
 }
 """Hugging Face's plan names this compiler runs -> the torch style."""
 
@@ -101,6 +109,11 @@ def tensor_parallel(
     if mesh.ndim != 1 or mesh.size() != tp_size:
         raise TensorParallelError(f"the TP mesh must be 1-D of size tp {tp_size}, got shape {tuple(mesh.shape)}")
     check_tp_innermost(mesh)
+    for path, style in list(styles.items()):
+        if isinstance(style, GradAllReduce):
+            for p in model.get_submodule(path).parameters(recurse=False):
+                setattr(p, GRAD_ALL_REDUCE, True)
+            del styles[path]
     parallelize_module(model, mesh, styles)
     log.info("tensor parallel over %d ranks: %d modules sharded", tp_size, len(styles))
     return model
@@ -108,9 +121,10 @@ def tensor_parallel(
 
 def check_tensor_parallel(
     model: nn.Module, tp_size: int, plan: dict[str, str | ParallelStyle] | None = None
-) -> dict[str, ParallelStyle]:
-    """The style of every module `plan` (default: the model's) shards over `tp_size` ranks, after refusing what
-    would split a head or a row unevenly: no process group needed, so a job checks before any work."""
+) -> dict[str, Any]:
+    """The style of every module `plan` (default: the model's) shards over `tp_size` ranks (a `ParallelStyle`, or
+    `GradAllReduce`), after refusing what would split a head or a row unevenly: no process group needed, so a job
+    checks before any work."""
     styles = _resolve(model, dict(plan) if plan is not None else tp_plan_of(model))
     for path in _tied_embeddings(model) & styles.keys():
         del styles[path]
@@ -130,10 +144,10 @@ def _tied_embeddings(model: nn.Module) -> set[str]:
     return {path for paths in owners.values() if len(paths) > 1 for path in paths}
 
 
-def _resolve(model: nn.Module, plan: dict[str, str | ParallelStyle]) -> dict[str, ParallelStyle]:
+def _resolve(model: nn.Module, plan: dict[str, str | ParallelStyle]) -> dict[str, Any]:
     """Plan patterns (`layers.*.q_proj`) -> the style of every module path they match."""
     names = [name for name, _ in model.named_modules() if name]
-    styles: dict[str, ParallelStyle] = {}
+    styles: dict[str, Any] = {}
     for pattern, style in plan.items():
         if isinstance(style, str):
             if style not in STYLES:
@@ -157,7 +171,7 @@ def _same_depth(name: str, pattern: str) -> bool:
     return name.count(".") == pattern.count(".")
 
 
-def check_divisible(model: nn.Module, styles: dict[str, ParallelStyle], tp_size: int) -> None:
+def check_divisible(model: nn.Module, styles: dict[str, Any], tp_size: int) -> None:
     """Refuse, before sharding, what would split a head or a row unevenly."""
     heads = _head_counts(model)
     for path in styles:
@@ -172,7 +186,7 @@ def check_divisible(model: nn.Module, styles: dict[str, ParallelStyle], tp_size:
     for path, style in styles.items():
         module = model.get_submodule(path)
         weight = getattr(module, "weight", None)
-        if weight is None:
+        if weight is None or isinstance(style, GradAllReduce):
             continue
         dim = 0 if isinstance(style, ColwiseParallel) == isinstance(module, nn.Linear) else 1  # see the styles
         if weight.shape[dim] % tp_size:

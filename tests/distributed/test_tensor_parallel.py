@@ -47,6 +47,7 @@ MODELS = {  # hf_models' configs have 4 heads and 2 KV heads: the KV heads equal
     "qwen2_window": lambda: build("qwen2-sliding"),
     "gqa_kv_eq_tp": lambda: build("mistral"),
     "gemma2_softcaps": lambda: build("gemma2"),  # attention and final logit soft-caps, a window
+    "qwen3_head_norms": lambda: build("qwen3"),  # q_norm / k_norm on local heads: gradients summed over TP
 }
 
 
@@ -83,6 +84,7 @@ def _runtime_worker(rank: int, world: int, name: str, lm_head: str) -> None:
         pytest.param("qwen2_window", "vocab_parallel", marks=pytest.mark.slow),
         pytest.param("gqa_kv_eq_tp", "replicated", marks=pytest.mark.slow),
         pytest.param("gemma2_softcaps", "replicated", marks=pytest.mark.slow),  # tied embeddings: lm_head whole
+        pytest.param("qwen3_head_norms", "vocab_parallel", marks=pytest.mark.slow),
     ],
 )
 def test_runtime_step_on_tp2_hdp2_equals_single_process(name, lm_head):
