@@ -170,10 +170,6 @@ def _zero_worker(rank: int, world: int, root: str) -> None:
         bsc.Runtime(model, zero, cost_model=CostModel.preset("llama-7b"))
 
 
-def test_zero1_on_tp2_hdp2_equals_adamw_and_resumes(tmp_path):
-    run_distributed(_zero_worker, 4, str(tmp_path))
-
-
 def _distributed_worker(rank: int, world: int, root: str) -> None:
     model = _sharded_mlp()
     placements = {n: getattr(p, "placements", None) for n, p in model.named_parameters()}
@@ -205,8 +201,14 @@ def _distributed_worker(rank: int, world: int, root: str) -> None:
         assert not torch.equal(q.to(torch.bfloat16).float(), q), name
 
 
-def test_distributed_optimizer_on_tp2_hdp2_equals_adamw_and_resumes(tmp_path):
-    run_distributed(_distributed_worker, 4, str(tmp_path))
+def _optimizers_worker(rank: int, world: int, root: str) -> None:
+    _zero_worker(rank, world, str(Path(root, "zero")))
+    _distributed_worker(rank, world, str(Path(root, "distributed")))
+
+
+def test_zero1_and_the_distributed_optimizer_on_tp2_hdp2_equal_adamw_and_resume(tmp_path):
+    """Both in one set of processes: starting four ranks costs as much as either check."""
+    run_distributed(_optimizers_worker, 4, str(tmp_path))
 
 
 LENGTHS = [60, 10, 12, 7, 20, 3]  # with C = 32 the 60-token sequence is shared by both HDP ranks
