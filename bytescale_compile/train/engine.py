@@ -243,12 +243,12 @@ class Runtime:
         """Runs this rank's micro-batches: of the whole model, or of its pipeline stage."""
         self.device = self.executor.device
         self.pp_size = self.executor.pp_size
-        self.tp_size = self.model.tp_layout.size if self.model.tp_layout is not None else 1
+        mesh = self.executor.mesh
+        self.tp_size = mesh.tp
         """Ranks of a TP group: one HDP rank of the plans."""
         self._refuse_with_tp(optimizer)
-        self.world_size = self.global_world_size // (self.pp_size * self.tp_size)
-        """HDP ranks: the ranks a plan is made for."""
-        self.rank = (self.global_rank // self.tp_size) % self.world_size
+        self.world_size, self.rank = mesh.hdp, mesh.hdp_rank
+        """HDP ranks: the ranks a plan is made for; this rank's."""
         if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps must be an int >= 1, got {max_skipped_steps!r}")
         self.max_skipped_steps = max_skipped_steps

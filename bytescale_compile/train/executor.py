@@ -29,7 +29,7 @@ from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
 from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
 from .collectives import grad_square_sum
-from .mesh import TrainMesh, hdp_group
+from .mesh import TrainMesh, replica_group
 from .stages import is_hf_model
 
 __all__ = ["Executor", "WholeModelExecutor", "rank_work"]
@@ -98,6 +98,15 @@ class Executor(ABC):
             return mb.offload_ratio
         return 0.0 if mode == "off" else float(mode)
 
+    def in_mesh(self, inputs: MicroBatchInputs) -> MicroBatchInputs:
+        """`inputs` with a shared micro-batch's ring among the global ranks of its HDP ranks at this rank's stage
+        and TP index (the plan names HDP ranks)."""
+        group = inputs.context.group
+        if group is None:
+            return inputs
+        context = dataclasses.replace(inputs.context, group=tuple(self.mesh.global_rank(r) for r in group))
+        return dataclasses.replace(inputs, context=context)
+
     def act_ctx(self, mine: list[MicroBatch]) -> ActivationContext:
         """The step's act_ctx over this rank's micro-batches, each offloading its `offload_ratio`."""
         return get_act_ctx(len(mine), [self.offload_ratio(mb) for mb in mine])
@@ -127,7 +136,7 @@ class WholeModelExecutor(Executor):
         super().__init__(model, mixed_precision)
         self.mesh = TrainMesh.of_world(tp=model.tp_layout.size if model.tp_layout is not None else 1)
         self.pp_size = 1
-        self.sync_group = hdp_group(self.mesh) if self.mesh.tp > 1 else None
+        self.sync_group = replica_group(model)
         self.rank = self.mesh.hdp_rank
 
     def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
@@ -138,7 +147,7 @@ class WholeModelExecutor(Executor):
         act_ctx = self.act_ctx(mine)
         for i, mb in enumerate(mine):
             began = time.perf_counter()
-            inputs = self._in_mesh(build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items))
+            inputs = self.in_mesh(build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items))
             act_ctx.update_micro_batch_id(i)
             with micro_batch(ctx=inputs.context), act_ctx:
                 mb_loss = self._loss(inputs).float()
@@ -156,7 +165,7 @@ class WholeModelExecutor(Executor):
         try:
             with torch.no_grad():
                 for mb in plan.micro_batches_of(self.rank):
-                    inputs = self._in_mesh(build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items))
+                    inputs = self.in_mesh(build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items))
                     with micro_batch(ctx=inputs.context):
                         loss += self._loss(inputs).double().cpu()
         finally:
@@ -181,14 +190,6 @@ class WholeModelExecutor(Executor):
 
     def bubbles(self, busy: np.ndarray, forward_backward_time: float) -> list[float] | None:
         return None
-
-    def _in_mesh(self, inputs: MicroBatchInputs) -> MicroBatchInputs:
-        """`inputs` with a shared micro-batch's ring among the global ranks of its HDP ranks at this TP index."""
-        group = inputs.context.group
-        if self.mesh.tp == 1 or group is None:
-            return inputs
-        context = dataclasses.replace(inputs.context, group=tuple(self.mesh.global_rank(r) for r in group))
-        return dataclasses.replace(inputs, context=context)
 
     def _loss(self, inputs: MicroBatchInputs) -> torch.Tensor:
         """The model's loss of one micro-batch, its forward under autocast."""

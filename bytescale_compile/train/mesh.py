@@ -64,14 +64,10 @@ class TrainMesh:
         """The global rank of HDP rank `hdp_rank` with this rank's stage and TP index (a ring peer)."""
         return (self.stage * self.hdp + hdp_rank) * self.tp + self.tp_rank
 
-    def hdp_ranks(self) -> list[int]:
-        """Global ranks holding the same parameters as this one: its stage and TP index, every HDP rank."""
-        return [self.global_rank(r) for r in range(self.hdp)]
-
 
 def hdp_group(mesh: TrainMesh) -> dist.ProcessGroup:
-    """The process group of `mesh.hdp_ranks()`. The first call creates every (stage, TP index) group, on every
-    rank at once (a collective)."""
+    """The process group of the HDP ranks sharing this rank's stage and TP index (they hold the same parameters).
+    The first call creates every (stage, TP index) group, on every rank at once (a collective)."""
     return _hdp_groups(mesh.pp, mesh.hdp, mesh.tp)[(mesh.stage, mesh.tp_rank)]
 
 

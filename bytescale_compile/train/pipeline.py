@@ -336,7 +336,7 @@ class PipelineExecutor(Executor):
             shape = (1, inputs.num_tokens, self.hidden_size)
             received, waited = self._receive(self.rank - self.stride, mb, "hidden states", shape)
             received.requires_grad_(torch.is_grad_enabled())
-        context = self._context(inputs)
+        context = self.in_mesh(inputs).context
         kwargs = stage_inputs(self.spec, inputs.model_kwargs(self.device, self.hf_labels), received)
         with micro_batch(ctx=context), act_ctx, self.autocast():
             out = self.model(**kwargs)
@@ -365,13 +365,6 @@ class PipelineExecutor(Executor):
             tally.stage_bytes += self._send(input_grad, self.rank - self.stride, mb, sends)
         tally.count(state.context.ring_stats, before)
         return waited
-
-    def _context(self, inputs: MicroBatchInputs) -> MicroBatchContext:
-        """The micro-batch's context; a shared one's ring runs among this stage's ranks of its pipelines."""
-        mb = inputs.micro_batch
-        if not mb.shared:
-            return inputs.context
-        return dataclasses.replace(inputs.context, group=tuple(self.mesh.global_rank(r) for r in mb.ranks))
 
     def _loss(self, output: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)
