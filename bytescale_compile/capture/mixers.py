@@ -9,12 +9,16 @@ signature stay as they are. A call these forwards do not cover (a cache for gene
 kwargs) goes to the class's own forward, so nothing changes silently.
 
 Classes are matched by name, so transformers is not imported here; a module is adapted only when its class
-comes from transformers and its forward has the signature these forwards mirror (transformers 5; written against 5.23).
+comes from transformers and its forward has the signature these forwards mirror: `(hidden_states, cache,
+attention_mask, **kwargs)`, where transformers 5.24 renamed the cache argument from `past_key_values` or
+`cache_params` to `cache` (the torch paths are the same in 5.0 to 5.24).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
+import re
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +31,13 @@ from torch import Tensor, nn
 from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
 
 __all__ = ["ADAPTERS", "AdaptedMixer", "MixerAdapter", "adapt_mixers"]
+
+NEWEST_CHECKED = (5, 24)
+"""The newest transformers (major, minor) whose mixer torch paths the tests check these forwards against. A newer
+release may change a path behind the same signature, so its mixers are left alone (and packed rows refused)."""
+
+_LEGACY_CACHE_NAMES = ("past_key_values", "cache_params")
+"""What the cache argument of a mixer's forward was called before transformers 5.24 named it `cache`."""
 
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 """Packing passed as kwargs (Hugging Face's flattening collator) for the CUDA kernels: the ops read the packing
@@ -42,8 +53,8 @@ class MixerAdapter:
 
     pattern: str
     """What the compile report calls the mixer."""
-    forward: Callable[..., Any]
-    """Replaces the module's forward; same signature as the Hugging Face forward."""
+    compute: Callable[[Any, Tensor, Tensor | None], Tensor]
+    """(module, hidden_states, attention_mask) -> output: the class's torch path with segment-aware ops."""
     unsupported: Callable[[nn.Module], str | None]
     """Why this instance cannot be adapted (a config the forward does not cover), or None."""
 
@@ -72,9 +83,21 @@ def _conv(conv: nn.Conv1d, x: Tensor, activation: str | None = None) -> Tensor:
     return y.to(x.dtype)
 
 
-def _not_covered(kwargs: dict[str, Any], cache: Any) -> bool:
-    """A call for the class's own forward: generation with a cache, or packing passed for the CUDA kernels."""
-    return cache is not None or any(kwargs.get(name) is not None for name in _PACKING_KWARGS)
+def _adapted_forward(
+    self: Any,
+    hidden_states: Tensor,
+    cache: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """The forward of every adapted module. Generation with a cache, or packing passed for the CUDA kernels, goes to
+    the class's own forward; the cache may come under its pre-5.24 name."""
+    for name in _LEGACY_CACHE_NAMES:
+        if cache is None and name in kwargs:
+            cache = kwargs.pop(name)
+    if cache is not None or any(kwargs.get(name) is not None for name in _PACKING_KWARGS):
+        return type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
+    return ADAPTERS[type(self).__name__].compute(self, hidden_states, attention_mask)
 
 
 def _activation_unsupported(module: nn.Module) -> str | None:
@@ -91,16 +114,8 @@ def _always_supported(module: nn.Module) -> None:
 # --- LFM2 short convolution -----------------------------------------------------------------------
 
 
-def _lfm2_forward(
-    self: Any,
-    hidden_states: Tensor,
-    past_key_values: Any = None,
-    attention_mask: Tensor | None = None,
-    **kwargs: Any,
-) -> Tensor:
+def _lfm2(self: Any, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
     """`Lfm2ShortConv`: y = out_proj(C * conv(B * x)), no activation."""
-    if _not_covered(kwargs, past_key_values):
-        return type(self).forward(self, hidden_states, past_key_values, attention_mask, **kwargs)
     B, C, x = self.in_proj(_mask(hidden_states, attention_mask)).chunk(3, dim=-1)
     return self.out_proj(C * _conv(self.conv, B * x))
 
@@ -108,16 +123,8 @@ def _lfm2_forward(
 # --- Mamba2 (SSD) ---------------------------------------------------------------------------------
 
 
-def _mamba2_forward(
-    self: Any,
-    hidden_states: Tensor,
-    cache_params: Any = None,
-    attention_mask: Tensor | None = None,
-    **kwargs: Any,
-) -> Tensor:
+def _mamba2(self: Any, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
     """`Mamba2Mixer` and its copies: in_proj -> (gate, conv'd x B C, dt) -> SSD + D skip -> gated RMSNorm -> out_proj."""
-    if _not_covered(kwargs, cache_params):
-        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
     batch, seq_len, _ = hidden_states.shape
     dtype = hidden_states.dtype
     projected = self.in_proj(_mask(hidden_states, attention_mask))
@@ -155,29 +162,13 @@ def _selective(self: Any, hidden_states: Tensor, attention_mask: Tensor | None, 
     return self.out_proj(y.to(dtype))
 
 
-def _mamba_forward(
-    self: Any,
-    hidden_states: Tensor,
-    cache_params: Any = None,
-    attention_mask: Tensor | None = None,
-    **kwargs: Any,
-) -> Tensor:
+def _mamba(self: Any, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
     """`MambaMixer`."""
-    if _not_covered(kwargs, cache_params):
-        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
     return _selective(self, hidden_states, attention_mask, norms=False)
 
 
-def _jamba_forward(
-    self: Any,
-    hidden_states: Tensor,
-    cache_params: Any = None,
-    attention_mask: Tensor | None = None,
-    **kwargs: Any,
-) -> Tensor:
+def _jamba(self: Any, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
     """`JambaMambaMixer`."""
-    if _not_covered(kwargs, cache_params):
-        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
     return _selective(self, hidden_states, attention_mask, norms=True)
 
 
@@ -215,16 +206,8 @@ def _gated_delta(self: Any, mixed_qkv: Tensor, z: Tensor, b: Tensor, a: Tensor) 
     return self.out_proj(out.reshape(batch, seq_len, -1))
 
 
-def _qwen3_next_forward(
-    self: Any,
-    hidden_states: Tensor,
-    cache_params: Any = None,
-    attention_mask: Tensor | None = None,
-    **kwargs: Any,
-) -> Tensor:
+def _qwen3_next(self: Any, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
     """`Qwen3NextGatedDeltaNet`: q k v z b a from two projections interleaved per key head."""
-    if _not_covered(kwargs, cache_params):
-        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
     hidden_states = _mask(hidden_states, attention_mask)
     batch, seq_len, _ = hidden_states.shape
     query, key, value, z, b, a = self.fix_query_key_value_ordering(
@@ -234,16 +217,8 @@ def _qwen3_next_forward(
     return _gated_delta(self, mixed_qkv, z, b, a)
 
 
-def _qwen3_5_forward(
-    self: Any,
-    hidden_states: Tensor,
-    cache_params: Any = None,
-    attention_mask: Tensor | None = None,
-    **kwargs: Any,
-) -> Tensor:
+def _qwen3_5(self: Any, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
     """`Qwen3_5GatedDeltaNet`: q k v, z, b and a from a projection each."""
-    if _not_covered(kwargs, cache_params):
-        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
     hidden_states = _mask(hidden_states, attention_mask)
     batch, seq_len, _ = hidden_states.shape
     z = self.in_proj_z(hidden_states).reshape(batch, seq_len, -1, self.head_v_dim)
@@ -252,9 +227,9 @@ def _qwen3_5_forward(
     )
 
 
-_SHORT_CONV = MixerAdapter("short convolution", _lfm2_forward, _always_supported)
-_MAMBA2 = MixerAdapter("Mamba2 SSD scan", _mamba2_forward, _activation_unsupported)
-_QWEN3_5 = MixerAdapter("gated delta rule", _qwen3_5_forward, _activation_unsupported)
+_SHORT_CONV = MixerAdapter("short convolution", _lfm2, _always_supported)
+_MAMBA2 = MixerAdapter("Mamba2 SSD scan", _mamba2, _activation_unsupported)
+_QWEN3_5 = MixerAdapter("gated delta rule", _qwen3_5, _activation_unsupported)
 
 ADAPTERS: dict[str, MixerAdapter] = {
     "Lfm2ShortConv": _SHORT_CONV,
@@ -264,25 +239,37 @@ ADAPTERS: dict[str, MixerAdapter] = {
     "GraniteMoeHybridMambaLayer": _MAMBA2,
     "NemotronHMamba2Mixer": _MAMBA2,
     "Zamba2MambaMixer": _MAMBA2,
-    "MambaMixer": MixerAdapter("selective scan (Mamba)", _mamba_forward, _activation_unsupported),
-    "JambaMambaMixer": MixerAdapter("selective scan (Mamba)", _jamba_forward, _jamba_unsupported),
-    "Qwen3NextGatedDeltaNet": MixerAdapter("gated delta rule", _qwen3_next_forward, _activation_unsupported),
+    "MambaMixer": MixerAdapter("selective scan (Mamba)", _mamba, _activation_unsupported),
+    "JambaMambaMixer": MixerAdapter("selective scan (Mamba)", _jamba, _jamba_unsupported),
+    "Qwen3NextGatedDeltaNet": MixerAdapter("gated delta rule", _qwen3_next, _activation_unsupported),
     "Qwen3_5GatedDeltaNet": _QWEN3_5,
     "Qwen3_5MoeGatedDeltaNet": _QWEN3_5,
 }
-"""Hugging Face class name -> adapter. Each forward mirrors the class's torch path in transformers 5 (5.23)."""
+"""Hugging Face class name -> adapter. Each `compute` mirrors the class's torch path in transformers 5."""
 
 
 def _params(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
-    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+    """Names and kinds of `fn`'s parameters, the cache one under its transformers 5.24 name."""
+    return [
+        ("cache" if p.name in _LEGACY_CACHE_NAMES else p.name, p.kind)
+        for p in inspect.signature(fn).parameters.values()
+    ]
 
 
-def _cannot_adapt(module: nn.Module, adapter: MixerAdapter) -> str | None:
+def _transformers_version() -> str:
+    return importlib.metadata.version("transformers")
+
+
+def _cannot_adapt(module: nn.Module) -> str | None:
     """Why no adapter can take this instance, whatever its config."""
     cls = type(module)
     if not cls.__module__.startswith("transformers."):
         return f"{cls.__name__} from {cls.__module__}, not transformers: its forward may compute something else"
-    if _params(cls.forward) != _params(adapter.forward):
+    version = _transformers_version()
+    if tuple(int(part) for part in re.findall(r"\d+", version)[:2]) > NEWEST_CHECKED:
+        newest = ".".join(map(str, NEWEST_CHECKED))
+        return f"transformers {version} is newer than {newest}, the newest whose torch path its adapter is checked on"
+    if _params(cls.forward) != _params(_adapted_forward):
         return f"its forward{inspect.signature(cls.forward)} is not the transformers 5 one the adapter mirrors"
     if "forward" in vars(module):
         return "its forward is already replaced on the instance (a hook?)"
@@ -305,11 +292,11 @@ def adapt_mixers(model: nn.Module) -> tuple[list[AdaptedMixer], list[tuple[str, 
         if adapter is None:
             continue
         bound = vars(module).get("forward")
-        if not (isinstance(bound, types.MethodType) and bound.__func__ is adapter.forward):
-            reason = _cannot_adapt(module, adapter) or adapter.unsupported(module)
+        if not (isinstance(bound, types.MethodType) and bound.__func__ is _adapted_forward):
+            reason = _cannot_adapt(module) or adapter.unsupported(module)
             if reason is not None:
                 refused.append((path, reason))
                 continue
-            module.forward = types.MethodType(adapter.forward, module)
+            module.forward = types.MethodType(_adapted_forward, module)
         adapted.append(AdaptedMixer(path, name, adapter.pattern))
     return adapted, refused

@@ -64,12 +64,15 @@ def value(node: Any) -> Any:
 
 
 def source_module(node: fx.Node) -> str:
-    """Dotted path of the innermost module that produced the node, '<root>' at top level."""
+    """Dotted path of the innermost module that produced the node, '<root>' at top level.
+
+    Dynamo names the root `L['self']`, or `L['args'][0]` when the model's forward is wrapped by a decorator taking
+    `*args` (transformers 5.24's `deprecate_kwarg`)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return "<root>"
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^L\['self'\]\.?|^L\['args'\]\[0\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
     return path or "<root>"
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from bytescale_compile.capture import mixers
 from bytescale_compile.capture.mixers import ADAPTERS, adapt_mixers
 from bytescale_compile.runtime.context import micro_batch
 from tests.helpers import rel_err
@@ -255,7 +256,9 @@ def test_adapt_mixers_finds_every_mixer_once(name: str) -> None:
     assert all(vars(copy.get_submodule(p))["forward"].__self__ is copy.get_submodule(p) for p in paths)
 
 
-@pytest.mark.parametrize(("name", "cache"), [("bamba", "cache_params"), ("lfm2", "past_key_values")])
+@pytest.mark.parametrize(
+    ("name", "cache"), [("bamba", "cache_params"), ("lfm2", "past_key_values"), ("qwen3-next", "cache")]
+)
 def test_a_cache_or_packing_kwargs_go_to_the_original_forward(
     name: str, cache: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -316,3 +319,12 @@ def _older_forward(
 ) -> torch.Tensor:
     """The signature of Mamba2's mixer in transformers 4.x."""
     raise NotImplementedError
+
+
+def test_a_transformers_newer_than_the_checked_one_leaves_the_mixers_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer release may change a torch path behind the same signature: no adapter, and the report says why."""
+    monkeypatch.setattr(mixers, "_transformers_version", lambda: "5.99.0.dev0")
+    model, paths = _model("lfm2")
+    adapted, refused = adapt_mixers(model)
+    assert adapted == [] and [path for path, _ in refused] == list(paths)
+    assert "transformers 5.99.0.dev0 is newer than" in refused[0][1]
