@@ -1,23 +1,7 @@
 """Training checkpoints with `torch.distributed.checkpoint` (DCP): model, optimizer and a small train state.
 
-Layout of one checkpoint:
-
-    <root>/step_00000042/
-        .metadata            DCP metadata (written by the coordinator, rank 0)
-        __<rank>_0.distcp    DCP data files (a tensor several ranks hold alike is written once)
-        train_state.json     the caller's JSON-able dict (sampler state, step, seeds, run config), rank 0
-        MANIFEST.json        format version, the layout the ranks held the state in (world size, pipeline
-                             stages, ZeRO) and the size and sha256 of every file above, rank 0
-        COMPLETE             the commit marker: a directory without it is not a checkpoint
-
-Saving is atomic: every rank writes into `<root>/step_<step>.tmp/`; after a barrier rank 0 writes
-`train_state.json`, the manifest and the `COMPLETE` marker there, then renames the directory to its final
-name (one `rename`, so the final name only ever exists complete). A crash mid-save leaves a `.tmp` directory
-that `latest_checkpoint` ignores, so the previous checkpoint stays the latest; `remove_stale_tmp` deletes it.
-
-Loading verifies the manifest first (rank 0 hashes, every rank gets the verdict), so a truncated, missing or
-overwritten shard is an error naming the file instead of silently different weights. `resume_latest` takes
-the newest checkpoint that verifies and reports each newer one it skipped and why.
+The directory format, its atomic commit, the manifest and finding the newest good checkpoint are in
+`checkpoint_files.py`; this module decides what goes in and how it comes back.
 
 DCP saves one `Stateful`, the model and its optimizer (`_AppState` under "app"), through DCP's own
 `get_state_dict`/`set_state_dict` with the optimizer state flattened per parameter: the keys are
@@ -27,30 +11,34 @@ DCP saves one `Stateful`, the model and its optimizer (`_AppState` under "app"),
 - a pipeline stage (`train/stages.py`) numbers its layers from 0, so its names go through `full_model_name`
   and no two stages' names collide;
 - a ZeRO-1 `ZeroRedundancyOptimizer` holds its rank's parameters' state only: DCP's helpers run on its local
-  optimizer, so each rank writes the state of its own parameters and nothing is gathered (with tensor
-  parallelism, DTensors of its TP shards).
+  optimizer, so each rank writes the state of its own parameters and nothing is gathered;
+- the distributed optimizer writes its fp32 main weights and moments as `ShardedTensor`s of the global shapes;
+- under tensor parallelism the tensors are DTensors of the global shapes.
 
-Tensors several ranks hold alike (the model, a replicated optimizer) are written once. The names do not
-depend on how the ranks split the state, but a resume still needs the layout it was saved with (resharding
-is not implemented): another world size, pp_size or ZeRO setting is refused naming both. Checkpoints of the
-older format (per-shard keys, manifest version 1) do not verify and say so. Everything also works without
-`torch.distributed` initialised (one process). The root directory must be on a file system every rank sees
-(one machine, or a shared mount).
+So a checkpoint is stored by parameter name and global shape, never by rank, and loads on any number of ranks,
+pipeline stages, TP size and ZeRO setting: each loading rank asks DCP for the names and pieces it holds, and DCP
+reads them from whichever files hold them (resharding). The layout it was saved in is kept in the manifest and
+reported on load when it differs. Checkpoints of the older format (per-shard keys, manifest version 1) do not
+verify and say so. Everything also works without `torch.distributed` initialised (one process).
+
+`save_checkpoint_async` returns once the state is copied to host memory; DCP writes it from a background
+thread, every rank hashes its own files, and rank 0 commits, with the guarantees of a synchronous save. One save
+is in flight at a time: the next save, and `wait_for_checkpoint`, wait for it first.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +55,29 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from .checkpoint_files import (
+    COMPLETE_MARKER,
+    DCP_METADATA,
+    MANIFEST_FILE,
+    TRAIN_STATE_FILE,
+    CheckpointChoice,
+    CheckpointError,
+    SkippedCheckpoint,
+    checkpoint_dir,
+    commit,
+    distributed,
+    hash_written,
+    latest_checkpoint,
+    on_rank0,
+    prune_checkpoints,
+    rank,
+    read_manifest,
+    remove_stale_tmp,
+    select_checkpoint,
+    tmp_dir,
+    verify_checkpoint,
+    world_size,
+)
 from .dist_optim import DistributedOptimizer
 from .mesh import tp_size_of
 from .stages import full_model_name, stage_spec
@@ -77,6 +88,7 @@ __all__ = [
     "TRAIN_STATE_FILE",
     "CheckpointChoice",
     "CheckpointError",
+    "PendingCheckpoint",
     "Resumed",
     "SkippedCheckpoint",
     "checkpoint_dir",
@@ -87,8 +99,10 @@ __all__ = [
     "remove_stale_tmp",
     "resume_latest",
     "save_checkpoint",
+    "save_checkpoint_async",
     "select_checkpoint",
     "verify_checkpoint",
+    "wait_for_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,36 +110,8 @@ logger = logging.getLogger(__name__)
 Optimizer = torch.optim.Optimizer | DistributedOptimizer
 """What a checkpoint holds the state of: a torch optimizer (or ZeRO-1's), or the distributed optimizer."""
 
-COMPLETE_MARKER = "COMPLETE"
-TRAIN_STATE_FILE = "train_state.json"
-MANIFEST_FILE = "MANIFEST.json"
-_MANIFEST_VERSION = 2
-"""Format 2: optimizer state by parameter name (DCP's flattened state dicts) and the layout in the manifest."""
 _APP = "app"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-_DCP_METADATA = ".metadata"
-_PREFIX = "step_"
-_TMP_SUFFIX = ".tmp"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that is corrupt or incomplete (the message names it and what is missing)."""
-
-
-@dataclass(frozen=True)
-class SkippedCheckpoint:
-    """A checkpoint directory passed over on resume, and why."""
-
-    path: Path
-    reason: str
-
-
-@dataclass(frozen=True)
-class CheckpointChoice:
-    """The newest checkpoint that verifies (None: there are none at all) and the newer ones skipped."""
-
-    path: Path | None
-    skipped: tuple[SkippedCheckpoint, ...]
 
 
 @dataclass(frozen=True)
@@ -135,54 +121,13 @@ class Resumed:
     path: Path
     train_state: dict[str, Any]
     skipped: tuple[SkippedCheckpoint, ...]
+    resharded: str | None = None
+    """How the saving and the loading ranks held the state, when they differ (None: the same layout)."""
 
 
-def checkpoint_dir(root: str | Path, step: int) -> Path:
-    """The final directory of the checkpoint of `step` under `root`: `<root>/step_<step:08d>`."""
-    return Path(root) / f"{_PREFIX}{step:08d}"
-
-
-# -- distributed helpers --------------------------------------------------------------------------------
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _on_rank0(what: str, fn: Any) -> Any:
-    """Run `fn()` on rank 0 and share its outcome, so a failure raises on every rank instead of hanging them."""
-    result: Any = None
-    error: str | None = None
-    if _rank() == 0:
-        try:
-            result = fn()
-        except Exception as e:
-            if not _distributed():
-                raise
-            error = f"{what} failed on rank 0: {type(e).__name__}: {e}"
-    if _distributed():
-        box = [(result, error)]
-        dist.broadcast_object_list(box, src=0)
-        result, error = box[0]
-        if error is not None:
-            raise CheckpointError(error)
-    return result
-
-
-@contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """Without a process group DCP runs in one process (what we want) but warns on every call."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*uninitialized", category=UserWarning)
-        yield
+warnings.filterwarnings("ignore", message=r"torch\.distributed is .*uninitialized", category=UserWarning)
+"""Without a process group DCP runs in one process, which is what we want, but warns on every call (also from
+the background thread of an async save, where a `catch_warnings` around the call would not reach)."""
 
 
 def _model_for_dcp(model: nn.Module) -> nn.Module:
@@ -192,7 +137,7 @@ def _model_for_dcp(model: nn.Module) -> nn.Module:
 
 @dataclass(frozen=True)
 class _Layout:
-    """How the ranks hold the model and optimizer state; a resume needs the one it was saved with."""
+    """How the ranks hold the model and optimizer state; recorded in the manifest, reported on a resharding load."""
 
     world_size: int
     pp_size: int
@@ -206,7 +151,7 @@ class _Layout:
     def of(cls, model: nn.Module, optimizer: Optimizer) -> _Layout:
         spec = stage_spec(model)
         return cls(
-            _world_size(),
+            world_size(),
             spec.pp_size if spec is not None else 1,
             isinstance(optimizer, ZeroRedundancyOptimizer),
             isinstance(optimizer, DistributedOptimizer),
@@ -214,14 +159,14 @@ class _Layout:
         )
 
     def describe(self) -> str:
-        if self.distributed or self.zero:
-            kind = "distributed-optimizer shards (bf16 weights)" if self.distributed else "ZeRO optimizer shards"
-            stages = f" in each of {self.pp_size} pipeline stages" if self.pp_size > 1 else ""
-            tp = f" at each of {self.tp_size} TP indices" if self.tp_size > 1 else ""
-            return f"{kind} over {self.world_size // (self.pp_size * self.tp_size)} rank(s){stages}{tp}"
-        if self.pp_size > 1:
-            return f"the optimizer states of {self.pp_size} pipeline stages"
-        return "a replicated optimizer state"
+        split = "".join(f", {name} {size}" for name, size in (("pp", self.pp_size), ("tp", self.tp_size)) if size > 1)
+        if self.distributed:
+            kind = "distributed-optimizer shards (bf16 weights)"
+        elif self.zero:
+            kind = "ZeRO-1 optimizer shards"
+        else:
+            kind = "a replicated optimizer"
+        return f"{self.world_size} rank(s){split}, {kind}"
 
 
 @contextmanager
@@ -325,93 +270,104 @@ class _AppState(Stateful):
             _sync_hyperparameters(self.zero, to_local=False)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# -- manifest -------------------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_manifest(directory: Path, layout: _Layout) -> None:
-    """Record every file's size and sha256 (all ranks' shards: the caller saw them all written) and the
-    layout; the manifest and the COMPLETE marker themselves are not listed."""
-    files = {
-        f.relative_to(directory).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
-        for f in sorted(directory.rglob("*"))
-        if f.is_file() and f.name not in (MANIFEST_FILE, COMPLETE_MARKER)
-    }
-    manifest = {"version": _MANIFEST_VERSION, **asdict(layout), "files": files}
-    _write_file(directory / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise CheckpointError(
-            f"checkpoint directory {path}: manifest {MANIFEST_FILE} missing (saved by an older "
-            "version, or damaged): its files cannot be verified"
-        ) from e
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint directory {path}: unreadable {MANIFEST_FILE}: {e}") from e
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lists no files")
-    if manifest.get("version") != _MANIFEST_VERSION:
-        raise CheckpointError(
-            f"checkpoint directory {path} is in checkpoint format {manifest.get('version')}, this "
-            f"version reads format {_MANIFEST_VERSION} only (optimizer state by parameter name): "
-            "continue that run with the version that saved it, or start a new run in another --out"
-        )
-    return manifest
-
-
-def verify_checkpoint(path: str | Path) -> None:
-    """Raise `CheckpointError` naming the first problem: no COMPLETE marker, no manifest (or one of another
-    format), or a listed file missing, of another size, or whose sha256 differs."""
-    path = Path(path)
-    if not (path / COMPLETE_MARKER).is_file():
-        raise CheckpointError(f"checkpoint directory {path} has no {COMPLETE_MARKER} marker (an interrupted save?)")
-    for name, entry in sorted(_read_manifest(path)["files"].items()):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint directory {path}: file {name} is missing")
-        size = file.stat().st_size
-        if size != entry["size"]:
-            raise CheckpointError(
-                f"checkpoint directory {path}: file {name} has {size} bytes, the manifest says {entry['size']}"
-            )
-        if _sha256(file) != entry["sha256"]:
-            raise CheckpointError(
-                f"checkpoint directory {path}: file {name} checksum differs from the manifest "
-                "(sha256): it was modified or corrupted after the save"
-            )
-
-
 # -- save -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose state is copied to host memory and is being written and committed in the background."""
+
+    path: Path
+    """Its final directory, which exists once the commit is done."""
+    step: int
+    staged_s: float
+    """Seconds the saving call took: copying the state to host memory (and waiting for the previous save)."""
+    _future: Future[Path]
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Path:
+        """Wait for the commit and return the final directory; `CheckpointError` when the write or commit failed
+        (the previous checkpoint is then still the newest that verifies)."""
+        try:
+            return self._future.result()
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise CheckpointError(
+                f"the checkpoint of step {self.step} failed while it was written in the background "
+                f"({_short(e)}); {tmp_dir(self.path)} is left unfinished and the previous checkpoint is still "
+                "the newest that verifies"
+            ) from e
+
+
+_in_flight: PendingCheckpoint | None = None
+_background: tuple[Any, dist.ProcessGroup] | None = None
+"""(the default process group, a gloo group of every rank for background saves) once one was made."""
+
+
+def wait_for_checkpoint() -> Path | None:
+    """Wait for the save in flight, if any, and return its final directory (`CheckpointError` if it failed);
+    every rank must call it before the process group goes away."""
+    global _in_flight
+    pending, _in_flight = _in_flight, None
+    return None if pending is None else pending.result()
+
+
+def _background_group() -> dist.ProcessGroup | None:
+    """The group a background save's collectives run on: not the default one, whose collectives the training
+    issues meanwhile from the main thread. Made by the first async save, which every rank calls at the same point."""
+    global _background
+    if not distributed():
+        return None
+    world = dist.group.WORLD
+    if _background is None or _background[0] is not world:
+        _background = (world, dist.new_group(backend="gloo"))
+    return _background[1]
+
+
+def _begin(root: str | Path, step: int, train_state: dict[str, Any]) -> tuple[Path, str]:
+    """Check the arguments on every rank before any I/O, then (rank 0) make an empty `.tmp` directory: a stale
+    one from a crashed save must not mix its files into this one. Returns the final directory and the state's JSON."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if not isinstance(train_state, dict):
+        raise TypeError(f"train_state must be a dict, got {type(train_state).__name__}")
+    try:
+        state_text = json.dumps(train_state, indent=2, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"train_state must be JSON-serialisable: {e}") from e
+    wait_for_checkpoint()
+    final = checkpoint_dir(root, step)
+    tmp = tmp_dir(final)
+
+    def prepare() -> None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+
+    on_rank0(f"preparing {tmp}", prepare)
+    return final, state_text
+
+
+def _finish(
+    final: Path, step: int, state_text: str, layout: _Layout, keep_last: int, group: dist.ProcessGroup | None
+) -> Path:
+    """Every rank, once DCP has written its files: hash them, gather the hashes on rank 0 (which also waits
+    for every rank this way), and let rank 0 commit."""
+    tmp = tmp_dir(final)
+    hashed = hash_written(tmp, dist.get_rank(group) if distributed() else 0)
+    if distributed():
+        every: list[Any] | None = [None] * world_size() if rank() == 0 else None
+        dist.gather_object(hashed, every, dst=0, group=group)
+        hashed = {name: entry for part in every or [] for name, entry in part.items()}
+    return on_rank0(
+        f"committing {tmp} as {final}",
+        lambda: commit(tmp, final, step, state_text, asdict(layout), hashed, keep_last),
+        group,
+    )
 
 
 def save_checkpoint(
@@ -430,146 +386,42 @@ def save_checkpoint(
     replaces it. Note: DCP's `get_state_dict` initialises an optimizer that has never stepped (one zero-lr
     step with zero gradients), so save after the first optimizer step to keep Adam's step count untouched.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if not isinstance(train_state, dict):
-        raise TypeError(f"train_state must be a dict, got {type(train_state).__name__}")
-    try:
-        state_text = json.dumps(train_state, indent=2, sort_keys=True)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"train_state must be JSON-serialisable: {e}") from e
-
-    root = Path(root)
-    final = checkpoint_dir(root, step)
-    tmp = final.with_name(final.name + _TMP_SUFFIX)
-
-    def prepare() -> None:  # a stale .tmp from a crashed save must not mix its files into this one
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-
-    _on_rank0(f"preparing {tmp}", prepare)
-
+    final, state_text = _begin(root, step, train_state)
     app = _AppState(model, optimizer)
-    with _quiet_single_process():  # collective when distributed; replicated tensors are written once
-        dcp.save({_APP: app}, checkpoint_id=str(tmp))
-    if _distributed():
-        dist.barrier()
-
-    def commit() -> None:
-        _write_file(tmp / TRAIN_STATE_FILE, state_text)
-        _write_manifest(tmp, app.layout)
-        _write_file(tmp / COMPLETE_MARKER, f"step {step}\n")
-        _fsync_dir(tmp)
-        old = None
-        if final.exists():  # re-save of the same step: move the old one aside, then drop it after the commit
-            old = final.with_name(final.name + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-    _on_rank0(f"committing {tmp} as {final}", commit)  # the broadcast doubles as the final barrier
-    if keep_last:
-        prune_checkpoints(root, keep_last, step)
-    return final
+    dcp.save({_APP: app}, checkpoint_id=str(tmp_dir(final)))  # collective; replicated tensors are written once
+    return _finish(final, step, state_text, app.layout, keep_last, None)
 
 
-def prune_checkpoints(root: str | Path, keep_last: int, step: int | None = None) -> list[Path]:
-    """Delete the `step_*` directories under `root` older than the newest `keep_last` at or below `step` (default:
-    all), on rank 0; every rank must call it and gets the list. Checkpoints after `step` are left alone: a run that
-    resumed from `step` passed over them (damaged ones, which must not take the kept ones' places)."""
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+def save_checkpoint_async(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: Optimizer,
+    train_state: dict[str, Any],
+    keep_last: int = 0,
+) -> PendingCheckpoint:
+    """`save_checkpoint`, returning once the state is copied to host memory (DCP's staging): the training may
+    change the weights right after. DCP writes the copy from a background thread over a gloo group of its own,
+    each rank hashes its files there, and rank 0 commits; `PendingCheckpoint.result()` (or the next save, or
+    `wait_for_checkpoint`) waits for it. Costs host memory for one copy of this rank's state."""
+    global _in_flight
+    began = time.perf_counter()
+    final, state_text = _begin(root, step, train_state)
+    app = _AppState(model, optimizer)
+    group = _background_group()
+    written = dcp.async_save(
+        {_APP: app}, checkpoint_id=str(tmp_dir(final)), process_group=group, no_dist=not distributed()
+    )
+    assert isinstance(written, Future)  # staging is synchronous, so DCP gives the upload's future
 
-    def prune() -> list[Path]:
-        upto = [path for path in _step_dirs(Path(root)) if step is None or cast(int, _step_of(path)) <= step]
-        for path in upto[keep_last:]:
-            shutil.rmtree(path)
-        return upto[keep_last:]
+    def finish() -> Path:
+        written.result()
+        return _finish(final, step, state_text, app.layout, keep_last, group)
 
-    return _on_rank0(f"deleting old checkpoints under {root}", prune)
-
-
-# -- find -----------------------------------------------------------------------------------------------
-
-
-def _step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(_PREFIX):
-        return None
-    digits = name[len(_PREFIX) :]
-    return int(digits) if digits.isdigit() else None  # ".tmp" / ".old" suffixes are not digits
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete `step_*` directory with the highest step under `root`, or None.
-
-    Ignores `.tmp` directories (a save in progress or crashed) and directories without the COMPLETE marker.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for child in root.iterdir():
-        step = _step_of(child)
-        if step is None or not child.is_dir() or not (child / COMPLETE_MARKER).is_file():
-            continue
-        if best is None or step > best[0]:
-            best = (step, child)
-    return None if best is None else best[1]
-
-
-def _step_dirs(root: Path) -> list[Path]:
-    """Every `step_<digits>` directory under `root`, newest first (`.tmp` and `.old` are not checkpoints)."""
-    if not root.is_dir():
-        return []
-    found = [(step, child) for child in root.iterdir() if (step := _step_of(child)) is not None and child.is_dir()]
-    return [child for _, child in sorted(found, reverse=True)]
-
-
-def _choose(root: Path) -> CheckpointChoice:
-    skipped: list[SkippedCheckpoint] = []
-    for path in _step_dirs(root):
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as e:
-            skipped.append(SkippedCheckpoint(path, str(e)))
-            logger.info("skipping checkpoint %s: %s", path, e)
-            continue
-        return CheckpointChoice(path, tuple(skipped))
-    if skipped:
-        tried = "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
-        raise CheckpointError(
-            f"no checkpoint under {root} verifies, tried {len(skipped)}: {tried}. Delete the "
-            "damaged ones to start over, or restore them from a copy"
-        )
-    return CheckpointChoice(None, ())
-
-
-def select_checkpoint(root: str | Path) -> CheckpointChoice:
-    """The newest `step_*` directory under `root` that is complete and matches its manifest; every rank must
-    call it and gets rank 0's choice. Each newer one skipped is logged with its reason; `CheckpointError`
-    (naming every directory tried) when checkpoints exist but none verifies."""
-    return _on_rank0(f"choosing a checkpoint under {root}", lambda: _choose(Path(root)))
-
-
-def remove_stale_tmp(root: str | Path) -> list[Path]:
-    """Delete the `.tmp` directories crashed saves left under `root` (rank 0; every rank must call it and
-    gets the list). Call it before any save starts: a `.tmp` is also a save in progress."""
-
-    def remove() -> list[Path]:
-        stale = sorted(p for p in Path(root).glob(f"{_PREFIX}*{_TMP_SUFFIX}") if p.is_dir())
-        for path in stale:
-            shutil.rmtree(path)
-            logger.info("removed %s, left by an interrupted checkpoint save", path)
-        return stale
-
-    return _on_rank0(f"removing stale {_TMP_SUFFIX} directories under {root}", remove)
+    executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
+    _in_flight = PendingCheckpoint(final, step, time.perf_counter() - began, executor.submit(finish))
+    executor.shutdown(wait=False)
+    return _in_flight
 
 
 # -- load -----------------------------------------------------------------------------------------------
@@ -586,39 +438,22 @@ def _short(e: BaseException) -> str:
 def _check_complete(path: Path) -> None:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    missing = [name for name in (COMPLETE_MARKER, _DCP_METADATA, TRAIN_STATE_FILE) if not (path / name).is_file()]
+    missing = [name for name in (COMPLETE_MARKER, DCP_METADATA, TRAIN_STATE_FILE) if not (path / name).is_file()]
     if missing:
         what = ", ".join(missing)
         hint = " (an interrupted save?)" if COMPLETE_MARKER in missing else ""
         raise CheckpointError(f"checkpoint directory {path} is incomplete: missing {what}{hint}")
 
 
-def _check_layout(path: Path, now: _Layout) -> None:
-    """The same number of ranks, TP size, pipeline stages and ZeRO setting as the save (resharding is not
-    implemented); a manifest written before the distributed optimizer or tensor parallelism existed used neither."""
-    manifest = _read_manifest(path)
+def _layout_change(path: Path, now: _Layout) -> str | None:
+    """How the saving ranks held the state against how this run holds it, when they differ (a resharding load);
+    a manifest written before the distributed optimizer or tensor parallelism existed used neither."""
+    manifest = read_manifest(path)
     missing = [f.name for f in fields(_Layout) if f.name not in manifest and f.name not in ("distributed", "tp_size")]
     if missing:
         raise CheckpointError(f"checkpoint directory {path}: {MANIFEST_FILE} lacks {missing} (damaged?)")
     saved = _Layout(**{f.name: manifest[f.name] for f in fields(_Layout) if f.name in manifest})
-    if saved.tp_size != now.tp_size:
-        raise CheckpointError(
-            f"checkpoint directory {path} was saved with tensor parallelism tp {saved.tp_size}, this run has tp "
-            f"{now.tp_size}: resume with --tp {saved.tp_size} (resharding to another tp is not implemented), or "
-            "start a new run in another --out"
-        )
-    if saved.world_size != now.world_size:
-        raise CheckpointError(
-            f"checkpoint directory {path} was saved by {saved.world_size} rank(s), this run has "
-            f"{now.world_size}: resume with {saved.world_size} (torchrun --nproc_per_node), or "
-            "start a new run in another --out"
-        )
-    if saved != now:
-        raise CheckpointError(
-            f"checkpoint directory {path} holds {saved.describe()}, but this run has "
-            f"{now.describe()}: resume with the --dtype, ZeRO setting (--zero), pipeline stages (--pp) and "
-            "number of ranks it was saved with"
-        )
+    return None if saved == now else f"saved by {saved.describe()}; loaded by {now.describe()}"
 
 
 def _check_model_shapes(path: Path, model_state: dict[str, Any], whole: bool = True) -> None:
@@ -652,42 +487,42 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     state = get_model_state_dict(model)
     _check_model_shapes(path, state)
     try:
-        with _quiet_single_process():
-            dcp.load({f"{_APP}.model.{name}": tensor for name, tensor in state.items()}, checkpoint_id=str(path))
+        dcp.load({f"{_APP}.model.{name}": tensor for name, tensor in state.items()}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot read the model's tensors from {path}: {type(e).__name__}: {e}") from e
 
 
-def _load(path: Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """Restore from a checkpoint directory `verify_checkpoint` passed."""
+def _load(path: Path, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], str | None]:
+    """Restore from a checkpoint directory `verify_checkpoint` passed; (its train state, the layout change)."""
     try:
         train_state = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint directory {path}: unreadable {TRAIN_STATE_FILE}: {e}") from e
 
     app = _AppState(model, optimizer)
-    _check_layout(path, app.layout)
+    change = _layout_change(path, app.layout)
     _check_model_shapes(path, app.state_dict()["model"], whole=app.spec is None)
     try:
-        with _quiet_single_process():
-            dcp.load({_APP: app}, checkpoint_id=str(path))
+        dcp.load({_APP: app}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint directory {path}: could not load model/optimizer state: {_short(e)}") from e
-    return train_state
+    if change is not None:
+        logger.info("%s resharded: %s", path, change)
+    return train_state, change
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """Restore `model` and `optimizer` in place from the checkpoint at `path`; return its train_state.
+    """Restore `model` and `optimizer` in place from the checkpoint at `path`, whatever number of ranks, pipeline
+    stages, TP size and ZeRO setting saved it; return its train_state.
 
     Every rank must call it. A directory without the COMPLETE marker, DCP metadata, train state or manifest,
-    a file that does not match the manifest, a checkpoint saved by another number of ranks, pipeline stages
-    or ZeRO setting, or contents that do not match the model/optimizer raise `CheckpointError` naming the
-    directory (and the file).
+    a file that does not match the manifest, or contents that do not match the model/optimizer by name and
+    global shape raise `CheckpointError` naming the directory (and the file).
     """
     path = Path(path)
     _check_complete(path)
-    _on_rank0(f"verifying {path}", lambda: verify_checkpoint(path))
-    return _load(path, model, optimizer)
+    on_rank0(f"verifying {path}", lambda: verify_checkpoint(path))
+    return _load(path, model, optimizer)[0]
 
 
 def resume_latest(root: str | Path, model: nn.Module, optimizer: Optimizer) -> Resumed | None:
@@ -696,4 +531,5 @@ def resume_latest(root: str | Path, model: nn.Module, optimizer: Optimizer) -> R
     choice = select_checkpoint(root)
     if choice.path is None:
         return None
-    return Resumed(choice.path, _load(choice.path, model, optimizer), choice.skipped)
+    train_state, change = _load(choice.path, model, optimizer)
+    return Resumed(choice.path, train_state, choice.skipped, change)

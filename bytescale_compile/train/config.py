@@ -66,6 +66,7 @@ NOT_COMPARED = (
     "resume",
     "allow_config_change",
     "checkpoint_every",
+    "checkpoint_async",
     "keep_last",
     "log_every",
     "loggers",
@@ -84,6 +85,10 @@ steps run so far do not depend on them, nor on the loader, which draws the same 
 decay_steps unless it sets one, so a longer --steps does not change the schedule)."""
 NEVER_CHANGED = ("model",)
 """Refused on resume even with allow_config_change: the checkpoints hold this model's weights."""
+TOPOLOGY = ("pp", "tp", "zero")
+"""How the ranks split the work. A resume may change them without allow_config_change, as it may the number of
+ranks: checkpoints hold every tensor by parameter name and global shape and are resharded on load, and the
+gradient of a step does not depend on the split (token-level loss over a global batch fixed in tokens)."""
 
 
 class ConfigError(ValueError):
@@ -153,6 +158,11 @@ class TrainConfig:
     checkpoint_every: int = _setting(
         50, "checkpoint every N steps and after the last one, and on SIGTERM or Ctrl-C at the next step (0: never)"
     )
+    checkpoint_async: bool = _setting(
+        True,
+        "write checkpoints from a background thread: a step waits only for the copy of the state to host memory "
+        "(which holds one copy of the rank's state meanwhile)",
+    )
     keep_last: int = _setting(3, "checkpoints kept: older ones are deleted once a newer one is saved (0: all)")
     resume: bool | str = _setting(
         False,
@@ -162,9 +172,9 @@ class TrainConfig:
     )
     allow_config_change: bool = _setting(
         False,
-        "on --resume, accept settings that differ from the output "
-        "directory's config.toml (each is printed); the model and the "
-        "number of ranks can never change",
+        "on --resume, accept settings that differ from the output directory's config.toml (each is printed); "
+        "the model can never change, and the number of ranks, --pp, --tp and --zero may without it (the "
+        "checkpoint is resharded)",
     )
     zero: bool = _setting(
         False, "fp32 runs, ZeRO-1: shard the optimizer state over the ranks (with --pp: over each stage's)"
@@ -404,10 +414,15 @@ def config_changes(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple[Any,
 def check_resume_config(saved: TrainConfig, now: TrainConfig, source: str | Path) -> list[str]:
     """The differences between the config `source` saved and this resume's, one `key: saved -> now` line each.
 
-    Raises `ConfigError` listing them unless `now.allow_config_change`; a change of NEVER_CHANGED always."""
+    Raises `ConfigError` listing them unless `now.allow_config_change`, or every one is of TOPOLOGY (marked as
+    such); a change of NEVER_CHANGED always."""
     changes = config_changes(saved, now)
-    lines = [f"{key}: {before!r} -> {after!r}" for key, (before, after) in changes.items()]
+    lines = [
+        f"{key}: {before!r} -> {after!r}{' (topology: the checkpoint is resharded)' if key in TOPOLOGY else ''}"
+        for key, (before, after) in changes.items()
+    ]
     never = [line for key, line in zip(changes, lines) if key in NEVER_CHANGED]
+    refused = [key for key in changes if key not in TOPOLOGY]
     listed = "".join(f"\n  {line}" for line in lines)
     if never:
         raise ConfigError(
@@ -415,7 +430,7 @@ def check_resume_config(saved: TrainConfig, now: TrainConfig, source: str | Path
             f"model's weights; resume with it, or start a new run in another --out. All differences:"
             f"{listed}"
         )
-    if lines and not now.allow_config_change:
+    if refused and not now.allow_config_change:
         raise ConfigError(
             f"--resume with settings that differ from {source}:{listed}\nresume with the saved "
             "settings, pass --allow-config-change to accept the change, or start a new run in another "

@@ -118,6 +118,9 @@ class StepRecord:
     """The memory model's peak over the ranks for this step's plan."""
     measured_peak_bytes: int | None = None
     """CUDA: the largest `max_memory_allocated` over the ranks during the step."""
+    checkpoint_stall_s: float | None = None
+    """A step that saved a checkpoint: the seconds it waited for it on rank 0 (the whole save, or with
+    checkpoint_async the copy to host memory and any wait for the previous save)."""
 
     @classmethod
     def from_stats(

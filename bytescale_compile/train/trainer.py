@@ -56,7 +56,16 @@ from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import ModelConfigError, model_shape
 from .batch import num_targets
 from .calibrate import calibrate
-from .checkpoint import CheckpointError, latest_checkpoint, remove_stale_tmp, resume_latest, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    PendingCheckpoint,
+    latest_checkpoint,
+    remove_stale_tmp,
+    resume_latest,
+    save_checkpoint,
+    save_checkpoint_async,
+    wait_for_checkpoint,
+)
 from .config import (
     ALL_STRATEGIES,
     CAPACITY_AUTO,
@@ -126,7 +135,8 @@ class RunInputs:
     """Saved into final/ (Hugging Face models whose data records a tokenizer, or --tokenizer)."""
     cost_model: CostModel
     config_changes: tuple[str, ...] = ()
-    """On --resume with --allow-config-change: each accepted difference from config.toml, `key: saved -> now`."""
+    """On --resume: each accepted difference from config.toml, `key: saved -> now` (of the topology, or any with
+    --allow-config-change)."""
     weights: list[float] | None = None
     """A --data mixture's token share per dataset (None: one dataset)."""
     loggers: tuple[str, ...] | None = None
@@ -360,7 +370,7 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     initial weights; rank 0 writes config.toml first."""
     config = inputs.config
     for change in inputs.config_changes:
-        echo(f"resuming with a changed setting (--allow-config-change): {change}", _is_rank0())
+        echo(f"resuming with a changed setting: {change}", _is_rank0())
     device = device or torch.device("cpu")
     if config.capacity == CAPACITY_AUTO and config.memory_budget is None and device.type != "cuda":
         raise ConfigError(
@@ -612,8 +622,10 @@ def _train_steps(
     predicts = _predicts(config, runtime.device)
     records, eval_loss = [], None
 
-    def save(step: int, sampler_state: dict) -> Path:
-        return save_checkpoint(
+    def save(step: int, sampler_state: dict, record: StepRecord) -> Path:
+        began = time.perf_counter()
+        save = save_checkpoint_async if config.checkpoint_async else save_checkpoint
+        saved = save(
             directory / CHECKPOINTS_DIR,
             step,
             runtime.model,
@@ -621,6 +633,8 @@ def _train_steps(
             {"step": step, "sampler": sampler_state, "config": config.to_dict()},
             keep_last=config.keep_last,
         )
+        record.checkpoint_stall_s = time.perf_counter() - began
+        return saved.path if isinstance(saved, PendingCheckpoint) else saved
 
     with warnings.catch_warnings():
         if not predicts:  # steps are not held against predictions the run says it cannot make
@@ -640,17 +654,19 @@ def _train_steps(
             )
             if inputs.held_out and (step % config.eval_every == 0 or step == config.steps):
                 record.eval_loss = eval_loss = evaluate(runtime, inputs.held_out)
+            saved = None
+            if config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps):
+                saved = save(step, loaded.sampler_state, record)
             log.write(record)
             records.append(record)
             if step % config.log_every == 0 or step == config.steps or record.eval_loss is not None:
                 echo(record.summary(predicted=predicts), rank0)
-            saved = None
-            if config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps):
-                saved = save(step, loaded.sampler_state)
             if (signal_name := stop.agreed(runtime.device)) is not None:
                 if config.checkpoint_every and saved is None:
-                    saved = save(step, loaded.sampler_state)
+                    saved = save(step, loaded.sampler_state, record)
+                wait_for_checkpoint()
                 raise Stopped(signal_name, step, str(saved) if saved else None)
+    wait_for_checkpoint()
     return records, eval_loss
 
 
@@ -732,6 +748,8 @@ def _resume(runtime: Runtime, sampler: Sampler, checkpoints: Path, steps: int) -
         return 0
     for skipped in resumed.skipped:
         echo(f"[{runtime.strategy}] skipped checkpoint {skipped.path}: {skipped.reason}", _is_rank0())
+    if resumed.resharded is not None:
+        echo(f"[{runtime.strategy}] resharding {resumed.path.name}: {resumed.resharded}", _is_rank0())
     state = resumed.train_state
     if state["step"] > steps:
         raise CheckpointError(

@@ -255,8 +255,8 @@ def test_sharded_adamw_on_unequal_micro_batches():
 
 
 def _checkpoint_worker(rank: int, world: int, root: str) -> None:
-    """A resume from a checkpoint of the fp32 main weights and sharded moments continues bit for bit, and the
-    checkpoint holds the fp32 main weights under the parameters' names and shapes."""
+    """A resume from a checkpoint of the fp32 main weights and sharded moments continues bit for bit, also into
+    another layout of fragments, and the checkpoint holds the fp32 main weights under the parameters' names and shapes."""
     g = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(3, 6, generator=g) for _ in range(4)]
 
@@ -280,6 +280,11 @@ def _checkpoint_worker(rank: int, world: int, root: str) -> None:
     resumed = DistributedOptimizer(resumed_model, 0.1, DECAY, BETAS, bucket_bytes=64)
     assert load_checkpoint(path, resumed_model, resumed) == {"step": 2}
     assert all(torch.equal(a, b) for a, b in zip(train(resumed_model, resumed, inputs[2:]), uninterrupted))
+    # read back by other fragments: the pieces are resharded, AdamW is elementwise, so still bit for bit
+    regrouped_model = _small_model()
+    regrouped = DistributedOptimizer(regrouped_model, 0.1, DECAY, BETAS, bucket_bytes=40)
+    load_checkpoint(path, regrouped_model, regrouped)
+    assert all(torch.equal(a, b) for a, b in zip(train(regrouped_model, regrouped, inputs[2:]), uninterrupted))
     fp32 = _small_model()
     load_model_weights(path, fp32)
     for name, p in fp32.named_parameters():

@@ -12,7 +12,7 @@ from torch import nn
 
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.train.__main__ import build_parser
-from bytescale_compile.train.config import ConfigError, TrainConfig, load_config, to_toml
+from bytescale_compile.train.config import ConfigError, TrainConfig, check_resume_config, load_config, to_toml
 from bytescale_compile.train.optim import LRSchedule, build_optimizer, param_groups
 
 REQUIRED = {"model": "tiny", "data": "corpus"}
@@ -131,3 +131,15 @@ def test_saved_config_holds_the_resolved_schedule_and_absolute_paths(tmp_path, m
     monkeypatch.chdir(tmp_path / "model")
     saved = load_config(tmp_path / "config.toml")
     assert saved.decay_steps == 12 and saved.model == config.model and saved.data == config.data
+
+
+def test_a_resume_may_change_the_topology_and_nothing_else_without_allow_config_change() -> None:
+    saved = TrainConfig(model="tiny", data="d", out="o")
+    lines = check_resume_config(saved, replace(saved, pp=2, tp=2, zero=True), "config.toml")
+    assert lines == [
+        f"{key}: {before} -> {after} (topology: the checkpoint is resharded)"
+        for key, before, after in (("zero", False, True), ("pp", 1, 2), ("tp", 1, 2))
+    ]
+    with pytest.raises(ConfigError, match=r"differ from config.toml:\n  lr: 0.0003 -> 0.0001\n  tp: 1 -> 2 \(topology"):
+        check_resume_config(saved, replace(saved, tp=2, lr=1e-4), "config.toml")
+    assert len(check_resume_config(saved, replace(saved, tp=2, lr=1e-4, allow_config_change=True), "c")) == 2
