@@ -519,6 +519,23 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_check(args: argparse.Namespace) -> int:
+    from .data import MixedDataset, open_data
+
+    try:
+        data, _ = open_data(args.data)
+        for part in data.parts if isinstance(data, MixedDataset) else (data,):
+            part.check_tokens()
+            tokenizer = "none" if part.tokenizer is None else part.tokenizer.name_or_path
+            print(
+                f"{part.spec}: {len(part)} sequences, {int(part.lengths.sum())} tokens ({part.dtype}), every id "
+                f"below vocab_size {part.vocab_size}; tokenizer {tokenizer}; {part.source}"
+            )
+    except _DATA_ERRORS as e:
+        raise CLIError(str(e)) from e
+    return 0
+
+
 def _add_data_commands(sub: Any) -> None:
     inputs = "JSONL/JSON/Parquet/text files, directories of them, or `datasets` directories (save_to_disk)"
     tokenizer = sub.add_parser("tokenizer", help="train a tokenizer on your own text").add_subparsers(
@@ -539,7 +556,7 @@ def _add_data_commands(sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in DIR")
     p.set_defaults(func=cmd_tokenizer_train)
 
-    data = sub.add_parser("data", help="prepare token datasets from your own text").add_subparsers(
+    data = sub.add_parser("data", help="prepare token datasets from your own text, check any").add_subparsers(
         dest="action", required=True
     )
     p = data.add_parser(
@@ -567,6 +584,18 @@ def _add_data_commands(sub: Any) -> None:
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="draws the eval split (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace existing datasets at PREFIX and PREFIX_eval")
     p.set_defaults(func=cmd_data_prepare)
+    p = data.add_parser(
+        "check",
+        help="open --data as training does (converting Parquet/JSON Lines once) and check every token id against "
+        "the vocabulary",
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="SPEC",
+        help="as training's --data: PREFIX, PATH?vocab_size=N, PATH?tokenizer=DIR, or a mixture a:0.7,b:0.3",
+    )
+    p.set_defaults(func=cmd_data_check)
 
 
 def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,7 @@
 """Training data: tokenizers, data preparation from users' own text, the memory-mapped token dataset and
-the global-batch sampler (`dataset.py`), and mixtures of several datasets by weight (`mixture.py`).
+the global-batch sampler (`dataset.py`), data already tokenized elsewhere (Megatron-LM's indexed datasets,
+`megatron.py`; Hugging Face `datasets`, `hf_datasets.py`; Parquet and JSON Lines, `token_files.py`), each
+opened by what its path holds (`formats.py`), and mixtures of several datasets by weight (`mixture.py`).
 
 `tokenizers`, `pyarrow`, `datasets` and `tqdm` (the `data` extra) are imported only when used.
 """
@@ -16,6 +18,9 @@ from .dataset import (
     python_source_files,
     write_dataset,
 )
+from .formats import open_dataset
+from .hf_datasets import HFDataset
+from .megatron import MegatronDataset
 from .mixture import (
     MixedDataset,
     MixtureSampler,
@@ -25,6 +30,7 @@ from .mixture import (
     open_data,
     parse_data_spec,
 )
+from .options import DataItem
 from .prepare import LONG_DOC_POLICIES, PrepareReport, eval_prefix, prepare
 from .sources import SourceError, SourceStats
 from .tokenizer import (
@@ -38,14 +44,17 @@ from .tokenizer import (
 )
 
 __all__ = [
+    "DataItem",
     "DatasetError",
     "DatasetWriter",
     "EOS_TOKEN",
     "GlobalBatch",
     "GlobalBatchSampler",
+    "HFDataset",
     "LONG_DOC_POLICIES",
     "PAD_TOKEN",
     "LoadedTokenizer",
+    "MegatronDataset",
     "MixedDataset",
     "MixtureSampler",
     "PrepareReport",
@@ -63,6 +72,7 @@ __all__ = [
     "format_data_spec",
     "load_tokenizer",
     "open_data",
+    "open_dataset",
     "parse_data_spec",
     "prepare",
     "python_source_files",

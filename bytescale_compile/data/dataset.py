@@ -30,10 +30,13 @@ import torch
 __all__ = [
     "DatasetError",
     "DatasetWriter",
+    "FlatTokens",
     "GlobalBatch",
     "GlobalBatchSampler",
     "SequenceSource",
     "TokenDataset",
+    "TokenSpan",
+    "TokenStore",
     "TokenizerInfo",
     "dataset_files",
     "eval_batches",
@@ -45,6 +48,8 @@ __all__ = [
 TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 """Smallest first: a dataset uses the first that holds its vocabulary."""
 _BYTE_VOCAB_SIZE = 256
+SCAN_BLOCK = 1 << 24
+"""Ids per piece of a whole-dataset scan (`max_token`, `check_tokens`): bounds the temporaries, not the reads."""
 _SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages"})
 """Not walked: bytecode only, or a nested site-packages the roots list on their own."""
 
@@ -113,17 +118,71 @@ def _check_range(start: int, end: int | None, length: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class TokenSpan:
+    """A run of token ids as stored, and where: what an id check names when one is out of range."""
+
+    path: Path
+    byte_offset: int
+    """Of `ids[0]` in `path`."""
+    ids: np.ndarray
+
+
+class TokenStore(Protocol):
+    """Where a dataset's token ids live: one memory-mapped array (ours, Megatron's `.bin`), or one per Arrow
+    record batch (Hugging Face `datasets`). The dataset checks ranges; a store only reads."""
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    def read(self, index: int, start: int, end: int) -> np.ndarray:
+        """Ids [start, end) of sequence `index`, in the stored dtype (a view where the storage allows)."""
+        ...
+
+    def spans(self) -> Iterator[TokenSpan]:
+        """Every stored id once, in bounded pieces, for whole-dataset scans."""
+        ...
+
+
+@dataclass(frozen=True)
+class FlatTokens:
+    """All ids in one memory-mapped array; sequence i starts at element `starts[i]`."""
+
+    path: Path
+    ids: np.ndarray
+    """A plain ndarray view of the map (still backed by it): slicing an `np.memmap` costs about 4x as much."""
+    starts: np.ndarray
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.ids.dtype
+
+    def read(self, index: int, start: int, end: int) -> np.ndarray:
+        base = int(self.starts[index])
+        return self.ids[base + start : base + end]
+
+    def spans(self) -> Iterator[TokenSpan]:
+        for lo in range(0, self.ids.size, SCAN_BLOCK):
+            yield TokenSpan(self.path, lo * self.ids.itemsize, self.ids[lo : lo + SCAN_BLOCK])
+
+
+@dataclass(frozen=True)
 class TokenDataset:
-    """`<prefix>.bin`: all tokens, flat; `<prefix>.idx`: int64 offsets [n + 1] (np.save format);
-    `<prefix>.json`: {"dtype", "vocab_size", "num_sequences", "num_tokens", "source", "tokenizer"}, where
-    "dtype" is uint8, uint16 or uint32 and "tokenizer" is null for bytes (absent in older datasets) or
-    `TokenizerInfo.to_dict()`. Both arrays are memory-mapped; build one with `TokenDataset.open`."""
+    """Sequences of token ids: their lengths in memory, their ids read on demand from `_store`.
+
+    `TokenDataset.open` reads our own format (`data prepare`, `write_dataset`): `<prefix>.bin`: all tokens,
+    flat; `<prefix>.idx`: int64 offsets [n + 1] (np.save format); `<prefix>.json`: {"dtype", "vocab_size",
+    "num_sequences", "num_tokens", "source", "tokenizer"}, where "dtype" is uint8, uint16 or uint32 and
+    "tokenizer" is null for bytes (absent in older datasets) or `TokenizerInfo.to_dict()`. Both arrays are
+    memory-mapped. Other formats subclass it (`megatron.py`, `hf_datasets.py`), so samplers, planners and the
+    trainer read every format alike."""
 
     prefix: Path
-    _meta: dict = field(repr=False, compare=False)
-    _offsets: np.ndarray = field(repr=False, compare=False)
+    vocab_size: int = field(compare=False)
+    tokenizer: TokenizerInfo | None = field(compare=False)
+    """None: byte-level (token = byte), or a dataset given a vocabulary size without its tokenizer."""
+    source: str = field(repr=False, compare=False)
     _lengths: np.ndarray = field(repr=False, compare=False)
-    _tokens: np.ndarray = field(repr=False, compare=False)
+    _store: TokenStore = field(repr=False, compare=False)
 
     @classmethod
     def open(cls, prefix: str | Path) -> TokenDataset:
@@ -136,9 +195,15 @@ class TokenDataset:
         meta = _read_meta(meta_path)
         offsets = _read_offsets(idx_path, meta["num_sequences"], meta["num_tokens"])
         tokens = _map_tokens(bin_path, np.dtype(meta["dtype"]), meta["num_tokens"])
-        lengths = np.diff(offsets)
-        lengths.flags.writeable = False
-        return cls(prefix, meta, offsets, lengths, tokens)
+        info = meta.get("tokenizer")
+        return cls(
+            prefix,
+            meta["vocab_size"],
+            None if info is None else TokenizerInfo.from_dict(info),
+            str(meta["source"]),
+            _frozen(np.diff(offsets)),
+            FlatTokens(bin_path, tokens.view(np.ndarray), offsets.view(np.ndarray)),
+        )
 
     def __reduce__(self):
         """Pickle as the prefix: a worker reopens the maps instead of receiving a copy of the tokens."""
@@ -148,40 +213,42 @@ class TokenDataset:
         return len(self._lengths)
 
     @property
+    def spec(self) -> str:
+        """The `--data` item that opens this dataset again (`formats.open_dataset`)."""
+        return str(self.prefix)
+
+    @property
     def lengths(self) -> np.ndarray:
         """Tokens per sequence (int64, read-only): all a planner needs, without touching the tokens."""
         return self._lengths
 
     @property
-    def vocab_size(self) -> int:
-        return int(self._meta["vocab_size"])
-
-    @property
-    def source(self) -> str:
-        return str(self._meta["source"])
-
-    @property
     def dtype(self) -> np.dtype:
         """Of the tokens on disk; `tokens()` always returns int64."""
-        return self._tokens.dtype
-
-    @property
-    def tokenizer(self) -> TokenizerInfo | None:
-        """None for byte-level datasets (token = byte)."""
-        info = self._meta.get("tokenizer")
-        return None if info is None else TokenizerInfo.from_dict(info)
+        return self._store.dtype
 
     def max_token(self) -> int:
         """The largest token id present (reads every token once): what a model's vocabulary must cover."""
-        return int(self._tokens.max()) if self._tokens.size else -1
+        return max((int(span.ids.max()) for span in self._store.spans() if span.ids.size), default=-1)
+
+    def check_tokens(self) -> None:
+        """Raise `DatasetError` at the first id outside 0..vocab_size-1, naming its file and byte offset (reads
+        every token once): formats that do not record their vocabulary are only checked when asked."""
+        for span in self._store.spans():
+            ids = span.ids
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+                at = int(np.flatnonzero((ids < 0) | (ids >= self.vocab_size))[0])
+                raise DatasetError(
+                    f"{span.path}: byte {span.byte_offset + at * ids.itemsize}: token id {ids[at]} is outside "
+                    f"the vocabulary 0..{self.vocab_size - 1} of {self.spec}"
+                )
 
     def tokens(self, index: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tokens [start, end) of sequence `index` as int64; reads only that slice from disk."""
         if not 0 <= index < len(self):
             raise IndexError(f"sequence {index} outside a dataset of {len(self)} sequences")
         start, end = _check_range(start, end, int(self._lengths[index]))
-        base = int(self._offsets[index])
-        return torch.from_numpy(self._tokens[base + start : base + end].astype(np.int64))
+        return torch.from_numpy(self._store.read(index, start, end).astype(np.int64))
 
 
 def _read_meta(path: Path) -> dict:
@@ -286,17 +353,35 @@ class DatasetWriter:
     def append(self, tokens: bytes | np.ndarray) -> None:
         """One sequence: bytes (token = byte) or a 1-D array of integer ids below `vocab_size`."""
         ids = np.frombuffer(tokens, dtype=np.uint8) if isinstance(tokens, bytes) else np.asarray(tokens)
+        self.extend(ids, np.array([0, ids.size]))
+
+    def extend(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        """Many sequences at once, sequence i being `ids[offsets[i]:offsets[i + 1]]` (Arrow's list layout):
+        one check and one write for all of them, where `append` costs a Python call per sequence."""
+        ids, offsets = np.asarray(ids), np.asarray(offsets, dtype=np.int64)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "ui"):
             raise TypeError(
                 f"{self.prefix}: a sequence must be bytes or a 1-D integer array, got {ids.dtype} of shape {ids.shape}"
             )
-        if ids.size and not (0 <= ids.min() and ids.max() < self.vocab_size):
+        if (
+            offsets.ndim != 1
+            or not offsets.size
+            or offsets[0] < 0
+            or offsets[-1] > ids.size
+            or np.any(offsets[1:] < offsets[:-1])
+        ):
+            raise ValueError(f"{self.prefix}: offsets must be one or more non-decreasing positions in 0..{ids.size}")
+        used = ids[offsets[0] : offsets[-1]]
+        if used.size and not (0 <= used.min() and used.max() < self.vocab_size):
+            bad = int(np.flatnonzero((used < 0) | (used >= self.vocab_size))[0]) + int(offsets[0])
+            seq = int(np.searchsorted(offsets, bad, side="right")) - 1
+            doc = ids[offsets[seq] : offsets[seq + 1]]
             raise DatasetError(
-                f"{self.prefix}: sequence {self.num_sequences} holds ids {ids.min()}..{ids.max()}, "
+                f"{self.prefix}: sequence {self.num_sequences + seq} holds ids {doc.min()}..{doc.max()}, "
                 f"outside the vocabulary 0..{self.vocab_size - 1}"
             )
-        self._bin.write(np.ascontiguousarray(ids, dtype=self.dtype).data)
-        self._offsets.append(self._offsets[-1] + ids.size)
+        self._bin.write(np.ascontiguousarray(used, dtype=self.dtype).data)
+        self._offsets.frombytes((offsets[1:] - offsets[0] + self.num_tokens).tobytes())
 
     def finish(self, source: str) -> TokenDataset:
         """Close the token file, write the index and the metadata; returns the dataset opened."""

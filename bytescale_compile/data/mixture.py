@@ -11,6 +11,7 @@ lengths, deterministically on every rank.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -19,8 +20,18 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike
 
-from .dataset import DatasetError, GlobalBatch, TokenDataset, TokenizerInfo, _frozen, check_sampling, dataset_files
-from .prepare import eval_prefix
+from .dataset import (
+    _BYTE_VOCAB_SIZE,
+    DatasetError,
+    GlobalBatch,
+    TokenDataset,
+    TokenizerInfo,
+    _frozen,
+    check_sampling,
+    dataset_files,
+)
+from .formats import held_out_path, open_dataset
+from .options import DataItem
 
 __all__ = [
     "MixedDataset",
@@ -39,14 +50,15 @@ _NORMALISED = 1e-9
 
 
 def parse_data_spec(spec: str) -> list[tuple[str, float]]:
-    """`PREFIX` or `a:0.7,b:0.3` as (prefix, weight) pairs, the weights normalised to sum 1.
+    """`PREFIX` or `a:0.7,b:0.3` as (prefix, weight) pairs, the weights normalised to sum 1. A prefix may carry
+    options (`PATH?vocab_size=N`, `options.DataItem`), checked and written back normalised.
 
     An item splits at its last ':' only where a number follows: a path with a ':' (a Windows drive, an
     odd file name) stays whole. Either every item has a weight or none has (equal shares)."""
     items = [item.strip() for item in spec.split(",")]
     if not all(items):
         raise DatasetError(f"--data {spec}: empty item; {_ACCEPTED}")
-    parsed = [_parse_item(spec, item) for item in items]
+    parsed = [(str(DataItem.parse(prefix)), weight) for prefix, weight in (_parse_item(spec, item) for item in items)]
     unweighted = [prefix for prefix, weight in parsed if weight is None]
     if unweighted and len(unweighted) < len(parsed):
         raise DatasetError(f"--data {spec}: {unweighted} have no weight; give every dataset a weight or none")
@@ -105,27 +117,27 @@ class MixedDataset:
             raise ValueError("a mixture needs at least one dataset")
         first = parts[0]
         for part in parts[1:]:
-            if _tokenizer_identity(part.tokenizer) != _tokenizer_identity(first.tokenizer):
+            if _tokenizer_identity(part) != _tokenizer_identity(first):
                 raise DatasetError(
-                    f"{part.prefix} (tokenizer {_describe(part.tokenizer)}) was not tokenized like "
-                    f"{first.prefix} (tokenizer {_describe(first.tokenizer)}): a mixture's datasets "
+                    f"{part.prefix} (tokenizer {_describe(part)}) was not tokenized like "
+                    f"{first.prefix} (tokenizer {_describe(first)}): a mixture's datasets "
                     f"must be prepared with the same tokenizer"
                 )
         self.parts = tuple(parts)
         self.names = _unique_names([Path(part.prefix).name for part in parts])
         """A short name per part (its prefix's file name, numbered where two agree): metrics' keys."""
-        self.prefix = ",".join(str(part.prefix) for part in parts)
-        """The parts' prefixes, comma-separated: `open_data` reopens the same datasets from it."""
+        self.prefix = ",".join(part.spec for part in parts)
+        """The parts' `--data` items, comma-separated: `open_data` reopens the same datasets from it."""
         self._starts = [0, *np.cumsum([len(part) for part in parts]).tolist()]
         self._lengths = np.concatenate([part.lengths for part in parts])
         self._lengths.flags.writeable = False
 
     @classmethod
     def open(cls, prefixes: Iterable[str | Path]) -> MixedDataset:
-        return cls([TokenDataset.open(prefix) for prefix in prefixes])
+        return cls([open_dataset(str(prefix)) for prefix in prefixes])
 
     def __reduce__(self):
-        return (MixedDataset.open, ([str(part.prefix) for part in self.parts],))
+        return (MixedDataset.open, ([part.spec for part in self.parts],))
 
     def __repr__(self) -> str:
         return f"MixedDataset({self.prefix!r})"
@@ -173,13 +185,18 @@ class MixedDataset:
         return self.parts[part].tokens(index - self._starts[part], start, end)
 
 
-def _tokenizer_identity(info: TokenizerInfo | None) -> tuple[str, int] | None:
-    """What makes two datasets' ids mean the same: the tokenizer's files and EOS, not where it was loaded from."""
-    return None if info is None else (info.sha256, info.eos_token_id)
+def _tokenizer_identity(part: TokenDataset) -> tuple[str, int]:
+    """What makes two datasets' ids mean the same: the tokenizer's files and EOS, not where it was loaded from;
+    without a tokenizer (bytes, or data given a vocabulary size alone), the vocabulary size."""
+    info = part.tokenizer
+    return ("no tokenizer", part.vocab_size) if info is None else (info.sha256, info.eos_token_id)
 
 
-def _describe(info: TokenizerInfo | None) -> str:
-    return "bytes" if info is None else f"{info.name_or_path}, sha256 {info.sha256[:12]}..."
+def _describe(part: TokenDataset) -> str:
+    info = part.tokenizer
+    if info is None:
+        return "bytes" if part.vocab_size == _BYTE_VOCAB_SIZE else f"unknown, vocab_size {part.vocab_size}"
+    return f"{info.name_or_path}, sha256 {info.sha256[:12]}..."
 
 
 def _unique_names(names: list[str]) -> list[str]:
@@ -296,14 +313,20 @@ def batch_sources(batch: GlobalBatch) -> dict[str, int]:
 
 
 def open_data(spec: str) -> tuple[TokenDataset | MixedDataset, list[float] | None]:
-    """The dataset of a `--data` spec: one prefix opens as a plain `TokenDataset` (no weights); several as a
-    `MixedDataset` with their normalised weights, for `MixtureSampler`."""
+    """The dataset of a `--data` spec: one item opens as a `TokenDataset` of its format (`formats.open_dataset`;
+    no weights); several as a `MixedDataset` with their normalised weights, for `MixtureSampler`."""
     items = parse_data_spec(spec)
     if len(items) == 1:
-        return TokenDataset.open(items[0][0]), None
+        return open_dataset(items[0][0]), None
     return MixedDataset.open(prefix for prefix, _ in items), [weight for _, weight in items]
 
 
 def eval_spec(spec: str) -> str:
-    """`spec` with each prefix replaced by its held-out split (`eval_prefix`), with the same weights."""
-    return format_data_spec([(str(eval_prefix(prefix)), weight) for prefix, weight in parse_data_spec(spec)])
+    """`spec` with each dataset replaced by its held-out split (`formats.held_out_path`: `data prepare`'s
+    `eval_prefix` for our own format), with the same options and weights."""
+    return format_data_spec([(_held_out(item), weight) for item, weight in parse_data_spec(spec)])
+
+
+def _held_out(item: str) -> str:
+    parsed = DataItem.parse(item)
+    return str(dataclasses.replace(parsed, path=held_out_path(parsed.path)))

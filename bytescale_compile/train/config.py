@@ -111,8 +111,10 @@ class TrainConfig:
     )
     data: str = _setting(
         "",
-        "prefix of a dataset from `bytescale-compile data prepare` (PREFIX_eval is the held-out split), or "
-        "several mixed by token share: PREFIX_A:0.7,PREFIX_B:0.3",
+        "a dataset: the prefix of one from `bytescale-compile data prepare`, Megatron's PREFIX (.bin/.idx), a "
+        "`datasets` save_to_disk folder, or Parquet / JSON Lines token files, the last three with their "
+        "vocabulary as 'PATH?vocab_size=N' or 'PATH?tokenizer=DIR' (PATH_eval is the held-out split); or "
+        "several mixed by token share: A:0.7,B:0.3",
     )
     out: str = _setting("runs/train", "output directory: metrics.jsonl, config.toml, checkpoints/, final/")
     tokenizer: str | None = _setting(None, "tokenizer saved into final/ (default: the one the dataset records)")

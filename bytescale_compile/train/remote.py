@@ -35,7 +35,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..data import GlobalBatchSampler, TokenDataset
+from ..data import GlobalBatchSampler, TokenDataset, open_dataset
 from ..planner import CostModel, Plan, plan
 from ..sim.simulator import step_time
 from .config import ConfigError
@@ -190,10 +190,11 @@ def _remote_classes() -> tuple[Any, Any]:
 
 
 class DataServer:
-    """Sequences [lo, hi) of a prepared dataset: their lengths, and token slices on request."""
+    """Sequences [lo, hi) of a dataset (a `--data` item, `TokenDataset.spec`): their lengths, and token slices on
+    request."""
 
-    def __init__(self, prefix: str, lo: int, hi: int) -> None:
-        self.dataset = TokenDataset.open(prefix)
+    def __init__(self, spec: str, lo: int, hi: int) -> None:
+        self.dataset = open_dataset(spec)
         self.lo, self.hi = lo, hi
 
     def lengths(self) -> np.ndarray:
@@ -223,7 +224,7 @@ class Scheduler:
     def __init__(
         self,
         name: str,
-        prefix: str,
+        spec: str,
         servers: int,
         global_tokens: int,
         seed: int,
@@ -236,15 +237,15 @@ class Scheduler:
         import ray
 
         server_class, _ = _remote_classes()
-        num_sequences = len(TokenDataset.open(prefix))
+        num_sequences = len(open_dataset(spec))
         bounds = server_bounds(num_sequences, servers)
         self.bounds = bounds
         self.servers = [
-            server_class.options(name=f"{name}-server-{i}").remote(prefix, int(lo), int(hi))
+            server_class.options(name=f"{name}-server-{i}").remote(spec, int(lo), int(hi))
             for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
         ]
         lengths = np.concatenate(ray.get([s.lengths.remote() for s in self.servers], timeout=GET_TIMEOUT_S))
-        metadata = cast(TokenDataset, _Metadata(Path(prefix), lengths))  # no batch's tokens are read here
+        metadata = cast(TokenDataset, _Metadata(Path(spec), lengths))  # no batch's tokens are read here
         self.sampler = GlobalBatchSampler(metadata, global_tokens, seed=seed, max_len=max_len)
         self.sampler.load_state_dict(sampler_state)
         self.settings, self.prefetch_steps = settings, prefetch_steps
@@ -331,7 +332,7 @@ def scheduler_for(
     name = "scheduler-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     return scheduler_class.options(name=name, get_if_exists=True).remote(
         name,
-        str(dataset.prefix),
+        dataset.spec,
         servers,
         global_tokens,
         seed,
