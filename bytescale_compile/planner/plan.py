@@ -151,6 +151,11 @@ def _check_micro_batches(plan: Plan) -> dict[int, MicroBatch]:
         if not 0.0 <= m.offload_ratio <= 1.0:
             raise PlanError(f"micro-batch {m.id} has offload_ratio {m.offload_ratio}, outside [0, 1]")
         lens = [plan.sequences[s] for s in m.sequences]
+        if max(lens) < len(m.ranks):
+            raise PlanError(
+                f"micro-batch {m.id} splits sequences of at most {max(lens)} tokens over {len(m.ranks)} ranks: the "
+                f"zigzag layout leaves its ranks from {max(lens)} on without a token to run"
+            )
         held = local_tokens(lens, len(m.ranks))
         if m.tokens_per_rank != held:
             raise PlanError(

@@ -3,7 +3,8 @@
 CP is the smallest divisor of the world size whose ranks can hold one context-length row
 (CP·C ≥ context length); sequences are packed to the context length and every packed row is
 zigzag-sharded over its whole CP group, short sequences included — the redundant communication
-HDP removes (§3.2).
+HDP removes (§3.2). A row of sequences all shorter than CP tokens runs on the first ranks of its group,
+one per token of its longest sequence: the zigzag layout would leave the others without a token to run.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def plan_static(
     tokens = [(0, g) for g in range(world_size // cp)]  # heap of (tokens, DP group)
     for row in best_fit_pack(lens, np.arange(lens.size), context):
         t, g = heapq.heappop(tokens)
-        builder.add(range(g * cp, (g + 1) * cp), row)
+        width = min(cp, int(lens[row].max()))  # zigzag gives group rank i tokens only of sequences longer than i
+        builder.add(range(g * cp, g * cp + width), row)
         heapq.heappush(tokens, (t + int(lens[row].sum()), g))
     return builder.build(cp=cp, dp=world_size // cp, context_length=context)
