@@ -39,6 +39,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 CHILD_TIMEOUT_S = 600
 
 DTYPES = [torch.float32, torch.float16]
+ATTENTION_DTYPES = [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow)]
+"""The interpreter runs an attention kernel in seconds: by default fp16 is checked on the loss kernels, and on
+attention with --runslow."""
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 LSE_TOL = {torch.float32: 1e-5, torch.float16: 1e-4}  # the fp16 CPU flash reference rounds scores differently
 
@@ -64,7 +67,7 @@ def test_kernels_in_interpreter_process():
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-8000:]
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|error)", output)}
-    assert counts.get("skipped") == 1 and counts.get("passed", 0) > 1, output[-8000:]
+    assert counts.get("passed", 0) > 50, output[-8000:]  # the kernel tests ran, not skipped
 
 
 @pytest.fixture
@@ -271,7 +274,7 @@ def _check_attention(got_fwd, want_fwd, got_bwd, want_bwd, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("cu", [[0, 1, 18, 19, 20, 45], [0, 45], [0, 7, 7, 45]], ids=["ragged", "one", "empty_segment"])
 @pytest.mark.parametrize("hkv", [1, 2, 4])
 def test_segment_causal_attention_matches_reference(dtype, cu, hkv, use_triton, triton_loads):
@@ -287,7 +290,7 @@ def test_segment_causal_attention_matches_reference(dtype, cu, hkv, use_triton, 
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize(
     "causal,t_q,t_k", [(True, 40, 40), (False, 23, 50), (False, 50, 17), (True, 20, 37), (True, 37, 20)]
 )
@@ -318,7 +321,7 @@ def test_block_backward_with_merged_lse_matches_reference(use_triton):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 def test_causal_attention_batch_rows_match_reference(dtype, use_triton):
     q, k, v = _qkv(dtype, 33, 33, batch=2, d=32, tokens_first=True, seed=3)
     got = dispatch.causal_attention_fwd(q, k, v, 0.2)
@@ -334,7 +337,7 @@ def test_causal_attention_batch_rows_match_reference(dtype, use_triton):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (5, 2.0)], ids=["window", "softcap", "both"])
 def test_segment_window_softcap_other_v_dim_match_reference(dtype, window, softcap, use_triton):
     """Sliding window and soft-cap within packed sequences, GQA, Dv = 8 != D = 16, the model's layout."""
@@ -352,7 +355,7 @@ def test_segment_window_softcap_other_v_dim_match_reference(dtype, window, softc
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize(
     "causal,t_q,t_k,offset,window",
     [(True, 40, 20, 5, 8), (False, 23, 40, 30, 40)],
