@@ -103,6 +103,17 @@ def run_trainer(command: list[str], **env: str) -> str:
     return result.stdout
 
 
+def cut_and_resume(
+    ws: Workspace, out: Path, steps: int, before: tuple[int, tuple[str, ...]], after: tuple[int, tuple[str, ...]]
+) -> str:
+    """Steps 1..steps/2 on `before` (processes, flags), then the rest resumed on `after` from the checkpoint of
+    step steps/2; returns the resume's output."""
+    common = ("--decay-steps", str(steps), "--checkpoint-every", str(steps // 2))
+    run_trainer(torchrun_command(before[0], train_args(ws, out, "--steps", str(steps // 2), *common, *before[1])))
+    resume = train_args(ws, out, "--steps", str(steps), "--resume", *common, *after[1])
+    return run_trainer(torchrun_command(after[0], resume))
+
+
 def run_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -7,34 +7,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.trainer_runs import run_losses, run_trainer, torchrun_command, train_args
+from tests.trainer_runs import cut_and_resume, run_losses, run_trainer, torchrun_command, train_args
 
 pytest.importorskip("transformers")
 
-STEPS = ("--decay-steps", "4", "--checkpoint-every", "2")
-
-
-def _cut_and_resume(workspace, out, before: tuple[int, tuple[str, ...]], after: tuple[int, tuple[str, ...]]) -> str:
-    """Steps 1-2 on `before` (processes, flags), then steps 3-4 resumed on `after`; the resume's output."""
-    run_trainer(torchrun_command(before[0], train_args(workspace, out, "--steps", "2", *STEPS, *before[1])))
-    resume = train_args(workspace, out, "--steps", "4", "--resume", *STEPS, *after[1])
-    return run_trainer(torchrun_command(after[0], resume))
+STEPS = 4
 
 
 @pytest.mark.slow
 def test_resumed_on_other_world_sizes_and_stages_the_losses_are_the_uninterrupted_ones(workspace, tmp_path):
-    run_trainer(torchrun_command(4, train_args(workspace, tmp_path / "whole", "--steps", "4", *STEPS, "--zero")))
+    whole = ("--steps", str(STEPS), "--decay-steps", str(STEPS), "--zero")
+    run_trainer(torchrun_command(4, train_args(workspace, tmp_path / "whole", *whole)))
     uninterrupted = run_losses(tmp_path / "whole")
 
-    output = _cut_and_resume(workspace, tmp_path / "4to2", (4, ("--zero",)), (2, ("--zero",)))
+    output = cut_and_resume(workspace, tmp_path / "4to2", STEPS, (4, ("--zero",)), (2, ("--zero",)))
     assert "saved by 4 rank(s), ZeRO-1 optimizer shards; loaded by 2 rank(s), ZeRO-1 optimizer shards" in output
     np.testing.assert_allclose(run_losses(tmp_path / "4to2"), uninterrupted, rtol=1e-5)
 
-    output = _cut_and_resume(workspace, tmp_path / "2to4", (2, ()), (4, ("--zero",)))
+    output = cut_and_resume(workspace, tmp_path / "2to4", STEPS, (2, ()), (4, ("--zero",)))
     assert "zero: False -> True (topology: the checkpoint is resharded)" in output
     np.testing.assert_allclose(run_losses(tmp_path / "2to4"), uninterrupted, rtol=1e-5)
 
-    output = _cut_and_resume(workspace, tmp_path / "pp2to1", (2, ("--pp", "2")), (2, ()))
+    output = cut_and_resume(workspace, tmp_path / "pp2to1", STEPS, (2, ("--pp", "2")), (2, ()))
     assert "pp: 2 -> 1 (topology: the checkpoint is resharded)" in output
     assert "saved by 2 rank(s), pp 2, a replicated optimizer; loaded by 2 rank(s), a replicated optimizer" in output
     np.testing.assert_allclose(run_losses(tmp_path / "pp2to1"), uninterrupted, rtol=1e-5)
