@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -303,6 +304,10 @@ class PendingCheckpoint:
 
 
 _in_flight: PendingCheckpoint | None = None
+_stager: DefaultStager | None = None
+"""Stages every async save of the process: it keeps the host copies of the state's storages and copies into
+them again, so only the first save allocates (fresh host pages cost more than the copy). Safe because a save
+waits for the previous one to be written before it stages."""
 _background: tuple[Any, dist.ProcessGroup] | None = None
 """(the default process group, a gloo group of every rank for background saves) once one was made."""
 
@@ -403,14 +408,20 @@ def save_checkpoint_async(
     """`save_checkpoint`, returning once the state is copied to host memory (DCP's staging): the training may
     change the weights right after. DCP writes the copy from a background thread over a gloo group of its own,
     each rank hashes its files there, and rank 0 commits; `PendingCheckpoint.result()` (or the next save, or
-    `wait_for_checkpoint`) waits for it. Costs host memory for one copy of this rank's state."""
-    global _in_flight
+    `wait_for_checkpoint`) waits for it. Costs host memory for one copy of this rank's state, kept for the next
+    save, which copies into it again."""
+    global _in_flight, _stager
     began = time.perf_counter()
     final, state_text = _begin(root, step, train_state)
     app = _AppState(model, optimizer)
     group = _background_group()
+    _stager = _stager or DefaultStager(StagingOptions(False, False, False, False))
     written = dcp.async_save(
-        {_APP: app}, checkpoint_id=str(tmp_dir(final)), process_group=group, no_dist=not distributed()
+        {_APP: app},
+        checkpoint_id=str(tmp_dir(final)),
+        process_group=group,
+        async_stager=_stager,
+        no_dist=not distributed(),
     )
     assert isinstance(written, Future)  # staging is synchronous, so DCP gives the upload's future
 
