@@ -624,8 +624,8 @@ def _train_steps(
 
     def save(step: int, sampler_state: dict, record: StepRecord) -> Path:
         began = time.perf_counter()
-        save = save_checkpoint_async if config.checkpoint_async else save_checkpoint
-        saved = save(
+        write = save_checkpoint_async if config.checkpoint_async else save_checkpoint
+        saved = write(
             directory / CHECKPOINTS_DIR,
             step,
             runtime.model,
