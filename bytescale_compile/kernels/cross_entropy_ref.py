@@ -4,7 +4,16 @@ The lm_head logits of a long micro-batch are the largest activation of a causal 
 plus as much again for their gradient). Here they are produced ``chunk_size`` tokens at a time and
 turned into their gradient in place, so only one [chunk_size, V] buffer (two when bf16 inputs are
 upcast) ever exists. The gradients of hidden, weight and bias are computed in the same pass, which
-costs three matmuls instead of the four that a separate forward and backward would need.
+costs three matmuls instead of the four that a separate forward and backward would need, but
+grad_weight is summed over the chunks in an fp32 [V, H] buffer.
+
+`linear_cross_entropy_vocab_slices` is the same loss without that buffer, for when the tokens are fewer
+than the vocabulary: a first walk over token chunks keeps only each token's log-sum-exp (here as its max
+logit and sum of exp, which bf16 logits subtract exactly), then a walk
+over slices of the vocabulary recomputes [T, Vs] logits for all tokens, turns them into their gradient
+and writes grad_weight of those rows with one matmul over all tokens, while grad_hidden sums over the
+slices in an fp32 [T, H] buffer. Four matmuls instead of three, T·H fp32 held instead of V·H.
+`run_chunks` and `run_vocab_slices` are the loops the torch and Triton versions share.
 
 Models that scale or soft-cap their logits (Granite, Cohere, Gemma2) give the loss
 ``softcap * tanh(scale * z / softcap)`` (or ``scale * z``) of the linear's output z; the chunk applies
@@ -27,9 +36,13 @@ import torch.distributed as dist
 
 __all__ = [
     "ChunkGrad",
+    "SliceGrad",
     "chunk_rows",
     "linear_cross_entropy_chunked",
+    "linear_cross_entropy_vocab_slices",
     "run_chunks",
+    "run_vocab_slices",
+    "slice_rows",
     "vocab_parallel_linear_cross_entropy_chunked",
 ]
 
@@ -56,6 +69,14 @@ def chunk_rows(max_rows: int, n_tokens: int, vocab: int, bytes_per_row_entry: in
     fits = _chunk_budget_bytes(device) // max(1, vocab * bytes_per_row_entry)
     rows = max(1, min(max_rows, n_tokens, fits))
     return rows // 64 * 64 if rows >= 64 else rows
+
+
+def slice_rows(max_rows: int, n_tokens: int, vocab: int, bytes_per_row_entry: int, device: torch.device) -> int:
+    """Vocabulary rows per slice of `linear_cross_entropy_vocab_slices`: `chunk_rows` with the roles of tokens and
+    vocabulary swapped, so the [T, slice] buffers fit the same budget; and they hold no more logits than a chunk of
+    `max_rows` tokens would, so the config's `loss_chunk_size` bounds the buffers of both implementations."""
+    same_entries = max(1, max_rows * vocab // max(1, n_tokens))
+    return chunk_rows(same_entries, vocab, n_tokens, bytes_per_row_entry, device)
 
 
 def _check_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> None:
@@ -87,6 +108,14 @@ def _row_weights(valid: torch.Tensor, reduction: str) -> torch.Tensor:
     return row_weight
 
 
+def _reduced_loss(
+    loss_sum: torch.Tensor, valid: torch.Tensor, reduction: str, upcast: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """The returned loss from the summed fp32 token losses: fp32 if upcast, else the inputs' `dtype`."""
+    loss = loss_sum / valid.sum() if reduction == "mean" else loss_sum
+    return loss.to(torch.float32 if upcast else dtype)
+
+
 def _softmax_to_dlogits_(
     exp_logits: torch.Tensor, row_factor: torch.Tensor, safe_target: torch.Tensor, target_weight: torch.Tensor
 ) -> None:
@@ -94,6 +123,19 @@ def _softmax_to_dlogits_(
     giving the weighted softmax), then - `target_weight` at each row's target column `safe_target` [rows, 1]."""
     exp_logits.mul_(row_factor.unsqueeze(1))
     exp_logits.scatter_add_(1, safe_target, -target_weight.to(exp_logits.dtype).unsqueeze(1))
+
+
+def _dlogits_from_stats_(
+    logits: torch.Tensor,
+    row_max: torch.Tensor,
+    row_factor: torch.Tensor,
+    safe_target: torch.Tensor,
+    target_weight: torch.Tensor,
+) -> None:
+    """`_softmax_to_dlogits_` of some of the vocabulary's logits (a shard's or a slice's), from the whole
+    vocabulary's `row_max` [rows] found earlier: the softmax needs all of it, these logits are only part."""
+    logits.sub_(row_max.to(logits.dtype).unsqueeze(1)).exp_()
+    _softmax_to_dlogits_(logits, row_factor, safe_target, target_weight)
 
 
 def _logits_to_dlogits(
@@ -141,10 +183,16 @@ def _transform_logits_(
     return derivative
 
 
+def _leading(buf: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
+    """The first elements of the contiguous `buf` as a contiguous tensor of `shape`: the buffer of a full chunk or
+    slice, holding a shorter or narrower last one."""
+    return buf.view(-1)[: shape[0] * shape[1]].view(shape)
+
+
 @dataclass(frozen=True)
 class _LogitsWork:
-    """The logit transform of the torch kernels and the [chunk, V] buffers it needs: an fp32 copy of
-    low-precision logits when they are upcast, and tanh's derivative under a soft-cap."""
+    """The logit transform of the torch kernels and the [chunk, V] (or [T, slice]) buffers it needs: an fp32 copy
+    of low-precision logits when they are upcast, and tanh's derivative under a soft-cap."""
 
     scale: float
     softcap: float | None
@@ -153,22 +201,35 @@ class _LogitsWork:
 
     @classmethod
     def allocate(
-        cls, hidden: torch.Tensor, vocab: int, chunk_size: int, upcast: bool, scale: float, softcap: float | None
+        cls,
+        hidden: torch.Tensor,
+        vocab: int,
+        chunk_size: int,
+        upcast: bool,
+        scale: float,
+        softcap: float | None,
+        slices: bool = False,
     ) -> tuple[int, _LogitsWork]:
-        """(tokens per chunk, the buffers for such a chunk): the chunk shrinks to fit the device's budget for the
-        logits, the upcast copy and the derivative together."""
+        """(tokens per chunk, the buffers for such a chunk), or with `slices` (vocabulary rows per slice, the
+        buffers for all tokens of such a slice): sized to fit the device's budget for the logits, the upcast copy
+        and the derivative together."""
         upcast_buffer = upcast and hidden.dtype != torch.float32
         work_dtype = torch.float32 if upcast_buffer else hidden.dtype
-        work_bytes = work_dtype.itemsize * (int(upcast_buffer) + int(softcap is not None))
-        chunk_size = chunk_rows(chunk_size, hidden.shape[0], vocab, hidden.dtype.itemsize + work_bytes, hidden.device)
-        shape = (min(chunk_size, hidden.shape[0]), vocab)
+        entry_bytes = hidden.dtype.itemsize + work_dtype.itemsize * (int(upcast_buffer) + int(softcap is not None))
+        n_tokens = hidden.shape[0]
+        if slices:
+            rows = slice_rows(chunk_size, n_tokens, vocab, entry_bytes, hidden.device)
+            shape = (n_tokens, min(rows, vocab))
+        else:
+            rows = chunk_rows(chunk_size, n_tokens, vocab, entry_bytes, hidden.device)
+            shape = (min(rows, n_tokens), vocab)
         work_buf = hidden.new_empty(shape, dtype=work_dtype) if upcast_buffer else None
         derivative_buf = hidden.new_empty(shape, dtype=work_dtype) if softcap is not None else None
-        return chunk_size, cls(scale, softcap, work_buf, derivative_buf)
+        return rows, cls(scale, softcap, work_buf, derivative_buf)
 
     def _work(self, z: torch.Tensor) -> torch.Tensor:
-        """Where the chunk's logits are computed: the upcast buffer holding a copy of z, or z itself."""
-        return z if self.work_buf is None else self.work_buf[: z.shape[0]].copy_(z)
+        """Where the logits are computed: the upcast buffer holding a copy of z, or z itself."""
+        return z if self.work_buf is None else _leading(self.work_buf, z.shape).copy_(z)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """The chunk's logits, from the linear's output z (overwritten when not upcast)."""
@@ -179,8 +240,7 @@ class _LogitsWork:
     def logits_and_derivative(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
         """The chunk's logits and d(logits)/dz, for `grad_to_z_` once the logits are their gradient."""
         work = self._work(z)
-        rows = z.shape[0]
-        derivative_buf = None if self.derivative_buf is None else self.derivative_buf[:rows]
+        derivative_buf = None if self.derivative_buf is None else _leading(self.derivative_buf, z.shape)
         return work, _transform_logits_(work, self.scale, self.softcap, derivative_buf)
 
     def grad_to_z_(self, z: torch.Tensor, dlogits: torch.Tensor, derivative: torch.Tensor | float) -> None:
@@ -195,19 +255,30 @@ ChunkGrad = Callable[[torch.Tensor, slice], torch.Tensor]
 """`(z, rows) -> summed fp32 loss of the chunk`: overwrites the chunk's linear output z with d(loss)/dz
 in its own dtype."""
 
+SliceGrad = Callable[[torch.Tensor, slice], None]
+"""`(z, vocabulary rows)`: overwrites the slice's linear output z [T, rows] with d(loss)/dz in its own dtype."""
 
-def _accumulate_grad_weight(grad_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
-    """grad_weight (fp32) += dlogits^T h, the matmul on the inputs' dtype (no fp32 copy of either).
+
+def _accumulate_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, the matmul on the inputs' dtype (no fp32 copy of either).
 
     CUDA (and meta, for shape checks) accumulate in fp32 inside the matmul (`out_dtype`); the CPU has
-    no such kernel, so there the chunk's product is rounded to the input dtype once before the add.
+    no such kernel, so there the product is rounded to the input dtype once before the add.
     """
-    if dlogits.dtype == grad_weight.dtype:
-        grad_weight.addmm_(dlogits.t(), h)
-    elif grad_weight.device.type in ("cuda", "meta"):
-        torch.addmm(grad_weight, dlogits.t(), h, out_dtype=torch.float32, out=grad_weight)
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type in ("cuda", "meta"):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
-        grad_weight += dlogits.t() @ h
+        acc += a @ b
+
+
+def _linear_into(z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """z = h weight^T (+ bias), written into the buffer view z."""
+    if bias is None:
+        torch.matmul(h, weight.t(), out=z)
+    else:
+        torch.addmm(bias, h, weight.t(), out=z)
 
 
 def _chunk_outputs(
@@ -221,11 +292,22 @@ def _chunk_outputs(
         rows_of = slice(start, min(start + chunk_size, n_tokens))
         h = hidden[rows_of]
         z = buf[: h.shape[0]]
-        if bias is None:
-            torch.matmul(h, weight.t(), out=z)
-        else:
-            torch.addmm(bias, h, weight.t(), out=z)
+        _linear_into(z, h, weight, bias)
         yield rows_of, h, z
+
+
+def _slice_outputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slice_size: int
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(vocabulary rows, their linear output z [T, rows] of all tokens) for `slice_size` rows of weight at a time.
+    Every z is a view of one [T, slice_size] buffer, so the caller is done with a slice when it asks for the next."""
+    vocab = weight.shape[0]
+    buf = hidden.new_empty(hidden.shape[0], min(slice_size, vocab))
+    for start in range(0, vocab, slice_size):
+        cols = slice(start, min(start + slice_size, vocab))
+        z = _leading(buf, (hidden.shape[0], cols.stop - start))
+        _linear_into(z, hidden, weight[cols], None if bias is None else bias[cols])
+        yield cols, z
 
 
 def run_chunks(
@@ -242,7 +324,6 @@ def run_chunks(
     """The chunk loop the implementations share: logits of `chunk_size` tokens at a time, turned into
     their gradient by `chunk_grad`, then grad_hidden, and grad_weight/grad_bias accumulated in fp32.
     Every matmul runs on the inputs' dtype; the loss stays on the device (no host sync)."""
-    n_valid = (target != ignore_index).sum()
     grad_hidden = torch.empty_like(hidden)
     grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32)
     grad_bias = None if bias is None else bias.new_zeros(weight.shape[0], dtype=torch.float32)
@@ -251,16 +332,50 @@ def run_chunks(
     for rows_of, h, dlogits in _chunk_outputs(hidden, weight, bias, chunk_size):
         loss_sum += chunk_grad(dlogits, rows_of)
         torch.matmul(dlogits, weight, out=grad_hidden[rows_of])
-        _accumulate_grad_weight(grad_weight, dlogits, h)
+        _accumulate_fp32_(grad_weight, dlogits.t(), h)
         if grad_bias is not None:
             grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
 
-    loss = loss_sum / n_valid if reduction == "mean" else loss_sum
     return (
-        loss.to(torch.float32 if upcast else hidden.dtype),
+        _reduced_loss(loss_sum, target != ignore_index, reduction, upcast, hidden.dtype),
         grad_hidden,
         grad_weight.to(weight.dtype),
         None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
+    )
+
+
+def run_vocab_slices(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    loss_sum: torch.Tensor,
+    slice_size: int,
+    slice_grad: SliceGrad,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The slice loop the vocabulary-sliced implementations share, once the first walk gave the summed fp32 token
+    loss `loss_sum`: logits of `slice_size` vocabulary rows for all tokens at a time, turned into their gradient by
+    `slice_grad`; then those rows of grad_weight as one matmul over all tokens, written in weight's dtype, and
+    grad_hidden summed over the slices in fp32. Every matmul runs on the inputs' dtype; no host sync."""
+    grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32)
+    grad_weight = weight.new_empty(weight.shape)
+    grad_bias = None if bias is None else bias.new_empty(bias.shape)
+
+    for cols, dlogits in _slice_outputs(hidden, weight, bias, slice_size):
+        slice_grad(dlogits, cols)
+        torch.matmul(dlogits.t(), hidden, out=grad_weight[cols])
+        _accumulate_fp32_(grad_hidden, dlogits, weight[cols])
+        if grad_bias is not None:
+            grad_bias[cols] = dlogits.sum(dim=0, dtype=torch.float32)
+
+    return (
+        _reduced_loss(loss_sum, target != ignore_index, reduction, upcast, hidden.dtype),
+        grad_hidden.to(hidden.dtype),
+        grad_weight,
+        grad_bias,
     )
 
 
@@ -389,9 +504,57 @@ def vocab_parallel_linear_cross_entropy_chunked(
 
     def chunk_grad(z: torch.Tensor, rows_of: slice) -> torch.Tensor:
         logits, derivative = logits_work.logits_and_derivative(z)
-        logits.sub_(stats.row_max[rows_of].to(logits.dtype).unsqueeze(1)).exp_()
-        _softmax_to_dlogits_(logits, row_factor[rows_of], safe_target[rows_of], target_weight[rows_of])
+        _dlogits_from_stats_(
+            logits, stats.row_max[rows_of], row_factor[rows_of], safe_target[rows_of], target_weight[rows_of]
+        )
         logits_work.grad_to_z_(z, logits, derivative)
         return token_loss[rows_of].sum()
 
     return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)
+
+
+# --- vocabulary slices ----------------------------------------------------------------------------
+
+
+def linear_cross_entropy_vocab_slices(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    chunk_size: int,
+    scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`linear_cross_entropy_chunked` without its fp32 [V, H] grad_weight buffer; same arguments and returns.
+
+    The first walk, over chunks of `chunk_size` tokens, keeps each token's max logit and sum of exp (fp32 [N]) and
+    gives the loss; the second, over slices of the vocabulary (`slice_rows`), recomputes their logits for all tokens
+    and turns them into their gradient with those statistics. One matmul more than the token chunks, and an fp32
+    [N, H] grad_hidden buffer held instead of [V, H]: it pays when N < V.
+    """
+    vocab = weight.shape[0]
+    _check_targets(target, ignore_index, vocab)
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, 0)
+    rows, chunk_work = _LogitsWork.allocate(hidden, vocab, chunk_size, upcast, scale, softcap)
+    stats = _shard_stats(hidden, weight, bias, rows, chunk_work, safe_target.unsqueeze(1), valid)
+    del chunk_work  # the chunks' buffers go before the slices' come
+    row_weight = _row_weights(valid, reduction)
+    row_factor = row_weight / stats.sum_exp
+    slice_size, slice_work = _LogitsWork.allocate(hidden, vocab, chunk_size, upcast, scale, softcap, slices=True)
+
+    def slice_grad(z: torch.Tensor, cols: slice) -> None:
+        logits, derivative = slice_work.logits_and_derivative(z)
+        local_target = safe_target - cols.start
+        in_slice = valid & (local_target >= 0) & (local_target < z.shape[1])
+        local_target = torch.where(in_slice, local_target, 0).unsqueeze(1)
+        _dlogits_from_stats_(logits, stats.row_max, row_factor, local_target, row_weight * in_slice)
+        slice_work.grad_to_z_(z, logits, derivative)
+
+    loss_sum = stats.token_loss(valid).sum()
+    return run_vocab_slices(
+        hidden, weight, bias, target, ignore_index, reduction, upcast, loss_sum, slice_size, slice_grad
+    )

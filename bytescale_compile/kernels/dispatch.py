@@ -7,6 +7,10 @@ references. `BYTESCALE_KERNELS=reference|triton` (read at every call) overrides 
 set when the process starts (see `triton_mode`). The compile report records `choose`'s answer for the
 device of each compiled graph's inputs (`capture/backend.py`). The vocabulary-parallel loss has no Triton
 kernel: its torch reference runs on every device.
+
+The fused loss has two implementations, token chunks and vocabulary slices (`cross_entropy_ref`);
+`linear_cross_entropy_chunked` runs the one `use_vocab_slices` picks, and both are exported by name
+(`linear_cross_entropy_token_chunks`, `linear_cross_entropy_vocab_slices`) for the benchmarks to time.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -33,6 +37,9 @@ __all__ = [
     "block_attention_fwd",
     "block_attention_bwd",
     "linear_cross_entropy_chunked",
+    "linear_cross_entropy_token_chunks",
+    "linear_cross_entropy_vocab_slices",
+    "use_vocab_slices",
     "vocab_parallel_linear_cross_entropy_chunked",
 ]
 
@@ -229,6 +236,65 @@ def block_attention_bwd(
 
 # --- loss -----------------------------------------------------------------------------------------
 
+_LossKernel = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor | None]]
+
+
+def _loss_kernel(device: torch.device, reference: _LossKernel, triton_name: str) -> _LossKernel:
+    """The torch `reference`, or its drop-in `triton_name` from `cross_entropy_triton` when Triton is chosen."""
+    triton_ = _pick(device, "cross_entropy_triton")
+    return reference if triton_ is None else getattr(triton_, triton_name)
+
+
+VOCAB_SLICES_MAX_TOKENS = 1024
+"""Up to this many tokens the vocabulary slices' extra matmul costs less than the token chunks' fp32 grad_weight
+accumulator (measured on an H200 at V = 128K, H = 4096); above it they are slower (`benchmarks/gpu.py`)."""
+
+
+def use_vocab_slices(n_tokens: int, vocab: int) -> bool:
+    """Whether the fused loss of `n_tokens` tokens over `vocab` rows runs as vocabulary slices rather than token
+    chunks. The slices hold grad_hidden [T, H] in fp32 instead of grad_weight [V, H] and cost one matmul more (four
+    instead of three), so they pay only for short micro-batches: at most `VOCAB_SLICES_MAX_TOKENS` tokens, and
+    fewer than the vocabulary."""
+    return n_tokens <= VOCAB_SLICES_MAX_TOKENS and n_tokens < vocab
+
+
+def linear_cross_entropy_token_chunks(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    chunk_size: int,
+    scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """`cross_entropy_ref.linear_cross_entropy_chunked`, on the chosen implementation."""
+    impl = _loss_kernel(
+        hidden.device, cross_entropy_ref.linear_cross_entropy_chunked, "linear_cross_entropy_chunked_triton"
+    )
+    return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap)
+
+
+def linear_cross_entropy_vocab_slices(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    reduction: str,
+    upcast: bool,
+    chunk_size: int,
+    scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """`cross_entropy_ref.linear_cross_entropy_vocab_slices`, on the chosen implementation."""
+    impl = _loss_kernel(
+        hidden.device, cross_entropy_ref.linear_cross_entropy_vocab_slices, "linear_cross_entropy_vocab_slices_triton"
+    )
+    return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap)
+
 
 def linear_cross_entropy_chunked(
     hidden: Tensor,
@@ -242,12 +308,12 @@ def linear_cross_entropy_chunked(
     scale: float = 1.0,
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """`cross_entropy_ref.linear_cross_entropy_chunked`, on the chosen implementation."""
-    triton_ = _pick(hidden.device, "cross_entropy_triton")
+    """The fused loss (`cross_entropy_ref.linear_cross_entropy_chunked`'s arguments and returns) as token chunks
+    or vocabulary slices, as `use_vocab_slices` picks, on the chosen implementation."""
     impl = (
-        cross_entropy_ref.linear_cross_entropy_chunked
-        if triton_ is None
-        else triton_.linear_cross_entropy_chunked_triton
+        linear_cross_entropy_vocab_slices
+        if use_vocab_slices(hidden.shape[0], weight.shape[0])
+        else linear_cross_entropy_token_chunks
     )
     return impl(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap)
 

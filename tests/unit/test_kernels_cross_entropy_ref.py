@@ -1,0 +1,348 @@
+"""The vocabulary-sliced fused linear cross-entropy against eager linear -> float -> cross_entropy.
+
+The torch reference runs here; the Triton version runs in a child pytest started with TRITON_INTERPRET=1
+(`test_triton_in_interpreter_process`, as in `test_kernels_triton.py`: the variable must be set when the
+process starts), which selects this module's tests named `*triton*`. Also: the rule that picks slices or
+token chunks, and that the slices hold no fp32 [V, H] buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+triton = pytest.importorskip("triton")
+
+from bytescale_compile.kernels import cross_entropy_ref as ref  # noqa: E402
+from bytescale_compile.kernels import cross_entropy_triton as ce_triton  # noqa: E402
+from bytescale_compile.kernels import dispatch  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+
+IN_INTERPRETER = ce_triton.INTERPRETED
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHILD_TIMEOUT_S = 300
+
+T, V, H = 37, 101, 16
+CHUNK = 4
+"""4 tokens of 101 logits per chunk, so slices of 4 * 101 // 37 = 10 vocabulary rows: 11 slices, the last of 1 row."""
+TRANSFORMS = [(1.0, None), (0.5, None), (0.7, 2.0)]
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
+
+needs_interpreter = pytest.mark.skipif(
+    not IN_INTERPRETER, reason="runs in the TRITON_INTERPRET=1 child process of test_triton_in_interpreter_process"
+)
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the Triton tests in the interpreter")
+def test_triton_in_interpreter_process():
+    """Run this module's Triton tests in a fresh pytest with TRITON_INTERPRET=1; they must all pass."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop(dispatch.ENV_VAR, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton", __file__],
+        check=False,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-8000:]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|error)", output)}
+    assert counts.get("passed", 0) >= 15, output[-8000:]  # the Triton tests ran, not skipped
+
+
+def make_inputs(
+    dtype: torch.dtype = torch.float32,
+    bias: bool = True,
+    n_tokens: int = T,
+    vocab: int = V,
+    ignore_index: int = -100,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """hidden [n_tokens, H], weight [vocab, H], optional bias and targets with every 3rd one ignored."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n_tokens, H, generator=g).to(dtype)
+    weight = (torch.randn(vocab, H, generator=g) * 0.5).to(dtype)
+    b = torch.randn(vocab, generator=g).to(dtype) if bias else None
+    target = torch.randint(0, vocab, (n_tokens,), generator=g)
+    target[::3] = ignore_index
+    return hidden, weight, b, target
+
+
+def eager(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    z_loss_weight: float = 0.0,
+) -> list[torch.Tensor | None]:
+    """Loss and gradients of hidden, weight and bias by autograd on fp32 copies, with the logits transformed."""
+    leaves = [None if x is None else x.detach().float().requires_grad_() for x in (hidden, weight, bias)]
+    z = F.linear(*leaves).float()
+    logits = scale * z if softcap is None else softcap * torch.tanh(scale * z / softcap)
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    if z_loss_weight:
+        valid = target != ignore_index
+        loss = loss + z_loss_weight * (logits.logsumexp(dim=1)[valid] ** 2).mean()
+    loss.backward()
+    return [loss.detach()] + [None if x is None else x.grad for x in leaves]
+
+
+def assert_matches(got: tuple, want: list, dtype: torch.dtype, loss_dtype: torch.dtype = torch.float32) -> None:
+    """Each output has its dtype (the loss `loss_dtype`, the gradients their input's) and is within TOL of eager."""
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == b.shape and a.dtype == (loss_dtype if name == "loss" else dtype), (name, a.dtype)
+        assert not a.isnan().any(), name
+        err = rel_err(a, b)
+        assert err <= TOL[dtype], (name, err)
+
+
+@pytest.fixture
+def slice_widths(monkeypatch) -> list[int]:
+    """The vocabulary rows of every slice the reference's shared loop computes."""
+    widths: list[int] = []
+    outputs = ref._slice_outputs
+
+    def recording(*args):
+        for cols, z in outputs(*args):
+            widths.append(z.shape[1])
+            yield cols, z
+
+    monkeypatch.setattr(ref, "_slice_outputs", recording)
+    return widths
+
+
+# --- the torch reference --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("scale", "softcap"), TRANSFORMS)
+def test_reference_matches_eager(reduction, bias, scale, softcap, slice_widths):
+    inputs = make_inputs(bias=bias)
+    got = ref.linear_cross_entropy_vocab_slices(*inputs, -100, reduction, True, CHUNK, scale, softcap)
+    assert slice_widths == [10] * 10 + [1]
+    assert_matches(got, eager(*inputs, -100, reduction, scale, softcap), torch.float32)
+
+
+@pytest.mark.parametrize("ignore_index", [0, 7])
+def test_reference_in_range_ignore_index(ignore_index):
+    """An ignore_index that is also a vocabulary row: rows targeting it are ignored, that row keeps its gradient."""
+    inputs = make_inputs(ignore_index=ignore_index)
+    got = ref.linear_cross_entropy_vocab_slices(*inputs, ignore_index, "mean", True, CHUNK, 0.5, 3.0)
+    assert_matches(got, eager(*inputs, ignore_index, "mean", 0.5, 3.0), torch.float32)
+
+
+def test_reference_slices_shrink_to_the_memory_budget(monkeypatch, slice_widths):
+    """A budget of 7 vocabulary rows of all tokens' fp32 logits and tanh's derivative gives slices of 7 rows,
+    whatever chunk_size allows."""
+    monkeypatch.setattr(ref, "CPU_CHUNK_BUDGET_BYTES", 7 * T * (4 + 4))
+    inputs = make_inputs()
+    got = ref.linear_cross_entropy_vocab_slices(*inputs, -100, "sum", True, 1024, 1.0, 2.0)
+    assert slice_widths == [7] * 14 + [3]
+    assert_matches(got, eager(*inputs, -100, "sum", 1.0, 2.0), torch.float32)
+
+
+def test_slice_rows():
+    cpu = torch.device("cpu")
+    assert ref.slice_rows(CHUNK, T, V, 4, cpu) == 10  # the logits of CHUNK tokens over V
+    assert ref.slice_rows(1024, T, V, 4, cpu) == 64  # all of V fits: a multiple of 64
+    assert ref.slice_rows(1024, 4096, 128_000, 6, cpu) == 10880  # the budget caps it
+    assert ref.slice_rows(1024, 0, V, 4, cpu) == 64  # no tokens
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_reference_all_ignored(reduction):
+    """Like eager: sum gives 0, mean gives nan; the gradients are zero either way."""
+    hidden, weight, bias, target = make_inputs()
+    target.fill_(-100)
+    loss, *grads = ref.linear_cross_entropy_vocab_slices(hidden, weight, bias, target, -100, reduction, True, CHUNK)
+    assert loss.isnan() if reduction == "mean" else loss == 0
+    assert all(not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("bad", [V, -1])
+def test_reference_out_of_range_target_raises(bad):
+    hidden, weight, bias, target = make_inputs()
+    target[2] = bad
+    with pytest.raises(ValueError, match=f"{bad}.*V={V}"):
+        ref.linear_cross_entropy_vocab_slices(hidden, weight, bias, target, -100, "mean", True, CHUNK)
+
+
+class _Fp32AndMatmuls(TorchDispatchMode):
+    """The most elements of any fp32 tensor an op returns, and the operand dtypes of every matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest_fp32 = 0
+        self.matmuls: list[tuple[torch.dtype, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.matmuls.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2)[-2:])
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+                self.largest_fp32 = max(self.largest_fp32, x.numel())
+        return out
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_reference_holds_fp32_grad_hidden_not_grad_weight(softcap):
+    """bf16 inputs: no fp32 tensor of the slices is as large as the token chunks' grad_weight buffer [V, H] (which
+    guards the measure); they hold grad_hidden's [T, H] and the logits of a chunk or slice. Every matmul takes bf16
+    operands: one per chunk, then three per slice. Close to eager still."""
+    inputs = make_inputs(torch.bfloat16, n_tokens=20, vocab=300)
+    modes = {}
+    for name, impl in [
+        ("slices", ref.linear_cross_entropy_vocab_slices),
+        ("chunks", ref.linear_cross_entropy_chunked),
+    ]:
+        with _Fp32AndMatmuls() as modes[name]:
+            got = impl(*inputs, -100, "mean", True, 4, 1.0, softcap)
+        for a, b in zip(got, eager(*inputs, -100, "mean", 1.0, softcap)):
+            assert rel_err(a.float(), b) <= 2e-2
+        assert set(modes[name].matmuls) == {(torch.bfloat16, torch.bfloat16)}, modes[name].matmuls
+    assert modes["slices"].largest_fp32 == max(20 * H, 4 * 300) < 300 * H == modes["chunks"].largest_fp32
+    n_chunks, n_slices = 20 // 4, 300 // (4 * 300 // 20)
+    assert len(modes["slices"].matmuls) == n_chunks + 3 * n_slices and len(modes["chunks"].matmuls) == 3 * n_chunks
+
+
+# --- the rule -------------------------------------------------------------------------------------
+
+
+def test_rule_picks_vocab_slices_for_short_micro_batches_below_the_vocabulary():
+    limit = dispatch.VOCAB_SLICES_MAX_TOKENS
+    assert dispatch.use_vocab_slices(limit, 128_000)
+    assert not dispatch.use_vocab_slices(limit + 1, 128_000)
+    assert dispatch.use_vocab_slices(V - 1, V)
+    assert not dispatch.use_vocab_slices(V, V)
+    assert not dispatch.use_vocab_slices(131_072, 128_000)
+
+
+def _dispatch_runs(monkeypatch, impls: list[str]) -> None:
+    """Record in `impls` the name of each loss implementation dispatch runs, torch or Triton."""
+
+    def recording(name, impl):
+        def run(*args):
+            impls.append(name)
+            return impl(*args)
+
+        return run
+
+    for module, names in [
+        (ref, ["linear_cross_entropy_chunked", "linear_cross_entropy_vocab_slices"]),
+        (ce_triton, ["linear_cross_entropy_chunked_triton", "linear_cross_entropy_vocab_slices_triton"]),
+    ]:
+        for name in names:
+            monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
+
+
+@pytest.mark.parametrize(("n_tokens", "want"), [(T, "vocab_slices"), (150, "chunked")])
+def test_dispatch_follows_the_rule_and_matches_eager(monkeypatch, n_tokens, want):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    impls: list[str] = []
+    _dispatch_runs(monkeypatch, impls)
+    inputs = make_inputs(n_tokens=n_tokens)
+    got = dispatch.linear_cross_entropy_chunked(*inputs, -100, "mean", True, CHUNK, 0.7, 2.0)
+    assert impls == [f"linear_cross_entropy_{want}"]
+    assert_matches(got, eager(*inputs, -100, "mean", 0.7, 2.0), torch.float32)
+
+
+def test_dispatch_exports_both_implementations(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    impls: list[str] = []
+    _dispatch_runs(monkeypatch, impls)
+    inputs = make_inputs()
+    want = eager(*inputs, -100, "sum")
+    assert_matches(dispatch.linear_cross_entropy_token_chunks(*inputs, -100, "sum", True, CHUNK), want, torch.float32)
+    assert_matches(dispatch.linear_cross_entropy_vocab_slices(*inputs, -100, "sum", True, CHUNK), want, torch.float32)
+    assert impls == ["linear_cross_entropy_chunked", "linear_cross_entropy_vocab_slices"]
+
+
+# --- Triton, in the interpreter -------------------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize(("scale", "softcap", "bias"), [(1.0, None, True), (0.5, None, False), (0.7, 2.0, True)])
+def test_triton_matches_eager_fp32(reduction, scale, softcap, bias):
+    inputs = make_inputs(bias=bias)
+    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, reduction, True, CHUNK, scale, softcap)
+    assert_matches(got, eager(*inputs, -100, reduction, scale, softcap), torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (0.7, 2.0)])
+@pytest.mark.parametrize("upcast", [True, False])
+def test_triton_matches_eager_fp16(scale, softcap, upcast):
+    """fp16 matmuls and gradients; the softmax in fp32 either way, `upcast` picks the loss dtype."""
+    inputs = make_inputs(torch.float16)
+    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, "mean", upcast, CHUNK, scale, softcap)
+    want = eager(*inputs, -100, "mean", scale, softcap)
+    assert_matches(got, want, torch.float16, torch.float32 if upcast else torch.float16)
+
+
+@needs_interpreter
+def test_triton_wide_slices_and_tiles(monkeypatch):
+    """Slices of 256 rows (more than one tile of columns) and 96 tokens (several tiles of rows)."""
+    monkeypatch.setattr(ce_triton, "_SLICE_BLOCK_V", 128)
+    inputs = make_inputs(n_tokens=96, vocab=300, ignore_index=5, seed=3)
+    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, 5, "mean", True, 1024, 0.5, 3.0)
+    assert ref.slice_rows(1024, 96, 300, 4, torch.device("cpu")) == 256
+    assert_matches(got, eager(*inputs, 5, "mean", 0.5, 3.0), torch.float32)
+
+
+@needs_interpreter
+def test_triton_z_loss_matches_eager():
+    inputs = make_inputs(bias=False)
+    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, "mean", True, CHUNK, z_loss_weight=1e-2)
+    assert_matches(got, eager(*inputs, -100, "mean", z_loss_weight=1e-2), torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_triton_all_ignored(reduction):
+    hidden, weight, bias, target = make_inputs()
+    target.fill_(-100)
+    loss, *grads = ce_triton.linear_cross_entropy_vocab_slices_triton(
+        hidden, weight, bias, target, -100, reduction, True, CHUNK
+    )
+    assert loss.isnan() if reduction == "mean" else loss == 0
+    assert all(not g.any() and not g.isnan().any() for g in grads)
+
+
+@needs_interpreter
+def test_triton_out_of_range_target_raises():
+    hidden, weight, bias, target = make_inputs()
+    target[2] = V
+    with pytest.raises(ValueError, match=f"{V}.*V={V}"):
+        ce_triton.linear_cross_entropy_vocab_slices_triton(hidden, weight, bias, target, -100, "mean", True, CHUNK)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("n_tokens", "want"), [(T, "vocab_slices_triton"), (150, "chunked_triton")])
+def test_triton_dispatch_follows_the_rule_and_matches_eager(monkeypatch, n_tokens, want):
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    impls: list[str] = []
+    _dispatch_runs(monkeypatch, impls)
+    inputs = make_inputs(n_tokens=n_tokens)
+    got = dispatch.linear_cross_entropy_chunked(*inputs, -100, "sum", True, CHUNK, 0.7, 2.0)
+    assert impls == [f"linear_cross_entropy_{want}"]
+    assert_matches(got, eager(*inputs, -100, "sum", 0.7, 2.0), torch.float32)
