@@ -1,32 +1,32 @@
-"""Every table of issue 18 on one CUDA GPU, in one command: `python benchmarks/gpu.py`.
+"""Every GPU table in one command: `python benchmarks/gpu.py` (CUDA; `--smoke` checks it on the CPU).
 
-1. End to end, Hugging Face Llama 1.1B (hidden 2048, intermediate 5632, 32/4 heads, vocab 32K,
-   bf16), one packed row in 6 sequences, forward + backward: eager, `bsc.optimize()` (default,
-   `partitioner="default"`, `fused_loss=False`) and `torch.compile`, at 16K tokens (16 layers) and
-   64K tokens (8 layers). Per variant: median step ms, peak GiB (`max_memory_allocated`, weights
-   and gradients included) and the first call's seconds (compilation). Each variant runs in its own
-   subprocess (this script with `--worker`), so no allocator cache or compiled graph carries over;
-   one that runs out of memory prints "out of memory".
-2. Fused linear cross-entropy, bf16, H = 4096, V = 128K, T = 8K and 32K, forward + backward: ours
-   (`bytescale::fused_linear_cross_entropy`), Liger-Kernel's FLCE and Cut Cross-Entropy when
-   importable, and torch (`F.cross_entropy(F.linear(h, W).float(), t)`). Median ms
-   (`triton.testing.do_bench`) and peak GiB above the inputs.
-3. The kernels: `benchmarks/kernels.py` (cross-entropy and packed attention against torch/Liger/SDPA).
-4. Offload: `benchmarks/offload.py --device cuda --tokens 16K,32K` (memory, overhead, overlap at r = 0.5, 1).
-5. Pipeline stages (issue 16): the 16-layer Llama of table 1 split into pp = 1, 2, 4 stages
-   (`split_stages`), each stage alone through `bsc.optimize()` on the GPU as its rank would hold it (the
-   other stages' weights stay on the host), forward + backward of 16K tokens (a stage after the first
-   fed random hidden states, its backward a random gradient): median ms, peak GiB, the attention sites
-   the pass rewrote and whether the loss was fused. Each stage runs in its own subprocess.
+Variable-length training on one GPU against what Hugging Face users run today:
+1. The whole trainer (`gpu_trainer.py`): a Llama-3-8B shape (fewer layers than 32: `--layers`), Byted-like and
+   GitHub-like global batches of 64K and 128K tokens with sequences capped at `--max-len` (and at the C the memory
+   model fits), through `Runtime` with the default strategy, offload "auto", bf16 and the distributed optimizer.
+   Tokens/s, MFU (model FLOPs, causal attention per sequence), peak memory, and the shares of one profiled step in
+   attention, the loss, copies and compute-stream idle time.
+2. The same batches through the baselines (`gpu_baselines.py`): HF + flex_attention + `torch.compile` (packed),
+   HF + SDPA one sequence per forward + `torch.compile`, HF + Liger-Kernel (when importable), HF + torch's
+   `varlen_attn` (when the build has it).
+3. The fused linear cross-entropy at T = 8K / 32K / 128K, H = 4096, V = 128K: ours by token chunks and by
+   vocabulary slices, Liger-Kernel's FLCE and Cut Cross-Entropy when importable, and torch.
+4. End to end at 64K tokens: HF Llama 1.1B (8 layers), one packed row, `bsc.optimize()` against `torch.compile`.
+5. The longest trainable sequence: peaks at two lengths at offload r = 0, 0.5, 1 and under torch's activation
+   checkpointing, extrapolated to the device's memory.
+6. The cost model on the GPU: `bytescale-compile profile` fits it here; the simulator's predicted step for the
+   batches of table 1 beside the measured one.
 
-Figures are printed, never asserted. Without CUDA it says so and exits 0; `--smoke` instead runs
-tables 1, 2 and 5 with tiny shapes on the CPU, in this process, as a check that the script works.
+Each trainer and baseline job runs in its own subprocess (`--job`), so no allocator cache or compiled graph carries
+over, and a crash or an out-of-memory costs one row. `--json DIR` (default `$OUT` when set) keeps every job's
+figures. Figures are printed, never asserted. `--only kernels|offload|stages` runs the older tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,15 +34,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.gpu_baselines import BASELINES  # noqa: E402  (after the path above)
+
 GIB = 2**30
 E2E_RUNS = (  # (tokens, layers, variants)
     (16_384, 16, ("eager", "optimize", "optimize_default_partitioner", "optimize_no_fused_loss", "torch_compile")),
-    (65_536, 8, ("eager", "torch_compile", "optimize")),
+    (65_536, 8, ("torch_compile", "optimize")),
 )
 VARIANT_NAMES = {
     "eager": "eager",
@@ -52,7 +54,7 @@ VARIANT_NAMES = {
     "torch_compile": "`torch.compile`",
 }
 N_SEQUENCES = 6
-LOSS_HIDDEN, LOSS_VOCAB, LOSS_TOKENS = 4096, 131_072, (8192, 32_768)
+LOSS_HIDDEN, LOSS_VOCAB, LOSS_TOKENS = 4096, 131_072, (8192, 32_768, 131_072)
 SMOKE_E2E = (64, 2)
 STAGE_RUN = (16_384, 16, (1, 2, 4))
 """Table 5: tokens, layers, pipeline sizes."""
@@ -277,78 +279,220 @@ def stage_table(smoke: bool, repeats: int) -> None:
 # --- fused loss -----------------------------------------------------------------------------------
 
 
-def loss_candidates() -> dict[str, Callable[[Any, Any, Any], Any]]:
-    """name -> loss(hidden, weight, target) for every implementation importable here."""
+LossStep = Callable[[Any, Any, Any], Any]
+"""(hidden, weight, target) -> what one forward + backward leaves (the gradients), kept until the next call."""
+
+
+def loss_candidates() -> dict[str, LossStep]:
+    """name -> one forward + backward, for every implementation importable here."""
+    import torch
     import torch.nn.functional as F
 
-    from bytescale_compile.ops.loss import fused_linear_cross_entropy
+    from bytescale_compile.config import DEFAULT_CHUNK_SIZE
+    from bytescale_compile.kernels import dispatch
 
-    found: dict[str, Callable[[Any, Any, Any], Any]] = {
-        "ours": lambda h, w, t: fused_linear_cross_entropy(h, w, t),
+    def kernel(fn: Callable[..., Any]) -> LossStep:
+        # The kernels compute the gradients in the forward (the op's backward only scales them), outside autograd.
+        def step(h: Any, w: Any, t: Any) -> Any:
+            with torch.no_grad():
+                return fn(h, w, None, t, -100, "mean", True, DEFAULT_CHUNK_SIZE, 1.0, None)
+
+        return step
+
+    def autograd(loss: LossStep) -> LossStep:
+        def step(h: Any, w: Any, t: Any) -> Any:
+            loss(h, w, t).backward()
+            return h.grad, w.grad
+
+        return step
+
+    found: dict[str, LossStep] = {
+        "ours (dispatched)": kernel(dispatch.linear_cross_entropy_chunked),
+        "ours, token chunks": kernel(dispatch.linear_cross_entropy_token_chunks),
+        "ours, vocabulary slices": kernel(dispatch.linear_cross_entropy_vocab_slices),
     }
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
         liger = LigerFusedLinearCrossEntropyLoss()
-        found["Liger-Kernel FLCE"] = lambda h, w, t: liger(w, h, t)
+        found["Liger-Kernel FLCE"] = autograd(lambda h, w, t: liger(w, h, t))
     except ImportError:
         pass
     try:
         from cut_cross_entropy import linear_cross_entropy
 
-        found["Cut Cross-Entropy"] = lambda h, w, t: linear_cross_entropy(h, w, t)
+        found["Cut Cross-Entropy"] = autograd(lambda h, w, t: linear_cross_entropy(h, w, t))
     except ImportError:
         pass
-    found["torch"] = lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t)
+    found["torch"] = autograd(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t))
     return found
 
 
-def loss_figures(fn: Callable[[Any, Any, Any], Any], tokens: int, hidden: int, vocab: int, device: str) -> Figures:
-    """Forward + backward of `fn`: median ms and the peak above the inputs."""
+def loss_figures(step: LossStep, tokens: int, hidden: int, vocab: int, device: str) -> Figures:
+    """Forward + backward of `step`: median ms and the peak above the inputs and their gradients."""
     import torch
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     h = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
     w = (torch.randn(vocab, hidden, device=device, dtype=dtype) * hidden**-0.5).requires_grad_()
     t = torch.randint(0, vocab, (tokens,), device=device)
+    kept: list[Any] = []
 
-    def step() -> None:
+    def run() -> None:
         h.grad = w.grad = None
-        fn(h, w, t).backward()
+        kept.clear()
+        kept.append(step(h, w, t))
 
     if device != "cuda":
-        step()
+        run()
         return Figures()
     import triton.testing
 
     try:
-        step()
+        run()
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        base = torch.cuda.memory_allocated()  # inputs and one call's gradients
         torch.cuda.reset_peak_memory_stats()
-        step()
+        run()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / GIB
-        return Figures(ms=triton.testing.do_bench(step), peak_gib=peak)
+        return Figures(ms=triton.testing.do_bench(run, return_mode="median"), peak_gib=peak)
     except torch.OutOfMemoryError:
         return Figures(error="out of memory")
     finally:
         h.grad = w.grad = None
+        kept.clear()
         torch.cuda.empty_cache()
 
 
-def loss_table(smoke: bool) -> None:
+def loss_table(smoke: bool) -> dict[str, Any]:
     hidden, vocab, token_counts = SMOKE_LOSS if smoke else (LOSS_HIDDEN, LOSS_VOCAB, LOSS_TOKENS)
     device = "cpu" if smoke else "cuda"
     candidates = loss_candidates()
-    print(f"\n## Fused linear cross-entropy, fwd+bwd, H = {hidden}, V = {vocab}\n")
-    print("| T | " + " | ".join(candidates) + " |\n|---|" + "---|" * len(candidates))
+    print(
+        f"\n## 3. Fused linear cross-entropy, fwd+bwd, H = {hidden}, V = {vocab} (ms, GiB above inputs and gradients)\n"
+    )
+    print("| T | " + " | ".join(candidates) + " |\n|---|" + "---|" * len(candidates), flush=True)
+    figures: dict[str, Any] = {}
     for tokens in token_counts:
-        cells = [_cells(loss_figures(fn, tokens, hidden, vocab, device)) for fn in candidates.values()]
-        print(f"| {tokens} | " + " | ".join(cells) + " |")
+        row = {name: loss_figures(fn, tokens, hidden, vocab, device) for name, fn in candidates.items()}
+        figures[str(tokens)] = {name: asdict(f) for name, f in row.items()}
+        print(f"| {tokens} | " + " | ".join(_cells(f) for f in row.values()) + " |", flush=True)
     missing = {"Liger-Kernel FLCE", "Cut Cross-Entropy"} - candidates.keys()
     if missing:
         print(f"\n(not installed: {', '.join(sorted(missing))})")
+    return figures
+
+
+# --- the trainer against the baselines ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What tables 1, 2 and 5 run: layers of the 8B shape, the batches, the context length, steps."""
+
+    layers: int
+    batches: tuple[tuple[str, int], ...]
+    max_len: int
+    warmup: int
+    steps: int
+    smoke: bool
+
+
+def shapes_for(args: argparse.Namespace) -> Shapes:
+    """The run's shapes; without `--layers`, as many as leave room for activations on this device's memory."""
+    if args.smoke:
+        return Shapes(2, (("byted", 512), ("github", 1024)), 256, 1, 2, True)
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    layers = args.layers or (8 if total > 100 * GIB else 4)
+    tokens = args.tokens or (65_536, 131_072)
+    batches = tuple((dataset, n) for n in tokens for dataset in ("byted", "github"))
+    return Shapes(layers, batches, args.max_len, args.warmup, args.steps, False)
+
+
+def run_job(job: dict[str, Any], timeout: float | None, smoke: bool) -> dict[str, Any]:
+    """`job` in this process (`--smoke`) or in a subprocess of its own; its JSON, or why there is none."""
+    if smoke:
+        return do_job(job)
+    cmd = [sys.executable, __file__, "--job", json.dumps(job)]
+    try:
+        done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:] or ["no output"]
+        return {"error": f"exit {done.returncode}: {' / '.join(tail)[:400]}"}
+    return cast(dict[str, Any], json.loads(lines[-1]))
+
+
+def do_job(job: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks import gpu_baselines, gpu_trainer
+
+    shapes = Shapes(**{k: tuple(map(tuple, v)) if k == "batches" else v for k, v in job["shapes"].items()})
+    common = (shapes.layers, shapes.smoke)
+    if job["kind"] == "trainer":
+        return gpu_trainer.run(*common, list(shapes.batches), shapes.max_len, shapes.warmup, shapes.steps)
+    if job["kind"] == "checkpointing":
+        return gpu_baselines.checkpointing_longest(*common, LONGEST_SMOKE if shapes.smoke else LONGEST_LENGTHS)
+    return gpu_baselines.run(job["kind"], *common, list(shapes.batches), shapes.max_len, shapes.warmup, shapes.steps)
+
+
+LONGEST_LENGTHS = (16_384, 32_768)
+LONGEST_SMOKE = (64, 128)
+
+
+def trainer_tables(
+    shapes: Shapes, baselines: tuple[str, ...], timeout: float | None, ours: bool, json_dir: str | None
+) -> dict[str, Any]:
+    """Tables 1, 2, 5 and 6 (without ours: 2 alone), printed as each job ends."""
+    results: dict[str, Any] = {}
+    print(
+        f"\n## 1-2. Llama-3-8B shape with {shapes.layers} layers, bf16, sequences capped at {shapes.max_len}, "
+        f"{shapes.steps} steps after {shapes.warmup} warm-ups\n",
+        flush=True,
+    )
+    jobs = [*((name, name) for name in baselines)]
+    if ours:
+        jobs = [("trainer", "trainer"), *jobs, ("checkpointing", "checkpointing")]
+    for key, kind in jobs:
+        began = time.perf_counter()
+        results[key] = run_job({"kind": kind, "shapes": asdict(shapes)}, timeout, shapes.smoke)
+        results[key]["job_s"] = time.perf_counter() - began
+        print_job(key, results[key])
+        _save(json_dir, "trainer", results)  # after each job: a run cut short keeps what it measured
+    return results
+
+
+def print_job(key: str, result: dict[str, Any]) -> None:
+    if "error" in result or "unavailable" in result:
+        print(f"- {key}: {result.get('error') or result.get('unavailable')}", flush=True)
+        return
+    if key == "checkpointing":
+        print(f"- activation checkpointing: {json.dumps(result)}", flush=True)
+        return
+    rows = result.get("trainer") or result.get("rows") or []
+    if key == "trainer":
+        print(f"- ours, chosen: {json.dumps(result.get('chosen'))}\n- profile: {result.get('profile')}")
+    print(
+        "\n| path | dataset | tokens | step s | tokens/s | MFU | peak GiB | shares | details |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for r in rows:
+        if r.get("error"):
+            print(f"| {key} | {r['dataset']} | {r['tokens']} | {r['error']} | | | | | |")
+            continue
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in r["shares"].items())
+        mfu = "–" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        peak = "–" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        print(
+            f"| {key} | {r['dataset']} | {r['tokens']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
+            f"{peak} | {shares} | {json.dumps(r['extra'])} |"
+        )
+    for r in result.get("longest", []):
+        print(f"- longest at r = {r['ratio']}: {json.dumps(r)}")
+    print(f"- job took {result.get('job_s', 0):.0f} s", flush=True)
 
 
 # --- the other benchmarks, and the command line ----------------------------------------------------
@@ -369,25 +513,32 @@ def _cells(row: Figures, first: bool = False) -> str:
     return f"{ms} ms, {gib} GiB"
 
 
+TABLES = ("loss", "trainer", "e2e", "kernels", "offload", "stages")
+DEFAULT_TABLES = ("loss", "trainer", "e2e")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (tables 1, 2 and 5 only)")
-    parser.add_argument("--repeats", type=int, default=5, help="measured steps per end-to-end variant")
-    parser.add_argument(
-        "--only",
-        choices=("e2e", "loss", "kernels", "offload", "stages"),
-        action="append",
-        help="run only these tables (repeatable)",
-    )
-    parser.add_argument(
-        "--e2e-tokens",
-        type=int,
-        choices=[run[0] for run in E2E_RUNS],
-        help="only this end-to-end table (each takes minutes)",
-    )
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, in this process")
+    parser.add_argument("--only", choices=TABLES, action="append", help=f"run only these (default {DEFAULT_TABLES})")
+    parser.add_argument("--baselines", default=",".join(BASELINES), help="table 2's baselines, comma-separated")
+    parser.add_argument("--skip-ours", action="store_true", help="table 2's baselines alone (no trainer job)")
+    parser.add_argument("--layers", type=int, help="layers of the 8B shape (default: 8 on >100 GB, else 4)")
+    parser.add_argument("--tokens", type=lambda s: tuple(int(x) for x in s.split(",")), help="global batch sizes")
+    parser.add_argument("--max-len", type=int, default=32_768, help="context length the batches are capped at")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--job-timeout", type=float, default=None, help="seconds per trainer or baseline job")
+    parser.add_argument("--repeats", type=int, default=5, help="measured steps per end-to-end variant (table 4)")
+    parser.add_argument("--e2e-tokens", type=int, choices=[run[0] for run in E2E_RUNS], default=65_536)
+    parser.add_argument("--json", default=os.environ.get("OUT"), help="directory for the figures as JSON")
+    parser.add_argument("--job", help="internal: one trainer or baseline job (JSON), printed as JSON")
     parser.add_argument("--worker", help="internal: VARIANT:TOKENS:LAYERS, measured here, printed as JSON")
     parser.add_argument("--stage-worker", help="internal: PP:STAGE:TOKENS:LAYERS, measured here, printed as JSON")
     args = parser.parse_args(argv)
+    if args.job:
+        print(json.dumps(do_job(json.loads(args.job))))
+        return 0
     if args.stage_worker:
         pp, index, tokens, layers = (int(x) for x in args.stage_worker.split(":"))
         print(json.dumps(stage_variant(pp, index, tokens, layers, False, args.repeats)))
@@ -402,15 +553,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA GPU here: these tables need one (`--smoke` checks the script on the CPU)")
         return 0
-    tables = set(args.only or ("e2e", "loss", "kernels", "offload", "stages"))
+    tables = set(args.only or DEFAULT_TABLES)
     if args.smoke:
-        tables &= {"e2e", "loss", "stages"}
+        tables &= {"e2e", "loss", "stages", "trainer"}
     else:
-        print(f"# issue 18 on {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if "e2e" in tables:
-        e2e_tables(args.smoke, args.repeats, args.e2e_tokens)
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    figures: dict[str, Any] = {}
     if "loss" in tables:
-        loss_table(args.smoke)
+        figures["loss"] = loss_table(args.smoke)
+        _save(args.json, "loss", figures["loss"])
+    if "trainer" in tables:
+        baselines = tuple(b for b in args.baselines.split(",") if b)
+        figures["trainer"] = trainer_tables(
+            shapes_for(args), baselines, args.job_timeout, not args.skip_ours, args.json
+        )
+    if "e2e" in tables:
+        e2e_tables(args.smoke, args.repeats, args.e2e_tokens if not args.smoke else None)
     if "kernels" in tables:
         run_script("Kernels", ["benchmarks/kernels.py"])
     if "offload" in tables:
@@ -418,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     if "stages" in tables:
         stage_table(args.smoke, args.repeats)
     return 0
+
+
+def _save(directory: str | None, name: str, figures: dict[str, Any]) -> None:
+    if directory:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / f"gpu_{name}.json").write_text(json.dumps(figures, indent=1, default=str))
 
 
 if __name__ == "__main__":
