@@ -91,8 +91,7 @@ SLOW_HF = {"granite", "cohere", "gemma2"}  # 10-17 s each on 2 cores; the Head c
 def test_hf_loss_fused_and_matches_eager(name: str) -> None:
     model = _hf_model(name).train()
     eager = eager_copy(model)
-    # Gemma2's attention (sliding window, score soft-cap) is another pass's concern: only the loss is under test
-    optimized = bsc.optimize(model, attention=name != "gemma2")
+    optimized = bsc.optimize(model)
     assert_matches_eager(optimized, eager, protocol_batch([13, 1, 10], vocab=V, hf=True))
     report = optimized.report
     assert len(report.graphs) == 1, report.to_markdown()
