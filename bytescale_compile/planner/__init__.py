@@ -16,6 +16,7 @@ from .cost_model import CostModel, Hardware, ModelShape
 from .hdp import plan_naive
 from .limits import LengthLimit, length_limit
 from .plan import MicroBatch, Plan, PlanError
+from .split import DEFAULT_SP, SP_MODES, check_sp, choose_split
 from .static import plan_static
 from .topology import Topology
 from .unsharded import plan_unsharded
@@ -35,6 +36,9 @@ __all__ = [
     "MicroBatch",
     "PlanError",
     "RUNTIME_STRATEGIES",
+    "DEFAULT_SP",
+    "SP_MODES",
+    "choose_split",
     "STRATEGIES",
     "STRATEGY_SPECS",
     "StepTime",
@@ -67,6 +71,7 @@ def plan(
     offload: bool = True,
     shard_blocker: str | None = None,
     step_time: StepTime | None = None,
+    sp: str = DEFAULT_SP,
 ) -> Plan:
     """Plan one global batch of sequence `lengths` over `world_size` HDP ranks of `capacity` tokens.
 
@@ -79,21 +84,24 @@ def plan(
     `shard_blocker` says why the model cannot run a sequence over several ranks (an attention the ring
     cannot run): every sequence is then its own micro-batch on one rank (`unsharded.py`), and one longer
     than `capacity` raises `PlanError` with that reason.
+    `sp` is how each shared micro-batch splits its D(s) ranks u × r (`split.choose_split`): "ring" (u = 1,
+    the default), "ulysses" (the largest u allowed) or "auto" (the cost model's cheapest).
     """
     lens = check_arguments(lengths, strategy, world_size, capacity, pp_size)
+    check_sp(sp)
     with _no_cyclic_gc():
         if shard_blocker is not None:  # one plan for every strategy: "auto" has nothing to choose, and a plan
             named = BALANCE if strategy == AUTO else strategy  # names a planner strategy
             return plan_unsharded(lens, world_size, capacity, cost_model, named, pp_size, shard_blocker)
         if strategy == STATIC:
-            return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length)
+            return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length, sp)
         if strategy == NAIVE:
-            return plan_naive(lens, world_size, capacity, cost_model, pp_size, offload)
+            return plan_naive(lens, world_size, capacity, cost_model, pp_size, offload, sp)
         if strategy == AUTO:
             if step_time is None:
                 raise ValueError(
                     f"strategy {AUTO!r} ranks its candidates by simulated step time: pass "
                     f"step_time=bytescale_compile.sim.simulator.step_time (or another StepTime)"
                 )
-            return plan_auto(lens, world_size, capacity, cost_model, step_time, pp_size, context_length)
-        return plan_balance(lens, world_size, capacity, cost_model, pp_size)
+            return plan_auto(lens, world_size, capacity, cost_model, step_time, pp_size, context_length, sp)
+        return plan_balance(lens, world_size, capacity, cost_model, pp_size, sp=sp)

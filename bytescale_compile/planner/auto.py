@@ -28,6 +28,7 @@ import numpy as np
 from ..strategies import BALANCE, STATIC
 from .balance import BalanceInputs, balance_inputs, balance_ranks, schedule_balance
 from .plan import Plan, PlanError
+from .split import DEFAULT_SP
 from .static import plan_static
 
 if TYPE_CHECKING:
@@ -44,8 +45,17 @@ class SharedWork:
     inputs (`BalanceInputs`), and each balance plan with the D(s) and r it was scheduled from, as a candidate
     whose D(s) and r equal an earlier one's would be scheduled the same."""
 
-    def __init__(self, lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int) -> None:
+    def __init__(
+        self,
+        lens: np.ndarray,
+        world_size: int,
+        capacity: int,
+        cost_model: CostModel,
+        pp_size: int,
+        sp: str = DEFAULT_SP,
+    ) -> None:
         self._batch = (lens, world_size, capacity, cost_model, pp_size)
+        self.sp = sp
         self._inputs: BalanceInputs | None = None
         self._balance: list[tuple[np.ndarray, np.ndarray, Plan]] = []
 
@@ -53,7 +63,7 @@ class SharedWork:
         """Balance's plan with or without offloading. Where no sequence's D(s) or r changes with
         `offload` (none needs offloading, say), both settings get one plan, whose meta names the first."""
         if self._inputs is None:
-            self._inputs = balance_inputs(*self._batch)
+            self._inputs = balance_inputs(*self._batch, sp=self.sp)
         ranks, ratio = balance_ranks(self._inputs, offload)
         for built_ranks, built_ratio, built in self._balance:
             if np.array_equal(ranks, built_ranks) and np.array_equal(ratio, built_ratio):
@@ -99,7 +109,8 @@ def _static(
     context_length: int | None,
     shared: SharedWork | None = None,
 ) -> Plan:
-    return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length)
+    sp = DEFAULT_SP if shared is None else shared.sp
+    return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length, sp)
 
 
 CANDIDATES = (
@@ -117,11 +128,12 @@ def plan_auto(
     step_time: StepTime,
     pp_size: int = 1,
     context_length: int | None = None,
+    sp: str = DEFAULT_SP,
 ) -> Plan:
     """The candidate plan with the shortest `step_time`, each plan timed once however many candidates it
     stands for. A candidate that cannot plan the batch (balance without offloading and a sequence only
     offloading fits) is left out; if none can, the first one's PlanError is raised."""
-    shared = SharedWork(lens, world_size, capacity, cost_model, pp_size)
+    shared = SharedWork(lens, world_size, capacity, cost_model, pp_size, sp)
     steps: dict[str, float] = {}
     plans: dict[str, Plan] = {}
     errors: list[PlanError] = []

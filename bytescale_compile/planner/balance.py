@@ -62,6 +62,7 @@ from .common import PlanBuilder, fastest_group
 from .hdp import ranks_needed
 from .placers import ChainPlacer, Demands, DPPlacer, Placer
 from .plan import Plan
+from .split import DEFAULT_SP
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -137,6 +138,8 @@ class BalanceInputs:
     sequence: np.ndarray
     buckets: int
     fastest: np.ndarray
+    sp: str = DEFAULT_SP
+    """How shared micro-batches split their ranks u × r (`split.choose_split`)."""
 
     @property
     def balanced(self) -> float:
@@ -145,7 +148,13 @@ class BalanceInputs:
 
 
 def balance_inputs(
-    lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1, num_buckets: int = 16
+    lens: np.ndarray,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    num_buckets: int = 16,
+    sp: str = DEFAULT_SP,
 ) -> BalanceInputs:
     """The offload-independent part of `plan_balance`, computed once for every offload setting."""
     seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
@@ -165,6 +174,7 @@ def balance_inputs(
         np.concatenate(buckets) if buckets else order,
         len(buckets),
         fastest,
+        sp,
     )
 
 
@@ -217,7 +227,9 @@ def schedule_balance(
 ) -> Plan:
     """Place every sequence, in bucket order, on its `ranks` with offload `ratio` (`balance_ranks`)."""
     i = inputs
-    builder = PlanBuilder(BALANCE, i.lens, i.world_size, i.capacity, i.cost_model, i.pp_size, i.layers, i.seq_time)
+    builder = PlanBuilder(
+        BALANCE, i.lens, i.world_size, i.capacity, i.cost_model, i.pp_size, i.layers, i.seq_time, sp=i.sp
+    )
     if delta is None:
         delta = DEFAULT_DELTA * i.total_work / i.world_size
     demands = Demands(
@@ -246,8 +258,9 @@ def plan_balance(
     delta: float | None = None,
     num_buckets: int = 16,
     offload: bool = True,
+    sp: str = DEFAULT_SP,
 ) -> Plan:
     """`delta` defaults to 1% of the balanced per-rank time (`DEFAULT_DELTA`); `offload=False` is the
-    ablation that gives every long sequence its D(s, 0) ranks."""
-    inputs = balance_inputs(lens, world_size, capacity, cost_model, pp_size, num_buckets)
+    ablation that gives every long sequence its D(s, 0) ranks; `sp` how shared micro-batches split u × r."""
+    inputs = balance_inputs(lens, world_size, capacity, cost_model, pp_size, num_buckets, sp)
     return schedule_balance(inputs, *balance_ranks(inputs, offload), offload, delta)

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..strategies import RUNTIME_STRATEGIES
-from .plan import MicroBatch, Plan, local_tokens
+from .plan import MicroBatch, Plan, local_tokens, split_tokens
+from .split import DEFAULT_SP, SP_RING, check_sp, choose_split
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -134,8 +135,13 @@ class PlanBuilder:
         pp_size: int = 1,
         layers_per_rank: int = 0,
         seq_time: np.ndarray | None = None,
+        sp: str = DEFAULT_SP,
     ) -> None:
-        """`seq_time` is `cost_model.seq_time(lens)` when the caller has it already (auto's candidates)."""
+        """`seq_time` is `cost_model.seq_time(lens)` when the caller has it already (auto's candidates). `sp`
+        ("ring", "ulysses", "auto") is how shared micro-batches split their ranks u × r (`split.choose_split`):
+        under "ring" every one is a plain ring (u = 1) and times are `micro_batch_time`'s."""
+        self.sp = check_sp(sp)
+        self._split_times: dict[tuple[tuple[int, ...], int, float], float] = {}
         self.strategy, self.lens, self.world_size, self.capacity = strategy, lens, world_size, capacity
         self.cost_model, self.pp_size, self.layers_per_rank = cost_model, pp_size, layers_per_rank
         if seq_time is None:
@@ -151,9 +157,22 @@ class PlanBuilder:
         one sequence is computed in scalar arithmetic (the planner's hot path)."""
         if group_size == 1 and ratio == 0:
             return sum(self._seq_time_list[i] for i in sequences)
+        if self.sp != SP_RING and group_size > 1:
+            return self._split_time(sequences, group_size, ratio)
         if len(sequences) == 1:
             return self._one_sequence_time(sequences[0], group_size, ratio)
         return micro_batch_time(self.cost_model, self.lens[list(sequences)], group_size, ratio)
+
+    def _split_time(self, sequences: Sequence[int], group_size: int, ratio: float) -> float:
+        """The chosen split's time on `group_size` adjacent ranks from rank 0 (the placers ask before they know
+        the ranks, as the ring's bandwidth does: `Hardware.ring_bandwidth`); cached per micro-batch shape."""
+        key = (tuple(sequences), group_size, ratio)
+        if key not in self._split_times:
+            ids = list(sequences)
+            work = sum(self._seq_time_list[i] for i in ids)
+            _, seconds = choose_split(self.cost_model, self.lens[ids], range(group_size), ratio, self.sp, work)
+            self._split_times[key] = seconds
+        return self._split_times[key]
 
     def _one_sequence_time(self, seq: int, group_size: int, ratio: float) -> float:
         """`micro_batch_time` of one sequence, without numpy's per-call overhead."""
@@ -170,6 +189,10 @@ class PlanBuilder:
         return max(compute + cm.ring_layers * (d - 1) * held * cm.ring_overhead, ring, offload)
 
     def add(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float = 0.0) -> MicroBatch:
+        """A micro-batch of `sequences` on `ranks`; a shared one gets its u × r split (`choose_split`, on these
+        ranks) unless `sp` is "ring"."""
+        if len(ranks) > 1 and self.sp != SP_RING:
+            return self._add_split(ranks, sequences, ratio)
         if len(ranks) == 1:
             tokens = sum(self._lens_list[i] for i in sequences)
         elif len(sequences) == 1:
@@ -183,6 +206,23 @@ class PlanBuilder:
             offload_ratio=float(ratio),
             tokens_per_rank=tokens,
             est_time=self.time_of(sequences, len(ranks), ratio),
+        )
+        self.micro_batches.append(mb)
+        return mb
+
+    def _add_split(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float) -> MicroBatch:
+        ids, ranks = list(sequences), tuple(map(int, ranks))
+        lens = self.lens[ids]
+        work = sum(self._seq_time_list[i] for i in ids)
+        ulysses, seconds = choose_split(self.cost_model, lens, ranks, ratio, self.sp, work)
+        mb = MicroBatch(
+            id=len(self.micro_batches),
+            ranks=ranks,
+            sequences=tuple(map(int, sequences)),
+            offload_ratio=float(ratio),
+            tokens_per_rank=split_tokens(lens, len(ranks), ulysses),
+            est_time=seconds,
+            ulysses=ulysses,
         )
         self.micro_batches.append(mb)
         return mb
@@ -204,5 +244,5 @@ class PlanBuilder:
             micro_batches=self.micro_batches,
             schedule=schedule,
             layers_per_rank=self.layers_per_rank,
-            meta=dict(meta),
+            meta=dict(meta) if self.sp == SP_RING else {**meta, "sp": self.sp},
         )

@@ -28,6 +28,9 @@ __all__ = [
     "KERNELS_PER_LAYER",
     "PRESETS",
     "TP_ALL_REDUCES_PER_LAYER",
+    "ULYSSES_ALL_TO_ALLS_PER_LAYER",
+    "ULYSSES_BACKWARD_SETS",
+    "ulysses_kv_heads",
     "CostModel",
     "Hardware",
     "ModelShape",
@@ -45,6 +48,16 @@ TP_ALL_REDUCES_PER_LAYER = 4
 """Megatron tensor parallelism's all-reduces of a layer's hidden state, fwd+bwd: forward after attention's
 row-parallel o_proj and after the MLP's down_proj, backward on the inputs of the column-parallel qkv and
 gate/up projections."""
+
+ULYSSES_ALL_TO_ALLS_PER_LAYER = 4
+"""All-to-alls of a Ulysses split per attention layer and step: q/k/v to head shards and the output back
+(forward), the backward's inputs to head shards and dq/dk/dv back (backward). Each is charged one latency."""
+
+ULYSSES_BACKWARD_SETS = 2
+"""What the backward's all-to-alls move, in forward sets (q, k, v and the output): `runtime/ulysses.py`
+sends q, k, v, out and grad_out to head shards again (it saves token shards, not head shards) and dq, dk,
+dv back, so twice the forward's bytes (lse, 4 bytes per head and token, left out). 1 would charge the
+gradients alone (a runtime that kept head shards from the forward)."""
 
 CEIL_RTOL = 1e-12
 """D's ceiling forgives this relative float error, so a sequence of exactly k x Act(C) gets k ranks."""
@@ -175,6 +188,20 @@ class Hardware:
         if self.topology is None:
             return np.full(np.shape(group_size), self.network_bandwidth)
         return self.topology.aligned_ring_bandwidth(group_size)
+
+    def split_ring_bandwidth(self, ranks: tuple[int, ...], ulysses: int) -> float:
+        """Bytes/s per rank of the `ulysses` rings of a u × r split over `ranks` (`Topology.split_ring_bandwidth`);
+        `network_bandwidth` without a topology."""
+        if self.topology is None:
+            return self.network_bandwidth
+        return self.topology.split_ring_bandwidth(ranks, ulysses)
+
+    def all_to_all_bandwidth(self, ranks: tuple[int, ...], ulysses: int) -> float:
+        """Bytes/s per rank of the Ulysses all-to-alls of groups of `ulysses` consecutive `ranks`
+        (`Topology.all_to_all_bandwidth`); `network_bandwidth` without a topology."""
+        if self.topology is None:
+            return self.network_bandwidth if ulysses > 1 else math.inf
+        return self.topology.all_to_all_bandwidth(ranks, ulysses)
 
 
 def _l20_cluster(tp_size: int) -> Hardware:
@@ -311,6 +338,15 @@ def tp_all_reduce_time(tp_size: int, bytes_per_token: float, link_bandwidth: flo
     return float(_TAU_FN(tp_size, bytes_per_token, link_bandwidth))
 
 
+def ulysses_kv_heads(heads: int, kv_heads: int, ulysses: int) -> int:
+    """K/V heads all Ulysses members hold together after the all-to-all (`runtime/ulysses.py`'s `HeadSplit`):
+    member m gets the K/V heads of its H/u query heads, as few as keep GQA's grouping uniform,
+    (H/u) / gcd(H/u, H/H_kv) each. H_kv when u divides H_kv; u when u > H_kv (each K/V head replicated
+    to the members reading it); up to H otherwise."""
+    per_member = heads // ulysses
+    return ulysses * (per_member // math.gcd(per_member, heads // kv_heads))
+
+
 def _ceil(x: np.ndarray) -> np.ndarray:
     return np.ceil(x * (1 - CEIL_RTOL))
 
@@ -369,6 +405,11 @@ class CostModel:
     """Seconds per token and layer of the TP all-reduces, the tau of T(s). None: derived from the hardware's
     TP group (`tp_all_reduce_time`); 0 charges none, for coefficients measured on a TP group, which already
     hold them."""
+    heads: int | None = None
+    """Query heads of an attention layer: the Ulysses degrees a split may take divide it. None: unknown
+    (files written before it was recorded), so no micro-batch is split by heads."""
+    kv_heads: int | None = None
+    """K/V heads of an attention layer (GQA); `kv_bytes_per_token` is 2 x kv_heads x head_dim x element bytes."""
 
     @property
     def ring_layers(self) -> int:
@@ -408,6 +449,17 @@ class CostModel:
             raise ValueError(
                 f"CostModel ({self.source}): tp_comm_time must be None or a finite number >= 0, got {tp_comm!r}"
             )
+        for name in ("heads", "kv_heads"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"CostModel ({self.source}): {name} must be None or an int >= 1, got {value!r}")
+        if (self.heads is None) != (self.kv_heads is None) or (
+            self.heads and self.kv_heads and self.heads % self.kv_heads
+        ):
+            raise ValueError(
+                f"CostModel ({self.source}): heads {self.heads} and kv_heads {self.kv_heads} must both be given, "
+                f"kv_heads dividing heads, or both None"
+            )
         boundary = self.boundary_bytes_per_token
         if boundary is not None and not (
             isinstance(boundary, (int, float)) and math.isfinite(boundary) and boundary > 0
@@ -445,6 +497,8 @@ class CostModel:
             hardware=hw,
             source=f"analytic:{shape.name}",
             boundary_bytes_per_token=float(BF16 * shape.hidden),
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
         )
 
     @classmethod
@@ -475,6 +529,8 @@ class CostModel:
                 mixer_layers=data.get("mixer_layers", 0),
                 mixer_state_bytes=data.get("mixer_state_bytes", 0.0),
                 tp_comm_time=data["coefficients"].get("tp_comm_time"),
+                heads=data.get("heads"),
+                kv_heads=data.get("kv_heads"),
             )
         except KeyError as e:
             raise ValueError(
@@ -498,6 +554,8 @@ class CostModel:
             "boundary_bytes_per_token": self.boundary_bytes_per_token,
             "mixer_layers": self.mixer_layers,
             "mixer_state_bytes": self.mixer_state_bytes,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
         }
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
@@ -681,6 +739,55 @@ class CostModel:
         `ring_overhead` per token held. 0 for a group of one."""
         steps = self.ring_layers * (np.asarray(group_size, np.float64) - 1)
         return steps * np.asarray(tokens_per_rank, np.float64) * self.ring_overhead
+
+    # --- Ulysses (head-parallel) splits: u x r = D(s) -------------------------------------------------
+    @property
+    def head_bytes_per_token(self) -> float:
+        """Bytes of one head of one token (head_dim x element bytes): `kv_bytes_per_token` / (2 kv_heads);
+        0 where the heads are unknown."""
+        return self.kv_bytes_per_token / (2 * self.kv_heads) if self.kv_heads else 0.0
+
+    def ulysses_bytes(self, tokens_per_rank, ulysses: int) -> np.ndarray:
+        """Bytes one rank sends in the all-to-alls of Ulysses degree u for one micro-batch, all attention
+        layers, fwd+bwd: per layer (u - 1)/u of its tokens' q, k, v and attention output (q and the output
+        at H heads, k and v at `ulysses_kv_heads`), once forward and `ULYSSES_BACKWARD_SETS` times backward.
+        0 at u = 1."""
+        if ulysses <= 1:
+            return np.zeros(np.shape(tokens_per_rank))
+        if self.heads is None or self.kv_heads is None:
+            raise ValueError(f"CostModel ({self.source}) does not know the heads: it cannot cost a Ulysses split")
+        kv = ulysses_kv_heads(self.heads, self.kv_heads, ulysses)
+        per_token = (2 * self.heads + 2 * kv) * self.head_bytes_per_token
+        share = (ulysses - 1) / ulysses
+        sets = 1 + ULYSSES_BACKWARD_SETS
+        return self.ring_layers * sets * share * np.asarray(tokens_per_rank, np.float64) * per_token
+
+    def ulysses_latency(self, ulysses: int) -> float:
+        """Seconds of message latency of the all-to-alls: `ULYSSES_ALL_TO_ALLS_PER_LAYER` per attention layer."""
+        return self.ring_layers * ULYSSES_ALL_TO_ALLS_PER_LAYER * self.latency if ulysses > 1 else 0.0
+
+    def ulysses_time(self, tokens_per_rank, ulysses: int, bandwidth: float) -> np.ndarray:
+        """All-to-all seconds per rank for one micro-batch: `ulysses_bytes` at `bandwidth` (bytes/s per rank,
+        `Hardware.all_to_all_bandwidth`) plus `ulysses_latency`. Blocking: nothing overlaps it."""
+        if ulysses <= 1:
+            return np.zeros(np.shape(tokens_per_rank))
+        return self.ulysses_bytes(tokens_per_rank, ulysses) / bandwidth + self.ulysses_latency(ulysses)
+
+    def split_ring_bytes(self, virtual_tokens, ulysses: int, ring: int) -> np.ndarray:
+        """Ring P2P bytes per rank of a u × r split: the ring of r among the Ulysses groups moves the K/V of
+        the rank's H/u query heads (`ulysses_kv_heads` / u K/V heads) for its virtual rank's tokens (the
+        zigzag share of r ranks), as `ring_bytes` does. At u = 1 exactly `ring_bytes`."""
+        if ulysses == 1:
+            return self.ring_bytes(virtual_tokens, ring)
+        if self.heads is None or self.kv_heads is None:
+            raise ValueError(f"CostModel ({self.source}) does not know the heads: it cannot cost a Ulysses split")
+        kv_share = ulysses_kv_heads(self.heads, self.kv_heads, ulysses) / (ulysses * self.kv_heads)
+        tokens = np.asarray(virtual_tokens, np.float64) * kv_share
+        return self.ring_layers * 3 * (ring - 1) * tokens * self.kv_bytes_per_token
+
+    def split_ring_compute_time(self, virtual_tokens, ulysses: int, ring: int) -> np.ndarray:
+        """`ring_compute_time` of a u × r split: r - 1 steps over the virtual rank's tokens on H/u heads."""
+        return self.ring_compute_time(np.asarray(virtual_tokens, np.float64) / ulysses, ring)
 
     def offload_time(self, s, r) -> np.ndarray:
         """Seconds to move a fraction r of s tokens' activations over PCIe, all layers."""

@@ -25,6 +25,7 @@ from .common import PlanBuilder, best_fit_pack
 from .cost_model import CEIL_RTOL
 from .limits import eq2_reason, layers_per_stage, refuse
 from .plan import Plan
+from .split import DEFAULT_SP
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -60,14 +61,20 @@ def naive_ranks(
 
 
 def plan_naive(
-    lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, pp_size: int = 1, offload: bool = True
+    lens: np.ndarray,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    offload: bool = True,
+    sp: str = DEFAULT_SP,
 ) -> Plan:
     layers = layers_per_stage(cost_model, pp_size)
     if offload and lens.size:
         ranks, ratio = naive_ranks(lens, world_size, capacity, cost_model, layers)
     else:
         ranks, ratio = ranks_needed(lens, world_size, capacity, cost_model, layers, offload)
-    builder = PlanBuilder(NAIVE, lens, world_size, capacity, cost_model, pp_size, layers if offload else 0)
+    builder = PlanBuilder(NAIVE, lens, world_size, capacity, cost_model, pp_size, layers if offload else 0, sp=sp)
     long_ids = np.flatnonzero(ranks > 0)
     long_ids = long_ids[np.argsort(-ranks[long_ids], kind="stable")]
     bins = best_fit_pack(lens, np.flatnonzero(ranks == 0), capacity)

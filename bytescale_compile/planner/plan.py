@@ -1,7 +1,9 @@
 """The Plan: which ranks run which sequences, in which order, with which offload ratio.
 
 A micro-batch is a set of whole sequences processed jointly by its ranks: one rank packs them
-locally; several split each sequence zigzag over them and run ring attention. The JSON form is the
+locally; several split each sequence zigzag over them and run ring attention, or, with a Ulysses
+degree u > 1, a u × r split: groups of u consecutive ranks of its rank list run head-parallel attention
+(all-to-alls), and a ring of r = D(s) / u runs among the groups. The JSON form is the
 contract of DESIGN.md; `validate()` checks every invariant the runtime relies on and names the one
 that breaks.
 """
@@ -19,7 +21,7 @@ import numpy as np
 from ..strategies import STRATEGIES
 from .pipeline_order import chained_micro_batches, stage_order
 
-__all__ = ["MicroBatch", "Plan", "PlanError", "local_tokens", "capacity_for_ratio"]
+__all__ = ["MicroBatch", "Plan", "PlanError", "local_tokens", "split_tokens", "capacity_for_ratio"]
 
 
 class PlanError(ValueError):
@@ -34,11 +36,19 @@ class MicroBatch:
     offload_ratio: float
     tokens_per_rank: int
     est_time: float
+    ulysses: int = 1
+    """The Ulysses degree u of a shared micro-batch: groups of u consecutive ranks of `ranks` turn token shards
+    into head shards; 1 runs the plain zigzag ring over all its ranks."""
 
     @property
     def shared(self) -> bool:
         """Runs ring attention over several ranks (and so must be ordered consistently)."""
         return len(self.ranks) > 1
+
+    @property
+    def ring(self) -> int:
+        """The ring degree r = D(s) / u (the number of Ulysses groups)."""
+        return len(self.ranks) // self.ulysses
 
 
 @dataclass
@@ -69,6 +79,7 @@ class Plan:
                     offload_ratio=float(m["offload_ratio"]),
                     tokens_per_rank=int(m["tokens_per_rank"]),
                     est_time=float(m["est_time"]),
+                    ulysses=int(m.get("ulysses", 1)),
                 )
                 for m in data["micro_batches"]
             ]
@@ -90,10 +101,11 @@ class Plan:
         by_id = {m.id: m for m in self.micro_batches}
         return [by_id[i] for i in self.schedule[rank]]
 
-    def validate(self) -> None:
-        """Raise PlanError naming the first broken invariant of DESIGN.md's valid plans."""
+    def validate(self, *, heads: int | None = None, kv_heads: int | None = None) -> None:
+        """Raise PlanError naming the first broken invariant of DESIGN.md's valid plans. With the model's
+        query `heads` (and `kv_heads`, for the message), also that every Ulysses degree divides them."""
         _check_header(self)
-        by_id = _check_micro_batches(self)
+        by_id = _check_micro_batches(self, heads, kv_heads)
         _check_sequences_covered(self)
         _check_schedule(self, by_id)
         _check_deadlock_free(self, by_id)
@@ -110,6 +122,15 @@ def local_tokens(seq_lens: np.ndarray | list[int], group_size: int) -> int:
     base, extra = np.divmod(lens, chunks)
     above = lens.size - np.cumsum(np.bincount(extra, minlength=chunks))  # above[k]: remainders > k
     return int(2 * base.sum() + (above[:group_size] + above[group_size:][::-1]).max())
+
+
+def split_tokens(seq_lens: np.ndarray | list[int], group_size: int, ulysses: int = 1) -> int:
+    """Most tokens any rank of a u × r split holds: its virtual rank's zigzag share over r = group_size / u
+    ranks (`local_tokens`), cut into u contiguous parts, the earlier ones taking the remainder
+    (`runtime/layout.py`'s `UlyssesLayout`). `local_tokens` at u = 1."""
+    if ulysses == 1:
+        return local_tokens(seq_lens, group_size)
+    return -(-local_tokens(seq_lens, group_size // ulysses) // ulysses)
 
 
 def capacity_for_ratio(capacity: int, ratio: float, layers_per_rank: int) -> int:
@@ -134,7 +155,24 @@ def _check_header(plan: Plan) -> None:
         raise PlanError(f"sequence lengths must be positive ints; sequence {bad[0]} has {plan.sequences[bad[0]]!r}")
 
 
-def _check_micro_batches(plan: Plan) -> dict[int, MicroBatch]:
+def _check_split(m: MicroBatch, heads: int | None, kv_heads: int | None) -> None:
+    """The u × r split of a micro-batch: u an int >= 1 dividing D(s) = its ranks, and the query heads when known."""
+    u, d = m.ulysses, len(m.ranks)
+    if isinstance(u, bool) or not isinstance(u, int) or u < 1:
+        raise PlanError(f"micro-batch {m.id} has Ulysses degree u={u!r}: need an int >= 1")
+    if d % u:
+        raise PlanError(
+            f"micro-batch {m.id} has Ulysses degree u={u} on D(s)={d} ranks: u must divide D(s) "
+            f"(u x r = D(s) with r the ring degree)"
+        )
+    if heads is not None and heads % u:
+        raise PlanError(
+            f"micro-batch {m.id} has Ulysses degree u={u} (D(s)={d}), which does not divide the model's "
+            f"{heads} query heads (H_kv={kv_heads}): u must divide H"
+        )
+
+
+def _check_micro_batches(plan: Plan, heads: int | None = None, kv_heads: int | None = None) -> dict[int, MicroBatch]:
     by_id: dict[int, MicroBatch] = {}
     for m in plan.micro_batches:
         if m.id in by_id:
@@ -150,19 +188,21 @@ def _check_micro_batches(plan: Plan) -> dict[int, MicroBatch]:
             )
         if not 0.0 <= m.offload_ratio <= 1.0:
             raise PlanError(f"micro-batch {m.id} has offload_ratio {m.offload_ratio}, outside [0, 1]")
+        _check_split(m, heads, kv_heads)
         lens = [plan.sequences[s] for s in m.sequences]
         if max(lens) < len(m.ranks):
             raise PlanError(
                 f"micro-batch {m.id} splits sequences of at most {max(lens)} tokens over {len(m.ranks)} ranks: the "
                 f"zigzag layout leaves its ranks from {max(lens)} on without a token to run"
             )
-        held = local_tokens(lens, len(m.ranks))
+        held = split_tokens(lens, len(m.ranks), m.ulysses)
         if m.tokens_per_rank != held:
             raise PlanError(
                 f"micro-batch {m.id}: tokens_per_rank is {m.tokens_per_rank} but its ranks hold up to {held}"
             )
         limit = capacity_for_ratio(plan.capacity, m.offload_ratio, plan.layers_per_rank)
-        slack = 2 * len(lens) if m.shared else 0  # zigzag rounds each sequence to whole chunks
+        # zigzag rounds each sequence to whole chunks; a Ulysses split's parts round up by one more token
+        slack = 2 * len(lens) + (m.ulysses > 1) if m.shared else 0
         if held > limit + slack:
             raise PlanError(
                 f"micro-batch {m.id}: {held} tokens per rank exceed the capacity {limit} that "

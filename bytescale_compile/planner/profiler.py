@@ -209,10 +209,13 @@ def fit_cost_model(
     param_bytes: float,
     hardware: Hardware | None = None,
     boundary_bytes_per_token: float | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
 ) -> CostModel:
     """The profiled coefficients as a CostModel (source "profiled", `device` where they were measured);
     bandwidths and latency come from `hardware`, which the layer profile cannot see. Without one, the
-    default links are named after the measured device, not the default's "h100"."""
+    default links are named after the measured device, not the default's "h100". `heads` and `kv_heads`
+    (the attention's) let the planner cost Ulysses splits."""
     return CostModel(
         result.alpha1,
         result.beta1,
@@ -226,6 +229,8 @@ def fit_cost_model(
         source="profiled",
         device=result.device,
         boundary_bytes_per_token=boundary_bytes_per_token,
+        heads=heads,
+        kv_heads=kv_heads,
     )
 
 
@@ -319,6 +324,8 @@ def profile_model(
         param_bytes,
         hardware,
         float(cfg.hidden_size * elem),
+        heads=int(heads),
+        kv_heads=int(kv_heads),
     ).save(out_path)
     return result
 

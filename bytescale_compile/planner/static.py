@@ -18,6 +18,7 @@ from ..strategies import STATIC
 from .common import PlanBuilder, best_fit_pack
 from .limits import mesh_reason, mesh_row, refuse, static_reason
 from .plan import Plan, PlanError
+from .split import DEFAULT_SP
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -39,11 +40,12 @@ def plan_static(
     cost_model: CostModel,
     pp_size: int = 1,
     context_length: int | None = None,
+    sp: str = DEFAULT_SP,
 ) -> Plan:
     context = int(context_length or (lens.max() if lens.size else capacity))
     refuse(lens, lens > context, static_reason(context))
     cp = cp_degree(world_size, capacity, context)
-    builder = PlanBuilder(STATIC, lens, world_size, capacity, cost_model, pp_size)
+    builder = PlanBuilder(STATIC, lens, world_size, capacity, cost_model, pp_size, sp=sp)
     tokens = [(0, g) for g in range(world_size // cp)]  # heap of (tokens, DP group)
     for row in best_fit_pack(lens, np.arange(lens.size), context):
         t, g = heapq.heappop(tokens)

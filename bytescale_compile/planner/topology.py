@@ -116,3 +116,38 @@ class Topology:
         bw = np.full(d.shape, self.rank_link)
         bw = np.where(spans_switches, np.minimum(bw, self.switch_uplink), bw)
         return np.where(spans_nodes, np.minimum(bw, self.rank_rail), bw)
+
+    def split_ring_flows(self, ranks: Sequence[int], ulysses: int) -> Counter[Link]:
+        """The hops of the `ulysses` rings of a u × r split over `ranks` (group index g = ring index × u +
+        Ulysses index, so ring j is ranks[j::u]), added up: the rings run at once and may share uplinks."""
+        flows: Counter[Link] = Counter()
+        for j in range(ulysses):
+            flows.update(self.ring_flows(ranks[j::ulysses]))
+        return flows
+
+    def split_ring_bandwidth(self, ranks: Sequence[int], ulysses: int) -> float:
+        """Bytes/s each rank of the split's rings can send when they run alone: `ring_bandwidth` over the
+        flows of all `ulysses` rings together (`split_ring_flows`). At u = 1 exactly `ring_bandwidth`."""
+        flows = self.split_ring_flows(ranks, ulysses)
+        return min((self.bandwidth(link) / n for link, n in flows.items()), default=math.inf)
+
+    def all_to_all_bandwidth(self, ranks: Sequence[int], ulysses: int) -> float:
+        """Bytes/s each rank sends at during the all-to-alls of the Ulysses groups of `ranks` (u consecutive
+        ranks each, all groups at once): every rank sends 1/u of its bytes to each other member over the
+        links of `hop`, so a link carries the sum of those shares; the slowest link (load / bandwidth) sets
+        the time of the (u - 1)/u a rank sends. Inside one switch that is the device link, across switches
+        the shared uplink may be slower, across nodes the rails (a group spanning nodes pays the slow
+        link). inf for u = 1 (nothing moves)."""
+        if ulysses <= 1:
+            return math.inf
+        load: Counter[Link] = Counter()
+        for g in range(0, len(ranks) - ulysses + 1, ulysses):
+            group = ranks[g : g + ulysses]
+            for a in group:
+                for b in group:
+                    if a != b:
+                        for link in self.hop(a, b):
+                            load[link] += 1
+        # loads are in units of 1/u of a rank's bytes; a rank sends (u - 1) such units
+        worst = max(n / self.bandwidth(link) for link, n in load.items())
+        return (ulysses - 1) / worst

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planner import STRATEGY_SPECS, CostModel, Plan, plan
+from ..planner import DEFAULT_SP, STRATEGY_SPECS, CostModel, Plan, plan
 from .simulator import busy_times, simulate, step_time, throughput
 from .timeline import Timeline
 
@@ -34,7 +34,9 @@ def run_strategy(
     cost_model: CostModel,
     context_length: int | None = None,
     pp_size: int = 1,
+    sp: str = DEFAULT_SP,
 ) -> Outcome:
+    """Plan `lens` with strategy `name` (and `sp`, how shared micro-batches split u × r) and simulate it."""
     if name not in STRATEGY_SPECS:
         raise ValueError(f"strategy must be one of {list(STRATEGY_SPECS)}, got {name!r}")
     strategy, offload = STRATEGY_SPECS[name]
@@ -49,6 +51,7 @@ def run_strategy(
         context_length=context_length,
         offload=offload,
         step_time=step_time,
+        sp=sp,
     )
     seconds = time.perf_counter() - start
     timeline = simulate(result, cost_model)

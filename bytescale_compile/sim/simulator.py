@@ -15,7 +15,8 @@ over all ranks.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+import math
+from collections import Counter, defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -24,7 +25,8 @@ import numpy as np
 
 from ..planner.common import fastest_time
 from ..planner.pipeline_order import chained_micro_batches
-from ..planner.plan import MicroBatch, Plan, PlanError
+from ..planner.plan import MicroBatch, Plan, PlanError, local_tokens
+from ..planner.split import split_time
 from .pipeline import PipelineRun, first_order_bubble, one_f_one_b
 from .timeline import Span, Timeline
 
@@ -44,6 +46,7 @@ __all__ = [
     "busy_times",
     "lower_bound",
     "p2p_bytes",
+    "ulysses_bytes",
     "throughput",
 ]
 
@@ -132,7 +135,8 @@ def _settle_links(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], 
     if topology is None:
         duration = {m.id: m.est_time for m in plan.micro_batches}
         return duration, _starts(plan, duration)
-    flows = {m.id: topology.ring_flows(sorted(m.ranks)) for m in plan.micro_batches if m.shared}
+    flows = {m.id: _ring_flows(topology, m) for m in plan.micro_batches if m.shared}
+    flows = {i: f for i, f in flows.items() if f}  # a split all Ulysses (r = 1) has no ring
     alone = {i: min(topology.bandwidth(link) / n for link, n in f.items()) for i, f in flows.items()}
     sharing = _LinkSharing.of(flows, topology)
     bandwidth = alone
@@ -148,13 +152,29 @@ def _settle_links(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], 
     return duration, start
 
 
+def _ring_flows(topology: Topology, m: MicroBatch) -> Counter[Link]:
+    """The hops of a shared micro-batch's ring, or of the u rings of its u × r split (rank-list order)."""
+    if m.ulysses == 1:
+        return topology.ring_flows(sorted(m.ranks))
+    return topology.split_ring_flows(m.ranks, m.ulysses)
+
+
 def _durations(plan: Plan, cost_model: CostModel, bandwidth: dict[int, float]) -> dict[int, float]:
-    """Seconds of each micro-batch; a shared one's ring at its own bandwidth (bytes/s per rank)."""
+    """Seconds of each micro-batch; a shared one's ring at its own bandwidth (bytes/s per rank), a u × r split
+    by `split_time` (its all-to-alls at their links' bandwidth, uncontended)."""
     lens = np.asarray(plan.sequences)
     seq_time = cost_model.seq_time(lens)
     out = {}
     for m in plan.micro_batches:
-        out[m.id] = m.est_time if not m.shared else _shared_time(m, cost_model, seq_time, lens, bandwidth[m.id])
+        if not m.shared:
+            out[m.id] = m.est_time
+        elif m.ulysses > 1:
+            ids = list(m.sequences)
+            ring_bw = bandwidth.get(m.id, math.inf)
+            work = float(seq_time[ids].sum())
+            out[m.id] = split_time(cost_model, lens[ids], m.ranks, m.offload_ratio, m.ulysses, work, ring_bw)
+        else:
+            out[m.id] = _shared_time(m, cost_model, seq_time, lens, bandwidth[m.id])
     return out
 
 
@@ -377,10 +397,28 @@ chunks i and 2N-1-i; rank j's queries read both of them when j > i and only chun
 
 def p2p_bytes(plan: Plan, cost_model: CostModel) -> float:
     """Ring bytes all ranks send in the step (what `StepStats.p2p_bytes` measures): the cost model's relay
-    count (`CostModel.ring_bytes`) times `DIRECT_EXCHANGE_SHARE`."""
-    shared = [m for m in plan.micro_batches if len(m.ranks) > 1]
-    relay = sum(len(m.ranks) * cost_model.ring_bytes(m.tokens_per_rank, len(m.ranks)) for m in shared)
+    count (`CostModel.ring_bytes`, for a u × r split `CostModel.split_ring_bytes`) times
+    `DIRECT_EXCHANGE_SHARE`. The all-to-alls of Ulysses splits are `ulysses_bytes`."""
+    relay = 0.0
+    for m in plan.micro_batches:
+        d = len(m.ranks)
+        if d > 1 and m.ulysses == 1:
+            relay += d * float(cost_model.ring_bytes(m.tokens_per_rank, d))
+        elif d > 1:
+            virtual = local_tokens([plan.sequences[i] for i in m.sequences], m.ring)
+            relay += d * float(cost_model.split_ring_bytes(virtual, m.ulysses, m.ring))
     return float(DIRECT_EXCHANGE_SHARE * relay)
+
+
+def ulysses_bytes(plan: Plan, cost_model: CostModel) -> float:
+    """All-to-all bytes all ranks send in the step's Ulysses splits (`CostModel.ulysses_bytes` per rank)."""
+    return float(
+        sum(
+            len(m.ranks) * float(cost_model.ulysses_bytes(m.tokens_per_rank, m.ulysses))
+            for m in plan.micro_batches
+            if m.ulysses > 1
+        )
+    )
 
 
 def throughput(plan: Plan, timeline: Timeline) -> float:

@@ -16,8 +16,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 from bytescale_compile.planner.common import PlanBuilder, micro_batch_time
-from bytescale_compile.planner.cost_model import CEIL_RTOL, PRESETS, CostModel, Hardware, ModelShape
+from bytescale_compile.planner.cost_model import (
+    CEIL_RTOL,
+    PRESETS,
+    ULYSSES_BACKWARD_SETS,
+    CostModel,
+    Hardware,
+    ModelShape,
+    ulysses_kv_heads,
+)
 from bytescale_compile.planner.profiler import fit_cost_model, profile_layer, profile_model
+from bytescale_compile.planner.topology import Topology
 
 # Round numbers for hand checks: Act(s) = s bytes, T(s) = s^2 / 1000 s, B = min(1, 2) = 1 byte/s, so
 # r_overlap = T(s) B / Act(s) = s / 1000. With C = 100 and l = 10: l Act(C) = 1000 and
@@ -362,3 +371,68 @@ def test_the_planners_scalar_shortcut_charges_mixers_like_the_cost_model():
     for d in (2, 4, 8):
         scalar = builder.time_of([0], d, 0.0)
         assert math.isclose(scalar, micro_batch_time(hybrid, lens[[0]], d, 0.0), rel_tol=1e-9)
+
+
+# --- Ulysses all-to-alls -------------------------------------------------------------------------
+# 2 attention layers, H = 4 query heads, H_kv = 2 K/V heads of head_dim 4 in bf16: 8 bytes a head and token,
+# kv_bytes_per_token = 2 x 2 x 8 = 32. Two nodes of 4 ranks: device links 10 bytes/s, rails 1 byte/s.
+A2A_TOPOLOGY = Topology(
+    devices_per_node=4,
+    devices_per_switch=4,
+    tp_size=1,
+    device_link=10.0,
+    switch_uplink=10.0,
+    nic_bandwidth=1.0,
+    nics_per_node=4,
+)
+A2A = dataclasses.replace(
+    HAND,
+    layers=2,
+    kv_bytes_per_token=32,
+    heads=4,
+    kv_heads=2,
+    hardware=Hardware(name="a2a", latency=0.5, topology=A2A_TOPOLOGY),
+)
+
+
+def test_ulysses_bytes_by_hand():
+    assert A2A.head_bytes_per_token == 8
+    assert [ulysses_kv_heads(4, 2, u) for u in (1, 2, 4)] == [2, 2, 4]  # u > H_kv: replicated to u
+    assert float(A2A.ulysses_bytes(100, 1)) == 0.0
+    # u = 2: per token q + out at 4 heads, k + v at 2: (2 x 4 + 2 x 2) x 8 = 96 bytes; a rank sends half of them,
+    # once forward and ULYSSES_BACKWARD_SETS = 2 times backward, in each of 2 layers: 2 x 3 x 0.5 x 100 x 96.
+    assert ULYSSES_BACKWARD_SETS == 2
+    assert float(A2A.ulysses_bytes(100, 2)) == pytest.approx(28800)
+    # u = 4: k and v replicated to 4 heads, (8 + 8) x 8 = 128 bytes a token, 3/4 of them sent.
+    assert float(A2A.ulysses_bytes(100, 4)) == pytest.approx(2 * 3 * 0.75 * 100 * 128)
+    # the ring among the groups moves the K/V of the rank's heads only: H_kv / u = 1 of 2 at u = 2
+    assert float(A2A.split_ring_bytes(100, 2, 2)) == pytest.approx(float(A2A.ring_bytes(100, 2)) / 2)
+    assert float(A2A.split_ring_bytes(100, 1, 4)) == float(A2A.ring_bytes(100, 4))
+
+
+def test_ulysses_time_charges_the_link_the_group_spans():
+    hw = A2A.hardware
+    inside = hw.all_to_all_bandwidth((0, 1), 2)
+    across = hw.all_to_all_bandwidth((3, 4), 2)  # ranks 3 and 4 sit on different nodes
+    assert inside == 10.0 and across == 1.0
+    # 4 all-to-alls per attention layer, each one latency: 2 x 4 x 0.5 = 4 s
+    assert float(A2A.ulysses_time(100, 2, inside)) == pytest.approx(28800 / 10 + 4)
+    assert float(A2A.ulysses_time(100, 2, across)) == pytest.approx(28800 / 1 + 4)
+    # a group of 4 on two nodes: each rank sends 2 of its 3 shares over its rail, 3/4 of (3/4 x bytes) / 1 ...
+    assert hw.all_to_all_bandwidth((2, 3, 4, 5), 4) == pytest.approx(3 / 2)
+    # ... while without a topology every rank has its own network link
+    assert Hardware(name="flat", network_bandwidth=7.0).all_to_all_bandwidth((0, 1), 2) == 7.0
+
+
+def test_heads_survive_json_and_old_files_load_without_them(tmp_path):
+    path = tmp_path / "cm.json"
+    A2A.save(path)
+    assert CostModel.load(path) == A2A
+    data = json.loads(path.read_text())
+    del data["heads"], data["kv_heads"]
+    path.write_text(json.dumps(data))
+    old = CostModel.load(path)
+    assert old.heads is None and old.kv_heads is None
+    assert CostModel.preset("llama-7b").heads == 32 and CostModel.preset("llama-7b").kv_heads == 8
+    with pytest.raises(ValueError, match="heads 4 and kv_heads 3"):
+        dataclasses.replace(A2A, kv_heads=3)
