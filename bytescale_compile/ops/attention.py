@@ -10,7 +10,8 @@ attends causally within its own sequence (the row must then be a single one, B =
 `position_ids` (passed by the attention pass for Hugging Face's packed-sequence masks) split each row
 where positions restart; otherwise it is plain causal attention per row, like SDPA with `is_causal=True`.
 When the context's group has several ranks, the row holds this rank's zigzag tokens and the op runs
-the packed ring (`runtime/dist_attn.py`); a group of one stays local.
+the packed ring (`runtime/dist_attn.py`), with the context's Ulysses degree beside it
+(`runtime/ulysses.py`); a group of one stays local.
 
 Under `torch.autocast` q, k and v may arrive in different dtypes (RoPE promotes q and k back to
 fp32); like SDPA, the op then runs in the autocast dtype (`ops/autocast.py`).
@@ -43,7 +44,7 @@ from bytescale_compile.kernels.dispatch import (
 )
 from bytescale_compile.ops.autocast import register_autocast_rule, to_autocast_dtype
 from bytescale_compile.runtime.context import ContextError, MicroBatchContext, current_context, restarts
-from bytescale_compile.runtime.dist_attn import ring_attention_bwd, ring_attention_fwd
+from bytescale_compile.runtime.ulysses import ulysses_attention_bwd, ulysses_attention_fwd
 
 __all__ = ["attention", "attention_backward"]
 
@@ -139,11 +140,11 @@ def attention(
     if ring is not None:
         assert ring.layout is not None and ring.group is not None  # a ring context has both
         check = ring.first_use((tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, window, softcap))
-        out, lse = ring_attention_fwd(
+        out, lse = ulysses_attention_fwd(
             _to_ring(q),
             _to_ring(k),
             _to_ring(v),
-            ring.layout,
+            ring.split_layout,
             ring.group,
             scale,
             stats=ring.ring_stats,
@@ -201,14 +202,14 @@ def attention_backward(
     ring = _ring_context(q)
     if ring is not None:
         assert ring.layout is not None and ring.group is not None  # a ring context has both
-        dq, dk, dv = ring_attention_bwd(
+        dq, dk, dv = ulysses_attention_bwd(
             _to_ring(grad_out),
             _to_ring(q),
             _to_ring(k),
             _to_ring(v),
             _to_ring(out),
             lse[0],
-            ring.layout,
+            ring.split_layout,
             ring.group,
             scale,
             stats=ring.ring_stats,

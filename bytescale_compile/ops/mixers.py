@@ -54,6 +54,11 @@ def _rows(batch: int, tokens: int) -> list[MixerRow]:
             )
         if ctx.is_ring:
             assert ctx.layout is not None and ctx.group is not None
+            if ctx.ulysses > 1:
+                raise ContextError(
+                    f"micro-batch {ctx.micro_batch_id}: convolutions and scans do not run under a Ulysses split yet "
+                    f"(degree {ctx.ulysses}); share this model's micro-batches with ulysses=1"
+                )
             ring = make_ring(ctx.layout, ctx.group, ctx.ring_timeout_s, ctx.ring_stats, None)
             row = ring_row(ring)
             if sum(p.length for p in row.pieces) != tokens:

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 
 from .dist_attn import DEFAULT_TIMEOUT_S, RingStats
-from .layout import ZigzagLayout
+from .layout import UlyssesLayout, ZigzagLayout
 
 __all__ = [
     "MicroBatchContext",
@@ -48,7 +48,10 @@ class MicroBatchContext:
         row (starts at 0, ends at the row's token count). None means one causal sequence per row.
     group: ordered global ranks sharing this micro-batch; with more than one, attention runs as a
         ring over them and the row holds this rank's zigzag tokens of `layout`.
-    layout: the zigzag layout of the micro-batch's sequences over `group`.
+    layout: the zigzag layout of the micro-batch's sequences over `group` (over its r = len(group) / u
+        rings when `ulysses` > 1).
+    ulysses: the Ulysses (head-parallel) degree u of the u × r split (`runtime/ulysses.py`); the row then
+        holds this rank's tokens of `split_layout`. 1 is the plain ring.
     micro_batch_id: the micro-batch's index in the step (for counters and error messages).
     ring_stats: bytes and blocks of every ring call under this context.
     """
@@ -57,17 +60,20 @@ class MicroBatchContext:
     group: tuple[int, ...] | None = None
     layout: ZigzagLayout | None = None
     micro_batch_id: int = 0
+    ulysses: int = 1
     ring_timeout_s: float = DEFAULT_TIMEOUT_S
     ring_stats: RingStats = field(default_factory=RingStats, compare=False)
     _checked_shapes: set = field(default_factory=set, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_ulysses()
         if self.group is not None:
             object.__setattr__(self, "group", tuple(int(r) for r in self.group))
-            if self.layout is None or self.layout.group_size != len(self.group):
+            rings = len(self.group) // self.ulysses
+            if self.layout is None or self.layout.group_size != rings:
                 raise ContextError(
-                    f"micro-batch {self.micro_batch_id}: group {list(self.group)} needs a zigzag layout made for "
-                    f"{len(self.group)} ranks, got {self.layout}"
+                    f"micro-batch {self.micro_batch_id}: group {list(self.group)} with Ulysses degree {self.ulysses} "
+                    f"needs a zigzag layout made for {rings} ranks, got {self.layout}"
                 )
             if len(self.group) == 1 and self.cu_seqlens is None:
                 bounds = [0]
@@ -86,6 +92,24 @@ class MicroBatchContext:
         if int(cpu[0]) != 0 or bool((cpu[1:] < cpu[:-1]).any()):
             raise ContextError(f"cu_seqlens must start at 0 and never decrease, got {cpu.tolist()}")
         object.__setattr__(self, "cu_seqlens", cpu.to(torch.int64))
+
+    def _check_ulysses(self) -> None:
+        u = self.ulysses
+        if isinstance(u, bool) or not isinstance(u, int) or u < 1:
+            raise ContextError(f"micro-batch {self.micro_batch_id}: the Ulysses degree must be an int >= 1, got {u!r}")
+        if u > 1 and (self.group is None or len(self.group) % u):
+            size = "no group" if self.group is None else f"a group of {len(self.group)} ranks"
+            raise ContextError(
+                f"micro-batch {self.micro_batch_id}: Ulysses degree {u} must divide the number of ranks sharing "
+                f"the micro-batch, got {size}"
+            )
+
+    @property
+    def split_layout(self) -> UlyssesLayout:
+        """The u × r token layout of the group (with u = 1, the zigzag layout itself)."""
+        if self.layout is None:
+            raise ContextError(f"micro-batch {self.micro_batch_id} is not shared by a group: it has no layout")
+        return UlyssesLayout(self.layout, self.ulysses)
 
     @property
     def seq_lens(self) -> list[int]:
@@ -150,6 +174,7 @@ def micro_batch(
     layout: ZigzagLayout | None = None,
     micro_batch_id: int = 0,
     ctx: MicroBatchContext | None = None,
+    ulysses: int = 1,
 ) -> Iterator[MicroBatchContext]:
     """Run forward or backward of one micro-batch.
 
@@ -166,6 +191,7 @@ def micro_batch(
             group=None if group is None else tuple(group),
             layout=layout,
             micro_batch_id=micro_batch_id,
+            ulysses=ulysses,
         )
     enter(ctx)
     try:

@@ -26,7 +26,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +44,10 @@ __all__ = [
     "RingError",
     "RingTimeoutError",
     "DEFAULT_TIMEOUT_S",
+    "Peers",
+    "Shapes",
     "Ring",
+    "make_peers",
     "make_ring",
 ]
 
@@ -79,19 +82,26 @@ class RingStats:
     receives_skipped: int = 0
     mixer_bytes_sent: int = 0
     """Of `bytes_sent`: the convolution halos and scan state summaries of `dist_mixers`, and their gradients."""
+    ulysses_bytes_sent: int = 0
+    """Of `bytes_sent`: the Ulysses all-to-all's token and head shards (`runtime/ulysses.py`), both ways."""
+
+
+Shapes = dict[int, tuple[tuple[int, ...], torch.dtype]]
+"""Group index -> (shape, dtype) of the tensor to receive from that member."""
 
 
 @dataclass(frozen=True)
-class Ring:
-    """This rank's view of one ring group: its peers, the layout, and the P2P with timeouts and named faults
-    (`runtime/dist_mixers.py` moves the recurrent mixers' halos and states through it too)."""
+class Peers:
+    """This rank's P2P with an ordered group of global ranks over the default process group, with timeouts and
+    named faults: the ring's, the recurrent mixers' halos and states (`runtime/dist_mixers.py`) and the Ulysses
+    all-to-all (`runtime/ulysses.py`) all move through it."""
 
     group: tuple[int, ...]
     index: int
-    layout: ZigzagLayout
-    window: int | None
     timeout: datetime.timedelta
     stats: RingStats
+    label: str = field(default="group", kw_only=True)
+    """What the group is called in error messages."""
 
     @property
     def size(self) -> int:
@@ -100,25 +110,6 @@ class Ring:
     @property
     def me(self) -> int:
         return self.group[self.index]
-
-    def peer(self, step: int) -> int:
-        """Global rank `step` places after this one in the group (before it for a negative step)."""
-        return self.group[(self.index + step) % self.size]
-
-    def incoming(self, step: int) -> Transfer:
-        """The K/V rows this rank receives at `step`, from the rank `step` places before it."""
-        return self.layout.transfer(self.index, (self.index - step) % self.size, self.window)
-
-    def outgoing(self, step: int) -> Transfer:
-        """The K/V rows this rank sends at `step`, to the rank `step` places after it."""
-        return self.layout.transfer((self.index + step) % self.size, self.index, self.window)
-
-    def count_blocks(self, step: int, blocks: tuple[Block, ...]) -> None:
-        """Count this step's blocks and the (query piece, key piece) pairs the mask or the window empties."""
-        owner = (self.index - step) % self.size
-        pairs = len(self.layout.rank(self.index).pieces) * len(self.layout.rank(owner).pieces)
-        self.stats.blocks_computed += len(blocks)
-        self.stats.blocks_skipped += pairs - len(blocks)
 
     def post(self, send: Tensor | None, dst: int, recv: Tensor | None, src: int, what: str) -> list[Any]:
         """Send `what` to `dst` and receive it from `src` without waiting; None on a side that has nothing to move."""
@@ -134,6 +125,20 @@ class Ring:
             self.stats.bytes_received += recv.numel() * recv.element_size()
             ops.append(dist.P2POp(dist.irecv, recv, src))
         return self.start(ops, what, (dst, src))
+
+    def exchange(
+        self, sends: dict[int, Tensor], receives: Shapes, what: str, device: torch.device
+    ) -> dict[int, Tensor]:
+        """Send `sends[i]` to group member i and receive a tensor of the given shape and dtype from each member in
+        `receives`; one batch of P2P on `device`, waited on with the group's timeout."""
+        got = {src: torch.empty(shape, dtype=dtype, device=device) for src, (shape, dtype) in receives.items()}
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.group[dst]) for dst, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, self.group[src]) for src, t in got.items()]
+        self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
+        self.stats.bytes_received += sum(t.numel() * t.element_size() for t in got.values())
+        peers = tuple(self.group[i] for i in {*sends, *receives})
+        self.wait(self.start(ops, what, peers), what, peers)
+        return got
 
     def start(self, ops: list[Any], what: str, peers: tuple[int, ...]) -> list[Any]:
         """Post `ops`; a peer already lost (gloo refuses to post to a closed connection) raises `RingError`."""
@@ -168,7 +173,7 @@ class Ring:
         self, error: RuntimeError, what: str, peers: tuple[int, ...], timed_out: bool, stream_ordered: bool
     ) -> RingError:
         """The ring error of a backend error: `RingTimeoutError` when the ring's own timeout ran out."""
-        where = f"ring group {list(self.group)}: rank {self.me}"
+        where = f"{self.label} {list(self.group)}: rank {self.me}"
         if timed_out:
             return RingTimeoutError(
                 f"{where} waited {self.timeout.total_seconds():.0f}s for {what} (peers "
@@ -183,6 +188,59 @@ class Ring:
         return RingError(f"{where} lost a peer while exchanging {what}: {reported}")
 
 
+@dataclass(frozen=True)
+class Ring(Peers):
+    """This rank's view of one ring group: its peers and the layout."""
+
+    layout: ZigzagLayout
+    window: int | None
+    label: str = field(default="ring group", kw_only=True)
+
+    def peer(self, step: int) -> int:
+        """Global rank `step` places after this one in the group (before it for a negative step)."""
+        return self.group[(self.index + step) % self.size]
+
+    def incoming(self, step: int) -> Transfer:
+        """The K/V rows this rank receives at `step`, from the rank `step` places before it."""
+        return self.layout.transfer(self.index, (self.index - step) % self.size, self.window)
+
+    def outgoing(self, step: int) -> Transfer:
+        """The K/V rows this rank sends at `step`, to the rank `step` places after it."""
+        return self.layout.transfer((self.index + step) % self.size, self.index, self.window)
+
+    def count_blocks(self, step: int, blocks: tuple[Block, ...]) -> None:
+        """Count this step's blocks and the (query piece, key piece) pairs the mask or the window empties."""
+        owner = (self.index - step) % self.size
+        pairs = len(self.layout.rank(self.index).pieces) * len(self.layout.rank(owner).pieces)
+        self.stats.blocks_computed += len(blocks)
+        self.stats.blocks_skipped += pairs - len(blocks)
+
+
+def make_peers(
+    group: list[int] | tuple[int, ...], size: int, timeout_s: float, stats: RingStats | None, label: str
+) -> Peers:
+    """This rank's `Peers` in `group` (global ranks), checked: distinct ranks in the world, this rank among them,
+    as many as the layout's `size`."""
+    group = tuple(int(r) for r in group)
+    if len(set(group)) != len(group):
+        raise RingError(f"{label} {list(group)} lists a rank twice")
+    if len(group) != size:
+        raise RingError(f"{label} {list(group)} has {len(group)} ranks but the layout was made for {size}")
+    if len(group) > 1 and not dist.is_initialized():
+        raise RingError(f"{label} {list(group)} needs torch.distributed to be initialised")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    outside = [r for r in group if not 0 <= r < world]
+    if len(group) > 1 and outside:
+        raise RingError(
+            f"{label} {list(group)} names rank(s) {outside} outside the world of {world} ranks "
+            f"(valid: 0 to {world - 1})"
+        )
+    me = dist.get_rank() if dist.is_initialized() else group[0]
+    if me not in group:
+        raise RingError(f"rank {me} is not in {label} {list(group)}")
+    return Peers(group, group.index(me), datetime.timedelta(seconds=timeout_s), stats or RingStats(), label=label)
+
+
 def make_ring(
     layout: ZigzagLayout,
     group: list[int] | tuple[int, ...],
@@ -190,37 +248,20 @@ def make_ring(
     stats: RingStats | None,
     window: int | None,
 ) -> Ring:
-    group = tuple(int(r) for r in group)
-    if len(set(group)) != len(group):
-        raise RingError(f"ring group {list(group)} lists a rank twice")
-    if len(group) != layout.group_size:
-        raise RingError(
-            f"ring group {list(group)} has {len(group)} ranks but the layout was made for {layout.group_size}"
-        )
-    if len(group) > 1 and not dist.is_initialized():
-        raise RingError(f"ring group {list(group)} needs torch.distributed to be initialised")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    outside = [r for r in group if not 0 <= r < world]
-    if len(group) > 1 and outside:
-        raise RingError(
-            f"ring group {list(group)} names rank(s) {outside} outside the world of {world} ranks "
-            f"(valid: 0 to {world - 1})"
-        )
-    me = dist.get_rank() if dist.is_initialized() else group[0]
-    if me not in group:
-        raise RingError(f"rank {me} is not in ring group {list(group)}")
-    return Ring(group, group.index(me), layout, window, datetime.timedelta(seconds=timeout_s), stats or RingStats())
+    peers = make_peers(group, layout.group_size, timeout_s, stats, "ring group")
+    return Ring(peers.group, peers.index, peers.timeout, peers.stats, layout, window)
 
 
 # --- input checks ---------------------------------------------------------------------------------
 
 
-def _local_problem(ring: Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> str | None:
-    """Why this rank's q/k/v and attention arguments cannot enter the ring, or None."""
-    tokens = ring.layout.rank(ring.index).num_tokens
+def local_problem(
+    me: int, tokens: int, window: int | None, q: Tensor, k: Tensor, v: Tensor, softcap: float | None
+) -> str | None:
+    """Why global rank `me`'s q/k/v (`tokens` rows expected) and attention arguments cannot enter the ring, or None."""
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     try:
-        validate_window(ring.window)
+        validate_window(window)
     except LayoutError as e:
         return str(e)
     if softcap is not None and (
@@ -230,7 +271,7 @@ def _local_problem(ring: Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float |
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
         return f"ring attention expects q [T, Hq, D], k [T, Hkv, D] and v [T, Hkv, Dv], got {shapes}"
     if q.shape[0] != tokens or k.shape[0] != tokens:
-        return f"rank {ring.me} holds {tokens} tokens in this layout, got {shapes}"
+        return f"rank {me} holds {tokens} tokens in this layout, got {shapes}"
     if q.shape[2] != k.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         return f"ring attention needs q and k of one head dim and Hq a multiple of Hkv, got {shapes}"
     if not q.dtype == k.dtype == v.dtype:
@@ -245,37 +286,52 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _descriptor(ring: Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> dict[str, Any]:
+def descriptor(
+    group: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    window: int | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softcap: float | None,
+) -> dict[str, Any]:
     """What every rank of the group must agree on, in words."""
 
     def dim(x: Tensor, i: int) -> int | None:
         return int(x.shape[i]) if x.dim() == 3 else None
 
     return {
-        "group": list(ring.group),
-        "layout (sequence lengths)": list(ring.layout.seq_lens),
+        "group": list(group),
+        "layout (sequence lengths)": list(seq_lens),
         "query heads": dim(q, 1),
         "kv heads": dim(k, 1),
         "head dim": dim(q, 2),
         "v head dim": dim(v, 2),
         "dtype": _dtype_name(q.dtype),
-        "window": ring.window,
+        "window": window,
         "softcap": softcap,
     }
 
 
 def _check_inputs(ring: Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | None, exchange: bool) -> None:
     """Check this rank's inputs and, with `exchange`, that the whole group agrees; every rank raises alike."""
-    problem = _local_problem(ring, q, k, v, softcap)
+    problem = local_problem(ring.me, ring.layout.rank(ring.index).num_tokens, ring.window, q, k, v, softcap)
     if exchange and ring.size > 1:
-        _check_group_agrees(ring, _descriptor(ring, q, k, v, softcap), problem, q.device)
+        mine = descriptor(ring.group, ring.layout.seq_lens, ring.window, q, k, v, softcap)
+        check_group_agrees(ring, mine, problem, q.device)
     if problem:
         raise RingError(problem)
 
 
-def _check_group_agrees(ring: Ring, mine: dict[str, Any], problem: str | None, device: torch.device) -> None:
-    """Exchange descriptors and local problems with every group member; raise the same error on all of them."""
-    theirs = _exchange_with_group(ring, json.dumps({"descriptor": mine, "problem": problem}).encode(), device)
+def check_group_agrees(
+    peers: Peers,
+    mine: dict[str, Any],
+    problem: str | None,
+    device: torch.device,
+    error: type[RingError] = RingError,
+) -> None:
+    """Exchange descriptors and local problems with every group member; raise the same `error` on all of them."""
+    theirs = _exchange_with_group(peers, json.dumps({"descriptor": mine, "problem": problem}).encode(), device)
     received = {r: json.loads(payload) for r, payload in sorted(theirs.items())}
     differences = []
     for name in mine:
@@ -285,8 +341,8 @@ def _check_group_agrees(ring: Ring, mine: dict[str, Any], problem: str | None, d
             differences.append(f"{name} differs ({shown})")
     problems = [f"rank {r}: {got['problem']}" for r, got in received.items() if got["problem"]]
     if differences or problems:
-        raise RingError(
-            f"ring group {sorted(ring.group)}: {'inputs differ across ranks, ' if differences else ''}"
+        raise error(
+            f"{peers.label} {sorted(peers.group)}: {'inputs differ across ranks, ' if differences else ''}"
             f"nothing was sent: " + "; ".join(differences + problems)
         )
 
@@ -298,7 +354,7 @@ def _shown(value: Any, limit: int = 8) -> str:
     return "none" if value is None else str(value)
 
 
-def _exchange_with_group(ring: Ring, payload: bytes, device: torch.device) -> dict[int, bytes]:
+def _exchange_with_group(ring: Peers, payload: bytes, device: torch.device) -> dict[int, bytes]:
     """Every group member's `payload` (this rank's included): sizes first, then the bytes.
 
     The buffers live on the inputs' device: NCCL takes no CPU tensors.
@@ -313,7 +369,7 @@ def _exchange_with_group(ring: Ring, payload: bytes, device: torch.device) -> di
     return {ring.me: payload, **{r: bytes(data[r].cpu().tolist()) for r in peers}}
 
 
-def _all_to_peers(ring: Ring, mine: Tensor, theirs: dict[int, Tensor]) -> list[Any]:
+def _all_to_peers(ring: Peers, mine: Tensor, theirs: dict[int, Tensor]) -> list[Any]:
     ops = [dist.P2POp(dist.isend, mine, r) for r in theirs] + [dist.P2POp(dist.irecv, t, r) for r, t in theirs.items()]
     return ring.start(ops, "the input descriptor", tuple(theirs))
 

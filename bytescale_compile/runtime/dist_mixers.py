@@ -26,11 +26,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..kernels.recurrences import Recurrence
-from .dist_attn import Ring
+from .dist_attn import Ring, Shapes
 from .layout import Piece, ZigzagLayout
 
 __all__ = [
@@ -78,25 +77,12 @@ def _piece_of(layout: ZigzagLayout, rank: int, seq: int, chunk: int) -> Piece:
 # --- exchange -------------------------------------------------------------------------------------
 
 
-Shapes = dict[int, tuple[tuple[int, ...], torch.dtype]]
-
-
 def _exchange(
     ring: Ring, sends: dict[int, Tensor], receives: Shapes, what: str, device: torch.device
 ) -> dict[int, Tensor]:
-    """Send `sends[i]` to group rank i and receive a tensor of the given shape and dtype from each group rank in
-    `receives`; one batch of P2P on `device` (the inputs'), waited on with the ring's timeout."""
-    got = {src: torch.empty(shape, dtype=dtype, device=device) for src, (shape, dtype) in receives.items()}
-    ops = [dist.P2POp(dist.isend, t.contiguous(), ring.group[dst]) for dst, t in sends.items()]
-    ops += [dist.P2POp(dist.irecv, t, ring.group[src]) for src, t in got.items()]
-    for t in sends.values():
-        ring.stats.bytes_sent += t.numel() * t.element_size()
-        ring.stats.mixer_bytes_sent += t.numel() * t.element_size()
-    for t in got.values():
-        ring.stats.bytes_received += t.numel() * t.element_size()
-    peers = tuple(ring.group[i] for i in {*sends, *receives})
-    ring.wait(ring.start(ops, what, peers), what, peers)
-    return got
+    """`Peers.exchange`, counting what it sends as mixer bytes too."""
+    ring.stats.mixer_bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
+    return ring.exchange(sends, receives, what, device)
 
 
 _K = torch._C.DispatchKey

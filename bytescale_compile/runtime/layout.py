@@ -11,6 +11,11 @@ sequence, causally to itself, and not at all to later chunks or other sequences;
 queries against rank j's keys, both trimmed to the tokens the window lets meet, and
 `ZigzagLayout.transfer(i, j, window)` the rows of rank j's K/V that those blocks read: exactly what
 the ring moves from j to i. Both are pure functions of the layout, so every rank derives the same.
+
+`UlyssesLayout` adds a head-parallel (DeepSpeed-Ulysses) degree u beside the ring: the zigzag layout
+over r "virtual ranks", each virtual rank's tokens cut into u contiguous parts, one per member of its
+Ulysses group (global index g = ring index × u + Ulysses index). An all-to-all inside the Ulysses group
+reassembles the virtual rank's tokens in order, so the ring sees exactly its zigzag layout over r ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ __all__ = [
     "RankLayout",
     "ZigzagLayout",
     "zigzag_layout",
+    "UlyssesLayout",
+    "ulysses_layout",
     "validate_window",
     "LayoutError",
 ]
@@ -37,7 +44,8 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    """One chunk of one sequence as a rank holds it: `length` tokens at local offset `offset`."""
+    """One chunk of one sequence as a rank holds it (under a Ulysses split, the part of the chunk in the rank's
+    part): `length` tokens at local offset `offset`."""
 
     seq: int
     chunk: int
@@ -214,6 +222,61 @@ class ZigzagLayout:
     def rank_tokens(self) -> list[int]:
         """Local token count of every group rank (they differ by at most 2 per sequence)."""
         return [self.rank(i).num_tokens for i in range(self.group_size)]
+
+
+@dataclass(frozen=True)
+class UlyssesLayout:
+    """The zigzag layout over `ring.group_size` virtual ranks, each virtual rank's tokens cut into `ulysses`
+    contiguous parts; with `ulysses == 1` its ranks are exactly `ring`'s."""
+
+    ring: ZigzagLayout
+    ulysses: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ulysses, bool) or not isinstance(self.ulysses, int) or self.ulysses < 1:
+            raise LayoutError(f"the Ulysses degree must be an int >= 1, got {self.ulysses!r}")
+
+    @property
+    def group_size(self) -> int:
+        return self.ring.group_size * self.ulysses
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return self.ring.seq_lens
+
+    def part_bounds(self, ring_index: int) -> list[int]:
+        """Offsets into virtual rank `ring_index`'s tokens where each Ulysses member's part starts, plus its
+        token count; earlier parts get the remainder."""
+        base, extra = divmod(self.ring.rank(ring_index).num_tokens, self.ulysses)
+        bounds = [0]
+        for i in range(self.ulysses):
+            bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+        return bounds
+
+    def rank(self, rank: int) -> RankLayout:
+        """Global index `rank`'s tokens: part `rank % u` of virtual rank `rank // u`'s, pieces cut to the part."""
+        if not 0 <= rank < self.group_size:
+            raise LayoutError(f"rank {rank} is outside the group of {self.group_size}")
+        virtual = self.ring.rank(rank // self.ulysses)
+        if self.ulysses == 1:
+            return virtual
+        bounds = self.part_bounds(rank // self.ulysses)
+        lo, hi = bounds[rank % self.ulysses], bounds[rank % self.ulysses + 1]
+        pieces = tuple(
+            Piece(p.seq, p.chunk, max(p.offset, lo) - lo, min(p.offset + p.length, hi) - max(p.offset, lo))
+            for p in virtual.pieces
+            if max(p.offset, lo) < min(p.offset + p.length, hi)
+        )
+        return RankLayout(virtual.token_index[lo:hi], virtual.position_ids[lo:hi], pieces)
+
+    def rank_tokens(self) -> list[int]:
+        """Local token count of every group rank."""
+        return [self.rank(i).num_tokens for i in range(self.group_size)]
+
+
+def ulysses_layout(seq_lens: list[int] | tuple[int, ...], ulysses: int, ring: int) -> UlyssesLayout:
+    """The u × r layout of one shared micro-batch (u = `ulysses`, r = `ring`); see the module docstring."""
+    return UlyssesLayout(zigzag_layout(seq_lens, ring), ulysses)
 
 
 def validate_window(window: int | None) -> int | None:
