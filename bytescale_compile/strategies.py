@@ -5,7 +5,20 @@ the projection) imports it from here, so a new strategy is added in one place.""
 
 from __future__ import annotations
 
-__all__ = ["AUTO", "BALANCE", "NAIVE", "RUNTIME_STRATEGIES", "STATIC", "STRATEGIES", "STRATEGY_SPECS"]
+__all__ = [
+    "AUTO",
+    "BALANCE",
+    "DEFAULT_SP",
+    "NAIVE",
+    "RUNTIME_STRATEGIES",
+    "SP_AUTO",
+    "SP_MODES",
+    "SP_RING",
+    "SP_ULYSSES",
+    "STATIC",
+    "STRATEGIES",
+    "STRATEGY_SPECS",
+]
 
 BALANCE, NAIVE, STATIC, AUTO = "balance", "naive", "static", "auto"
 
@@ -23,3 +36,10 @@ STRATEGY_SPECS: dict[str, tuple[str, bool]] = {
 }
 """What the simulator and the CLI compare, name -> (planner strategy, offload): "naive-nooffload" is the
 paper's communication-only ablation; "auto" the fastest of balance and static candidates under the simulator."""
+
+SP_RING, SP_ULYSSES, SP_AUTO = "ring", "ulysses", "auto"
+SP_MODES = (SP_RING, SP_ULYSSES, SP_AUTO)
+"""How a shared micro-batch splits its D(s) ranks u × r (`planner/split.py`): "ring" keeps u = 1, "ulysses"
+takes the largest u allowed, "auto" the cheapest the cost model predicts."""
+DEFAULT_SP = SP_RING
+"""The ring, as before the u × r split existed."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..strategies import DEFAULT_SP, SP_AUTO, SP_MODES, SP_RING, SP_ULYSSES
 from .plan import local_tokens, split_tokens
 
 if TYPE_CHECKING:
@@ -33,12 +34,6 @@ __all__ = [
     "choose_split",
     "split_time",
 ]
-
-SP_RING, SP_ULYSSES, SP_AUTO = "ring", "ulysses", "auto"
-SP_MODES = (SP_RING, SP_ULYSSES, SP_AUTO)
-"""The `sp` option: "ring" keeps u = 1, "ulysses" takes the largest u allowed, "auto" the cheapest predicted."""
-DEFAULT_SP = SP_RING
-"""The ring until the runtime runs u > 1 everywhere."""
 
 
 def check_sp(sp: str) -> str:

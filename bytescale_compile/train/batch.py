@@ -23,7 +23,7 @@ import torch
 
 from ..planner.plan import MicroBatch
 from ..runtime.context import MicroBatchContext
-from ..runtime.layout import zigzag_layout
+from ..runtime.layout import UlyssesLayout, zigzag_layout
 
 __all__ = [
     "BatchError",
@@ -149,17 +149,18 @@ def build_micro_batch(
         raise ValueError(f"rank {rank} is not among micro-batch {mb.id}'s ranks {list(mb.ranks)}")
     lens = [int(lengths[s]) for s in mb.sequences]
     ids, positions, labels = [], [], []
-    if mb.shared:
-        layout = zigzag_layout(lens, len(mb.ranks))
-        for piece in layout.rank(mb.ranks.index(rank)).pieces:
+    if mb.shared:  # the zigzag over the r rings, each ring position's tokens cut into u parts (u = 1: the ring)
+        layout = zigzag_layout(lens, len(mb.ranks) // mb.ulysses)
+        mine = UlyssesLayout(layout, mb.ulysses).rank(mb.ranks.index(rank))
+        for piece in mine.pieces:
             if piece.length == 0:  # sequences shorter than 2N leave some chunks empty
                 continue
-            lo = layout.chunk_bounds(piece.seq)[piece.chunk]
+            lo = int(mine.position_ids[piece.offset])  # where the piece starts in its sequence
             tokens, next_tokens = _chunk(read, mb.sequences[piece.seq], lens[piece.seq], lo, lo + piece.length)
             ids.append(tokens)
             labels.append(next_tokens)
             positions.append(torch.arange(lo, lo + piece.length))
-        context = MicroBatchContext(group=mb.ranks, layout=layout, micro_batch_id=mb.id)
+        context = MicroBatchContext(group=mb.ranks, layout=layout, micro_batch_id=mb.id, ulysses=mb.ulysses)
     else:
         for seq, n in zip(mb.sequences, lens):
             tokens, next_tokens = _chunk(read, seq, n, 0, n)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..strategies import BALANCE, RUNTIME_STRATEGIES
+from ..strategies import BALANCE, DEFAULT_SP, RUNTIME_STRATEGIES, SP_MODES, SP_RING
 from ..units import parse_size
 
 __all__ = [
@@ -75,6 +75,7 @@ NOT_COMPARED = (
     "eval_every",
     "eval_tokens",
     "loader",
+    "sp",
     "ray_address",
     "ray_cpus",
     "data_servers",
@@ -191,6 +192,12 @@ class TrainConfig:
         "tensor parallelism: each HDP rank is a group of tp processes (adjacent ranks, one node) sharding the "
         "model's heads and MLP columns (its Hugging Face base_model_tp_plan); processes = pp x HDP ranks x tp",
     )
+    sp: str = _setting(
+        DEFAULT_SP,
+        "how a sequence shared by D(s) ranks splits them: ring (the zigzag ring), ulysses (an all-to-all over heads "
+        "in groups of consecutive ranks inside a node, the ring between the groups), auto (per micro-batch, the "
+        "split the cost model predicts fastest)",
+    )
     seed: int = _setting(0, "initialisation and batch order")
     cost_model: str | None = _setting(
         None,
@@ -249,6 +256,12 @@ class TrainConfig:
         if self.memory_budget is not None:
             _check_int("memory_budget", self.memory_budget, 1)
         _check_choice("loader", self.loader, LOADERS)
+        _check_choice("sp", self.sp, SP_MODES)
+        if self.sp != SP_RING and self.tp > 1:
+            raise ConfigError(
+                f"sp = {self.sp!r} splits attention heads over a micro-batch's ranks, which --tp {self.tp} already "
+                "splits: not supported together yet; use --sp ring with --tp"
+            )
         for key in ("steps", "global_tokens", "pp", "tp"):
             _check_int(key, getattr(self, key), 1)
         _check_int("max_len", self.max_len, 2)

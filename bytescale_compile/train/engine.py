@@ -46,10 +46,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ..api import OptimizedModule, optimize
 from ..config import Config
 from ..passes.report import CompileReport
-from ..planner import RUNTIME_STRATEGIES, CostModel, Plan, plan
+from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, check_sp, plan
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
+from ..strategies import SP_RING
 from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork
 from .collectives import clip_grads_, gather, sync_gradients
 from .dist_optim import DistributedOptimizer
@@ -218,6 +219,7 @@ class Runtime:
         max_skipped_steps: int = 3,
         memory: MemoryModel | None = None,
         memory_budget: int | None = None,
+        sp: str = DEFAULT_SP,
     ) -> None:
         if strategy not in RUNTIME_STRATEGIES:
             raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
@@ -247,6 +249,13 @@ class Runtime:
         self.tp_size = mesh.tp
         """Ranks of a TP group: one HDP rank of the plans."""
         self._refuse_with_tp(optimizer)
+        self.sp = check_sp(sp)
+        """How shared micro-batches split their ranks u × r (`planner.split`): "ring", "ulysses" or "auto"."""
+        if self.sp != SP_RING and self.tp_size > 1:
+            raise ValueError(
+                f"sp={sp!r} splits attention heads over the ranks of a micro-batch, which tensor parallelism (tp "
+                f"{self.tp_size}) already splits: not supported together yet; use sp='ring' with tp > 1"
+            )
         self.world_size, self.rank = mesh.hdp, mesh.hdp_rank
         """HDP ranks: the ranks a plan is made for; this rank's."""
         if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
@@ -286,9 +295,14 @@ class Runtime:
             context_length=self.context_length,
             shard_blocker="; ".join(blockers) or None,
             step_time=step_time,
+            sp=self.sp,
         )
-        result.validate()
+        self._validate(result)
         return result
+
+    def _validate(self, step_plan: Plan) -> None:
+        """`step_plan.validate()` with the model's head counts, which each micro-batch's Ulysses degree must divide."""
+        step_plan.validate(heads=self.cost_model.heads, kv_heads=self.cost_model.kv_heads)
 
     def predicted_peaks(self, step_plan: Plan) -> list[int] | None:
         """Per HDP rank, the memory model's peak over its micro-batches (each at its offload ratio as this run
@@ -323,7 +337,7 @@ class Runtime:
 
     def _given_plan(self, given: Plan, lengths: np.ndarray) -> Plan:
         """`given`, validated and checked to be a plan of `lengths` for this world size."""
-        given.validate()
+        self._validate(given)
         if (given.world_size, given.pp_size) != (self.world_size, self.pp_size):
             raise BatchError(
                 f"the given plan is for {given.world_size} HDP ranks x pp_size {given.pp_size}, this run "

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..data import GlobalBatchSampler, TokenDataset, open_dataset
-from ..planner import CostModel, Plan, plan
+from ..planner import DEFAULT_SP, CostModel, Plan, plan
 from ..sim.simulator import step_time
 from .config import ConfigError
 from .engine import BatchError
@@ -86,6 +86,7 @@ class PlanSettings:
     context_length: int | None = None
     shard_blocker: str | None = None
     pp_size: int = 1
+    sp: str = DEFAULT_SP
 
 
 @dataclass(frozen=True)
@@ -306,8 +307,9 @@ class Scheduler:
             context_length=s.context_length,
             shard_blocker=s.shard_blocker,
             step_time=step_time,
+            sp=s.sp,
         )
-        step_plan.validate()
+        step_plan.validate(heads=s.cost_model.heads, kv_heads=s.cost_model.kv_heads)
         return PlannedStep(
             step, batch.indices, batch.lengths, step_plan, time.perf_counter() - began, self.sampler.state_dict()
         )

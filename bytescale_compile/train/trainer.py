@@ -581,6 +581,7 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
         memory=inputs.memory,
         memory_budget=inputs.memory_budget,
+        sp=config.sp,
     )
     sampler = _sampler(inputs)
     """The local loader's, and in either case what a checkpoint's batch position is checked against."""
@@ -690,6 +691,7 @@ def _steps(
         runtime.context_length,
         "; ".join(runtime.shard_blockers()) or None,
         runtime.pp_size,
+        runtime.sp,
     )
     scheduler = scheduler_for(
         directory,
