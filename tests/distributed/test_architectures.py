@@ -54,8 +54,7 @@ def _shared_step_worker(rank: int, world: int, name: str) -> None:
     assert rel_err(dict(model.named_parameters())[worst], ref_params[worst]) <= 1e-5, f"rank {rank}: {worst}"
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[] if n == "qwen2-sliding" else pytest.mark.slow) for n in NAMES]
-)
+@pytest.mark.slow  # by default tests/distributed/test_train_ulysses.py runs qwen2-sliding's shared step, ring included
+@pytest.mark.parametrize("name", NAMES)
 def test_two_rank_step_with_a_shared_sequence_equals_one_process(name):
     run_distributed(_shared_step_worker, 2, name)

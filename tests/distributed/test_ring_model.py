@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -42,5 +43,6 @@ def _model_worker(rank: int, world: int, length: int) -> None:
     assert len(optimized.report.rewrites("attention")) == 2
 
 
+@pytest.mark.slow  # by default the Runtime runs an optimized HF model over rings in tests/distributed/test_train_ulysses.py
 def test_optimized_model_over_three_rank_ring_matches_single_process():
     run_distributed(_model_worker, 3, 301)

@@ -57,8 +57,8 @@ def _step_worker(rank: int, world: int, name: str, ulysses_by_size: dict[int, in
 @pytest.mark.parametrize(
     "name,ulysses_by_size",
     [
-        ("llama", {4: 2, 2: 2}),  # (2, 2) and (2, 1)
-        pytest.param("qwen2-sliding", {4: 4, 2: 1}, marks=pytest.mark.slow),  # (4, 1): u > the 2 KV heads; a ring
+        ("qwen2-sliding", {4: 2, 2: 1}),  # (2, 2) and a plain 2-rank ring, windowed layers among them
+        pytest.param("llama", {4: 4, 2: 2}, marks=pytest.mark.slow),  # (4, 1): u above the 2 KV heads; (2, 1)
     ],
 )
 def test_a_step_with_mixed_splits_equals_the_single_process_step(name, ulysses_by_size):

@@ -1,17 +1,11 @@
 """The vocabulary-sliced fused linear cross-entropy against eager linear -> float -> cross_entropy.
 
-The torch reference runs here; the Triton version runs in a child pytest started with TRITON_INTERPRET=1
-(`test_triton_in_interpreter_process`, as in `test_kernels_triton.py`: the variable must be set when the
-process starts), which selects this module's tests named `*triton*`. Also: the rule that picks slices or
+The torch reference runs here; the Triton version runs in the child pytest that `test_kernels_triton.py` starts
+with TRITON_INTERPRET=1 (the variable must be set when the process starts). Also: the rule that picks slices or
 token chunks, and that the slices hold no fp32 [V, H] buffer.
 """
 
 from __future__ import annotations
-
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,8 +20,6 @@ from bytescale_compile.kernels import dispatch  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 
 IN_INTERPRETER = ce_triton.INTERPRETED
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHILD_TIMEOUT_S = 300
 
 T, V, H = 37, 101, 16
 CHUNK = 4
@@ -36,28 +28,9 @@ TRANSFORMS = [(1.0, None), (0.5, None), (0.7, 2.0)]
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
 needs_interpreter = pytest.mark.skipif(
-    not IN_INTERPRETER, reason="runs in the TRITON_INTERPRET=1 child process of test_triton_in_interpreter_process"
+    not IN_INTERPRETER,
+    reason="runs in the TRITON_INTERPRET=1 child process of test_kernels_triton.py::test_kernels_in_interpreter_process",
 )
-
-
-@pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the Triton tests in the interpreter")
-def test_triton_in_interpreter_process():
-    """Run this module's Triton tests in a fresh pytest with TRITON_INTERPRET=1; they must all pass."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop(dispatch.ENV_VAR, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton", __file__],
-        check=False,
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-8000:]
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|error)", output)}
-    assert counts.get("passed", 0) >= 15, output[-8000:]  # the Triton tests ran, not skipped
 
 
 def make_inputs(

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,13 +51,18 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
+INTERPRETED_ELSEWHERE = [str(Path(__file__).with_name("test_kernels_cross_entropy_ref.py"))]
+"""Other files whose Triton tests run in the same interpreter child (one Triton import, one process start)."""
+
+
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the kernel tests in the interpreter")
 def test_kernels_in_interpreter_process():
-    """Run this module in a fresh pytest with TRITON_INTERPRET=1; all its tests but this one must pass."""
+    """Run this module (and `INTERPRETED_ELSEWHERE`) in a fresh pytest with TRITON_INTERPRET=1; all their tests
+    but this one must pass."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop(dispatch.ENV_VAR, None)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *INTERPRETED_ELSEWHERE],
         check=False,
         cwd=REPO_ROOT,
         env=env,
