@@ -128,6 +128,7 @@ def _splits_worker(rank: int, world: int) -> None:
     assert stats.ulysses_bytes_sent == 0
 
 
+@pytest.mark.slow  # by default the Runtime's step runs (2, 2) and a ring in tests/distributed/test_train_ulysses.py
 def test_every_split_of_four_ranks_matches_the_reference():
     """(u, r) = (4, 1), (2, 2), (1, 4) on mixed packed lengths, causal and windowed, GQA with u > H_kv: outputs,
     gradients and the all-to-all's bytes; then the refusal of u not dividing H on every rank."""
