@@ -27,6 +27,15 @@ from benchmarks.gpu_models import global_batch, llama3, measure, out_of_memory, 
 BASELINES = ("hf_flex", "hf_sdpa_per_sequence", "hf_liger", "hf_varlen")
 VARLEN = "bsc_varlen"
 """The name `hf_varlen` registers its attention function under."""
+ATTENTION = {"hf_flex": "flex_attention", "hf_sdpa_per_sequence": "sdpa", "hf_varlen": VARLEN, "hf_liger": VARLEN}
+"""Each baseline's `attn_implementation`."""
+ROW_KEYS = {
+    "sdpa": ("input_ids", "labels", "shift_labels"),
+    "flex_attention": ("input_ids", "position_ids", "labels", "shift_labels"),
+    VARLEN: None,
+}
+"""What each attention is fed of `packed_row` (None: all of it, the varlen offsets too): one sequence needs no
+positions, a packed row restarts them, and varlen reads its `cu_seq_lens`."""
 
 
 class Unavailable(RuntimeError):
@@ -71,7 +80,7 @@ def _register_varlen() -> None:
 def build(name: str, layers: int, smoke: bool) -> tuple[Any, Any]:
     """(the fp32 model, what runs it) for the baseline `name`."""
     device = "cpu" if smoke else "cuda"
-    attention = {"hf_sdpa_per_sequence": "sdpa", "hf_varlen": VARLEN, "hf_liger": VARLEN}.get(name, "flex_attention")
+    attention = ATTENTION[name]
     if smoke and attention == "flex_attention":
         raise Unavailable("flex_attention has no backward on the CPU")
     if attention == VARLEN:
@@ -94,9 +103,7 @@ def _rows(name: str, lengths: list[int], cap: int, vocab: int, device: str) -> l
     """The forwards of one step: each sequence alone, or packed rows of at most `cap` tokens."""
     groups = [[n] for n in lengths] if name == "hf_sdpa_per_sequence" else pack_rows(lengths, cap)
     rows = [packed_row(g, vocab, device) for g in groups]
-    keep = ("input_ids", "labels", "shift_labels") if name == "hf_sdpa_per_sequence" else None
-    if name not in ("hf_varlen", "hf_liger"):
-        keep = keep or ("input_ids", "position_ids", "labels", "shift_labels")
+    keep = ROW_KEYS[ATTENTION[name]]
     return [{k: v for k, v in r.items() if keep is None or k in keep} for r in rows]
 
 
