@@ -410,6 +410,22 @@ class CostModel:
     (files written before it was recorded), so no micro-batch is split by heads."""
     kv_heads: int | None = None
     """K/V heads of an attention layer (GQA); `kv_bytes_per_token` is 2 x kv_heads x head_dim x element bytes."""
+    head_shards: int | None = None
+    """Devices of an HDP rank whose tensor-parallel shards of the heads each attend `device_heads`; None: the
+    hardware's TP size. Ulysses splits each device's heads, not the rank's."""
+
+    @property
+    def _head_shards(self) -> int:
+        return self.hardware.tp_size if self.head_shards is None else self.head_shards
+
+    @property
+    def device_heads(self) -> tuple[int, int] | None:
+        """(query heads, K/V heads) that each device of an HDP rank attends under tensor parallelism (K/V heads
+        at least one: Megatron copies them where the shards outnumber them); None where the heads are unknown."""
+        if self.heads is None or self.kv_heads is None:
+            return None
+        shards = self._head_shards
+        return self.heads // shards, max(1, self.kv_heads // shards)
 
     @property
     def ring_layers(self) -> int:
@@ -459,6 +475,14 @@ class CostModel:
             raise ValueError(
                 f"CostModel ({self.source}): heads {self.heads} and kv_heads {self.kv_heads} must both be given, "
                 f"kv_heads dividing heads, or both None"
+            )
+        shards = self.head_shards
+        if shards is not None and not (isinstance(shards, int) and shards >= 1):
+            raise ValueError(f"CostModel ({self.source}): head_shards must be None or an int >= 1, got {shards!r}")
+        if self.heads is not None and self.heads % self._head_shards:
+            raise ValueError(
+                f"CostModel ({self.source}): {self.heads} query heads cannot be split over {self._head_shards} "
+                f"tensor-parallel devices (head_shards, or the hardware's tp_size)"
             )
         boundary = self.boundary_bytes_per_token
         if boundary is not None and not (
@@ -747,6 +771,14 @@ class CostModel:
         0 where the heads are unknown."""
         return self.kv_bytes_per_token / (2 * self.kv_heads) if self.kv_heads else 0.0
 
+    def _ulysses_heads(self, ulysses: int) -> tuple[int, int]:
+        """(query heads, K/V heads) an HDP rank's devices hold together after the all-to-all: each device's
+        query heads, and `ulysses_kv_heads` of each device's heads."""
+        device = self.device_heads
+        if device is None:
+            raise ValueError(f"CostModel ({self.source}) does not know the heads: it cannot cost a Ulysses split")
+        return self._head_shards * device[0], self._head_shards * ulysses_kv_heads(*device, ulysses)
+
     def ulysses_bytes(self, tokens_per_rank, ulysses: int) -> np.ndarray:
         """Bytes one rank sends in the all-to-alls of Ulysses degree u for one micro-batch, all attention
         layers, fwd+bwd: per layer (u - 1)/u of its tokens' q, k, v and attention output (q and the output
@@ -754,10 +786,8 @@ class CostModel:
         0 at u = 1."""
         if ulysses <= 1:
             return np.zeros(np.shape(tokens_per_rank))
-        if self.heads is None or self.kv_heads is None:
-            raise ValueError(f"CostModel ({self.source}) does not know the heads: it cannot cost a Ulysses split")
-        kv = ulysses_kv_heads(self.heads, self.kv_heads, ulysses)
-        per_token = (2 * self.heads + 2 * kv) * self.head_bytes_per_token
+        heads, kv = self._ulysses_heads(ulysses)
+        per_token = (2 * heads + 2 * kv) * self.head_bytes_per_token
         share = (ulysses - 1) / ulysses
         sets = 1 + ULYSSES_BACKWARD_SETS
         return self.ring_layers * sets * share * np.asarray(tokens_per_rank, np.float64) * per_token
@@ -779,11 +809,8 @@ class CostModel:
         zigzag share of r ranks), as `ring_bytes` does. At u = 1 exactly `ring_bytes`."""
         if ulysses == 1:
             return self.ring_bytes(virtual_tokens, ring)
-        if self.heads is None or self.kv_heads is None:
-            raise ValueError(f"CostModel ({self.source}) does not know the heads: it cannot cost a Ulysses split")
-        kv_share = ulysses_kv_heads(self.heads, self.kv_heads, ulysses) / (ulysses * self.kv_heads)
-        tokens = np.asarray(virtual_tokens, np.float64) * kv_share
-        return self.ring_layers * 3 * (ring - 1) * tokens * self.kv_bytes_per_token
+        kv_bytes = 2 * self._ulysses_heads(ulysses)[1] * self.head_bytes_per_token / ulysses
+        return self.ring_layers * 3 * (ring - 1) * np.asarray(virtual_tokens, np.float64) * kv_bytes
 
     def split_ring_compute_time(self, virtual_tokens, ulysses: int, ring: int) -> np.ndarray:
         """`ring_compute_time` of a u × r split: r - 1 steps over the virtual rank's tokens on H/u heads."""

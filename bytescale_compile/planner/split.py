@@ -44,12 +44,14 @@ def check_sp(sp: str) -> str:
 
 def allowed_ulysses(cost_model: CostModel, ranks: Sequence[int]) -> list[int]:
     """The Ulysses degrees a micro-batch on `ranks` may take, ascending: u divides D(s) = len(ranks) and the
-    query heads, and each group of u consecutive ranks sits on one node (`Topology.ranks_per_node`; without a
-    topology any group does). Only u = 1 for a micro-batch of one rank, for a cost model that does not know
-    the heads, and for hybrid models (their mixer layers' halo and state exchange follows the ring's layout)."""
-    d, heads = len(ranks), cost_model.heads
-    if d < 2 or heads is None or cost_model.mixer_layers:
+    query heads of each device (`CostModel.device_heads`: under tensor parallelism a device's shard of them),
+    and each group of u consecutive ranks sits on one node (`Topology.ranks_per_node`; without a topology any
+    group does). Only u = 1 for a micro-batch of one rank, for a cost model that does not know the heads, and
+    for hybrid models (their mixer layers' halo and state exchange follows the ring's layout)."""
+    d, device = len(ranks), cost_model.device_heads
+    if d < 2 or device is None or cost_model.mixer_layers:
         return [1]
+    heads = device[0]
     topology = cost_model.hardware.topology
     allowed = []
     for u in range(1, d + 1):

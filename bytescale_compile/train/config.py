@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..strategies import BALANCE, DEFAULT_SP, RUNTIME_STRATEGIES, SP_MODES, SP_RING
+from ..strategies import BALANCE, DEFAULT_SP, RUNTIME_STRATEGIES, SP_MODES
 from ..units import parse_size
 
 __all__ = [
@@ -257,11 +257,6 @@ class TrainConfig:
             _check_int("memory_budget", self.memory_budget, 1)
         _check_choice("loader", self.loader, LOADERS)
         _check_choice("sp", self.sp, SP_MODES)
-        if self.sp != SP_RING and self.tp > 1:
-            raise ConfigError(
-                f"sp = {self.sp!r} splits attention heads over a micro-batch's ranks, which --tp {self.tp} already "
-                "splits: not supported together yet; use --sp ring with --tp"
-            )
         for key in ("steps", "global_tokens", "pp", "tp"):
             _check_int(key, getattr(self, key), 1)
         _check_int("max_len", self.max_len, 2)

@@ -50,7 +50,6 @@ from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, check_sp,
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
-from ..strategies import SP_RING
 from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork
 from .collectives import clip_grads_, gather, sync_gradients
 from .dist_optim import DistributedOptimizer
@@ -250,12 +249,8 @@ class Runtime:
         """Ranks of a TP group: one HDP rank of the plans."""
         self._refuse_with_tp(optimizer)
         self.sp = check_sp(sp)
-        """How shared micro-batches split their ranks u × r (`planner.split`): "ring", "ulysses" or "auto"."""
-        if self.sp != SP_RING and self.tp_size > 1:
-            raise ValueError(
-                f"sp={sp!r} splits attention heads over the ranks of a micro-batch, which tensor parallelism (tp "
-                f"{self.tp_size}) already splits: not supported together yet; use sp='ring' with tp > 1"
-            )
+        """How shared micro-batches split their ranks u × r (`planner.split`): "ring", "ulysses" or "auto"; under
+        tensor parallelism u splits each TP rank's shard of the heads."""
         self.world_size, self.rank = mesh.hdp, mesh.hdp_rank
         """HDP ranks: the ranks a plan is made for; this rank's."""
         if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
@@ -289,7 +284,7 @@ class Runtime:
             lengths,
             self.world_size,
             self.capacity,
-            self.cost_model,
+            self.planning_cost_model,
             strategy=self.strategy,
             pp_size=self.pp_size,
             context_length=self.context_length,
@@ -300,9 +295,19 @@ class Runtime:
         self._validate(result)
         return result
 
+    @property
+    def planning_cost_model(self) -> CostModel:
+        """`cost_model` with the heads sharded over this run's TP group, whatever hardware it was made for: a
+        Ulysses degree splits each TP rank's heads."""
+        if self.cost_model.head_shards == self.tp_size:
+            return self.cost_model
+        return dataclasses.replace(self.cost_model, head_shards=self.tp_size)
+
     def _validate(self, step_plan: Plan) -> None:
-        """`step_plan.validate()` with the model's head counts, which each micro-batch's Ulysses degree must divide."""
-        step_plan.validate(heads=self.cost_model.heads, kv_heads=self.cost_model.kv_heads)
+        """`step_plan.validate()` with the head counts of one device (a TP rank's shard of them), which each
+        micro-batch's Ulysses degree must divide."""
+        heads = self.planning_cost_model.device_heads
+        step_plan.validate(heads=heads and heads[0], kv_heads=heads and heads[1])
 
     def predicted_peaks(self, step_plan: Plan) -> list[int] | None:
         """Per HDP rank, the memory model's peak over its micro-batches (each at its offload ratio as this run

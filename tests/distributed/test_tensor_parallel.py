@@ -51,7 +51,7 @@ MODELS = {  # hf_models' configs have 4 heads and 2 KV heads: the KV heads equal
 }
 
 
-def _runtime_worker(rank: int, world: int, name: str, lm_head: str) -> None:
+def _runtime_worker(rank: int, world: int, name: str, lm_head: str, sp: str) -> None:
     model = MODELS[name]()
     hf = name != "ours"
     reference = copy.deepcopy(model)
@@ -61,10 +61,12 @@ def _runtime_worker(rank: int, world: int, name: str, lm_head: str) -> None:
     else:
         plan["lm_head"] = "colwise_gather_output"
     bsc.tensor_parallel(model, 2, plan=plan)
-    runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.5), capacity=CAPACITY)
+    runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.5), capacity=CAPACITY, sp=sp)
     assert (runtime.world_size, runtime.tp_size, runtime.rank) == (2, 2, rank // 2)
     step_plan = runtime.plan(torch.tensor(LENGTHS).numpy())
-    assert any(len(mb.ranks) == 2 for mb in step_plan.micro_batches), step_plan.micro_batches
+    shared = [mb for mb in step_plan.micro_batches if len(mb.ranks) == 2]
+    # Ulysses splits each TP rank's 2 query heads (and copies its one K/V head) over the 2 HDP ranks
+    assert shared and all(mb.ulysses == (2 if sp == "ulysses" else 1) for mb in shared), shared
     stats = runtime.step(_batch())
     ref_loss, ref_params = reference_step(reference, _batch(), lr=0.5, hf=hf)
     assert abs(stats.loss - ref_loss) <= 1e-5 * abs(ref_loss), (stats.loss, ref_loss)
@@ -76,19 +78,20 @@ def _runtime_worker(rank: int, world: int, name: str, lm_head: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name,lm_head",
+    "name,lm_head,sp",
     [
-        ("hf_llama", "vocab_parallel"),
-        pytest.param("hf_llama", "replicated", marks=pytest.mark.slow),
-        pytest.param("ours", "vocab_parallel", marks=pytest.mark.slow),
-        pytest.param("qwen2_window", "vocab_parallel", marks=pytest.mark.slow),
-        pytest.param("gqa_kv_eq_tp", "replicated", marks=pytest.mark.slow),
-        pytest.param("gemma2_softcaps", "replicated", marks=pytest.mark.slow),  # tied embeddings: lm_head whole
-        pytest.param("qwen3_head_norms", "vocab_parallel", marks=pytest.mark.slow),
+        ("hf_llama", "vocab_parallel", "ring"),
+        pytest.param("hf_llama", "replicated", "ring", marks=pytest.mark.slow),
+        pytest.param("ours", "vocab_parallel", "ring", marks=pytest.mark.slow),
+        pytest.param("qwen2_window", "vocab_parallel", "ring", marks=pytest.mark.slow),
+        pytest.param("qwen2_window", "vocab_parallel", "ulysses", marks=pytest.mark.slow),
+        pytest.param("gqa_kv_eq_tp", "replicated", "ring", marks=pytest.mark.slow),
+        pytest.param("gemma2_softcaps", "replicated", "ring", marks=pytest.mark.slow),  # tied embeddings: lm_head whole
+        pytest.param("qwen3_head_norms", "vocab_parallel", "ring", marks=pytest.mark.slow),
     ],
 )
-def test_runtime_step_on_tp2_hdp2_equals_single_process(name, lm_head):
-    run_distributed(_runtime_worker, 4, name, lm_head)
+def test_runtime_step_on_tp2_hdp2_equals_single_process(name, lm_head, sp):
+    run_distributed(_runtime_worker, 4, name, lm_head, sp)
 
 
 def _tp_pp_worker(rank: int, world: int) -> None:

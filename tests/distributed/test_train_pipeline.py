@@ -6,9 +6,11 @@ that cannot run fail before any communication."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +18,7 @@ from torch import nn
 
 import bytescale_compile as bsc
 from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM, tiny
-from bytescale_compile.planner.plan import MicroBatch, Plan, PlanError, local_tokens
+from bytescale_compile.planner.plan import MicroBatch, Plan, PlanError, local_tokens, split_tokens
 from bytescale_compile.testing import run_distributed
 from bytescale_compile.train import pipeline
 from bytescale_compile.train.pipeline import (
@@ -73,6 +75,14 @@ second micro-batch packing two sequences."""
 SHARED = _plan([24, 9, 12, 7, 5], [((0, 1), (0,)), ((0,), (1,)), ((1,), (2,)), ((1,), (3, 4))], [[1, 0], [0, 2, 3]], 2)
 """PP 2 x HDP 2: the shared sequence is pipeline 0's second micro-batch and pipeline 1's first; pipeline 1 runs
 3 micro-batches, pipeline 0 runs 2."""
+SPLIT = dataclasses.replace(
+    SHARED,
+    micro_batches=[
+        dataclasses.replace(SHARED.micro_batches[0], ulysses=2, tokens_per_rank=split_tokens(np.array([24]), 2, 2)),
+        *SHARED.micro_batches[1:],
+    ],
+)
+"""SHARED with its shared sequence split 2 × 1: Ulysses over heads between the pipelines' stages, no ring."""
 DEEP = _plan([13, 9, 20, 6], [((0,), (0, 1)), ((0,), (2,)), ((0,), (3,))], [[0, 1, 2]], 4)
 """PP 4 x HDP 1: fewer micro-batches than stages."""
 CROSSED = _plan([8, 8], [((0, 1), (0,)), ((0, 1), (1,))], [[0, 1], [1, 0]], 2)
@@ -131,8 +141,9 @@ def test_pp2_hdp2_step_with_a_shared_sequence_and_offloading_equals_the_single_p
 
 
 @pytest.mark.slow
-def test_pp2_hdp2_step_of_a_hugging_face_model_equals_the_single_process_step():
-    run_distributed(_step_worker, 4, "hf-llama", SHARED)
+@pytest.mark.parametrize("plan", [SHARED, SPLIT], ids=["ring", "ulysses"])
+def test_pp2_hdp2_step_of_a_hugging_face_model_equals_the_single_process_step(plan):
+    run_distributed(_step_worker, 4, "hf-llama", plan)
 
 
 @pytest.mark.slow

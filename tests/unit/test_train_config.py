@@ -57,7 +57,6 @@ def test_command_line_overrides_the_file(tmp_path):
         ({"log_every": 0}, "log_every must be an integer >= 1"),
         ({"peak_tflops": 0.0}, "peak_tflops must be a finite number > 0.0"),
         ({"sp": "heads"}, "sp must be one of ['ring', 'ulysses', 'auto']"),
-        ({"sp": "ulysses", "tp": 2}, "sp = 'ulysses' splits attention heads over a micro-batch's ranks, which --tp 2"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
