@@ -9,6 +9,7 @@ memory, export)."""
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import inspect as pyinspect
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .models.factory import FactoryError, load_factory, resolve_factory
+from .strategies import DEFAULT_SP, SP_MODES
 from .units import parse_size
 
 if TYPE_CHECKING:
@@ -252,7 +254,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cost_model = _cost_model(args.model, args.hardware, args.tp)
     lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
     try:
-        outcome = run_strategy(strategy, lens, args.ranks, capacity, cost_model, context, args.pp)
+        outcome = run_strategy(strategy, lens, args.ranks, capacity, cost_model, context, args.pp, args.sp)
         outcome.plan.validate()
     except (PlanError, ValueError) as e:
         raise CLIError(str(e)) from e
@@ -267,6 +269,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"  micro-batches: {len(mbs)} ({len(shared)} shared, largest group {max((len(m.ranks) for m in shared), default=1)})"
     )
     print(f"  per-rank micro-batches: {min(map(len, outcome.plan.schedule))}..{max(map(len, outcome.plan.schedule))}")
+    if shared:
+        splits = collections.Counter(f"{m.ulysses}x{m.ring}" for m in shared)
+        print(
+            f"  shared splits u x r (--sp {args.sp}): "
+            + ", ".join(f"{k} {n / len(shared):.0%}" for k, n in sorted(splits.items(), key=lambda kv: -kv[1]))
+        )
     print(
         f"  planned in {outcome.plan_seconds * 1e3:.1f} ms; simulated step {outcome.step_time:.3f} s, "
         f"{outcome.tokens_per_second:,.0f} tokens/s, busy spread {outcome.busy_spread:.2f}"
@@ -300,7 +308,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for context in contexts:
         lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
         try:
-            last = [run_strategy(s, lens, args.ranks, capacity, cost_model, context, args.pp) for s in strategies]
+            last = [
+                run_strategy(s, lens, args.ranks, capacity, cost_model, context, args.pp, args.sp) for s in strategies
+            ]
         except (PlanError, ValueError) as e:
             raise CLIError(str(e)) from e
         for o in last:
@@ -620,6 +630,14 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         "each layer's TP all-reduces are charged on their intra-node links",
     )
     p.add_argument("--capacity", type=_size, default="8K", help="tokens per HDP rank (its TP group's), C")
+    p.add_argument(
+        "--sp",
+        choices=SP_MODES,
+        default=DEFAULT_SP,
+        help="how a sequence shared by D(s) ranks splits them u x r: ring (u = 1), ulysses (the largest u: an "
+        "all-to-all over heads in groups of u ranks inside a node, the ring between the groups), auto (per "
+        f"micro-batch, the split the cost model predicts fastest; default {DEFAULT_SP})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,5 +41,5 @@ SP_RING, SP_ULYSSES, SP_AUTO = "ring", "ulysses", "auto"
 SP_MODES = (SP_RING, SP_ULYSSES, SP_AUTO)
 """How a shared micro-batch splits its D(s) ranks u × r (`planner/split.py`): "ring" keeps u = 1, "ulysses"
 takes the largest u allowed, "auto" the cheapest the cost model predicts."""
-DEFAULT_SP = SP_RING
-"""The ring, as before the u × r split existed."""
+DEFAULT_SP = SP_AUTO
+"""Per micro-batch, the split the cost model predicts fastest: a Ulysses degree only where it wins."""

@@ -244,5 +244,5 @@ class PlanBuilder:
             micro_batches=self.micro_batches,
             schedule=schedule,
             layers_per_rank=self.layers_per_rank,
-            meta=dict(meta) if self.sp == SP_RING else {**meta, "sp": self.sp},
+            meta=dict(meta) if self.sp == DEFAULT_SP else {**meta, "sp": self.sp},
         )

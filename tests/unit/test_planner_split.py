@@ -99,11 +99,13 @@ def test_sp_forces_the_choice():
         plan([SEQ], 8, SEQ // 8, cm, strategy="static", sp="tree")
 
 
-def test_default_is_the_ring_and_its_plan_is_unchanged():
+def test_default_is_auto_and_the_ring_plan_is_the_planner_before_the_split():
     cm = CostModel.analytic(MHA, _hardware(10e9))
     default = plan([SEQ, 300, 200], 8, SEQ // 8, cm, strategy="balance")
+    auto = plan([SEQ, 300, 200], 8, SEQ // 8, cm, strategy="balance", sp="auto")
     ring = plan([SEQ, 300, 200], 8, SEQ // 8, cm, strategy="balance", sp="ring")
-    assert default == ring and all(m.ulysses == 1 for m in default.micro_batches) and "sp" not in default.meta
+    assert default == auto and "sp" not in default.meta
+    assert all(m.ulysses == 1 for m in ring.micro_batches) and ring.meta["sp"] == "ring"
 
 
 @pytest.mark.parametrize("strategy", ["balance", "naive", "static"])
@@ -113,7 +115,6 @@ def test_every_planner_splits_by_the_cost_model(strategy):
     lens = [SEQ, 40000, 3000, 2000, 1000]
     result = plan(lens, 8, SEQ // 8, cm, strategy=strategy, sp="auto")
     result.validate(heads=16, kv_heads=16)
-    assert result.meta["sp"] == "auto"
     for m in result.micro_batches:
         u, seconds = choose_split(cm, np.array([lens[i] for i in m.sequences]), m.ranks, m.offload_ratio)
         assert m.ulysses == u and m.est_time == pytest.approx(seconds)
@@ -126,3 +127,36 @@ def test_no_split_without_heads_or_with_mixers():
     assert allowed_ulysses(dataclasses.replace(cm, mixer_layers=1, mixer_state_bytes=1.0), tuple(range(8))) == [1]
     assert allowed_ulysses(dataclasses.replace(cm, heads=12, kv_heads=4), tuple(range(8))) == [1, 2, 4]
     assert allowed_ulysses(cm, (3,)) == [1]
+
+
+def test_under_tensor_parallelism_u_splits_each_devices_heads():
+    """TP 4 leaves each device 4 of the 16 query heads: u divides those. An MQA model's one K/V head then goes
+    to every member of every device's all-to-all, so the TP group moves more K/V than one device of 16 heads."""
+    cm = CostModel.analytic(MQA, _hardware(10e9))
+    tp = dataclasses.replace(cm, head_shards=4)
+    assert (cm.device_heads, tp.device_heads) == ((16, 1), (4, 1))
+    assert allowed_ulysses(tp, tuple(range(8))) == [1, 2, 4]
+    assert tp.ulysses_bytes(1024, 4) > cm.ulysses_bytes(1024, 4)
+    assert _shared(tp, sp="ulysses").ulysses == 4
+    mha = CostModel.analytic(MHA, _hardware(10e9))  # K/V heads divide evenly: the same bytes as without TP
+    assert dataclasses.replace(mha, head_shards=4).ulysses_bytes(1024, 4) == mha.ulysses_bytes(1024, 4)
+    with pytest.raises(ValueError, match="16 query heads cannot be split over 3 tensor-parallel devices"):
+        dataclasses.replace(cm, head_shards=3)
+
+
+def test_cli_plan_and_simulate_take_sp(capsys):
+    from bytescale_compile.cli import main
+    from bytescale_compile.planner import Plan
+
+    common = ["--hardware", "h100-nvlink", "--ranks", "64", "--global-tokens", "2M"]
+    args = ["plan", *common, "--strategy", "static", "--context", "256K"]
+    assert main([*args, "--sp", "ulysses", "--json"]) == 0
+    forced = Plan.from_json(capsys.readouterr().out)
+    forced.validate(heads=32, kv_heads=8)  # llama-7b
+    assert forced.meta["sp"] == "ulysses" and all(m.ulysses == 8 for m in forced.micro_batches if len(m.ranks) >= 8)
+    assert main([*args, "--sp", "ring"]) == 0
+    assert "shared splits u x r (--sp ring): 1x32 100%" in capsys.readouterr().out
+    assert main(["simulate", *common, "--strategies", "static", "--context", "256K", "--sp", "auto"]) == 0
+    assert "256K" in capsys.readouterr().out
+    assert main([*args, "--sp", "heads"]) == 2
+    assert "invalid choice: 'heads'" in capsys.readouterr().err
