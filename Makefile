@@ -53,11 +53,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# The unit tests are mostly single-threaded compilation: two pytest-xdist workers share the cores. The
+# multi-process tests start their own ranks, so they run one at a time.
+PYTEST_UNIT := $(PY) -m pytest -q -n 2 tests/unit
+PYTEST_RANKS := $(PY) -m pytest -q tests/distributed tests/e2e
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PYTEST_UNIT) --durations=10
+	$(PYTEST_RANKS) --durations=15
 
 test-all: $(STAMP)
-	BYTESCALE_SLOW=1 $(PY) -m pytest -q
+	BYTESCALE_SLOW=1 $(PYTEST_UNIT)
+	BYTESCALE_SLOW=1 $(PYTEST_RANKS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/loss_memory.py

@@ -30,6 +30,7 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears the groups down while another may still use them
     finally:
         dist.destroy_process_group()
 
