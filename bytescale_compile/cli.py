@@ -9,7 +9,6 @@ memory, export)."""
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import inspect as pyinspect
 import json
@@ -270,10 +269,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print(f"  per-rank micro-batches: {min(map(len, outcome.plan.schedule))}..{max(map(len, outcome.plan.schedule))}")
     if shared:
-        splits = collections.Counter(f"{m.ulysses}x{m.ring}" for m in shared)
+        splits = outcome.plan.splits()
         print(
             f"  shared splits u x r (--sp {args.sp}): "
-            + ", ".join(f"{k} {n / len(shared):.0%}" for k, n in sorted(splits.items(), key=lambda kv: -kv[1]))
+            + ", ".join(f"{k} {n / len(shared):.0%}" for k, n in splits.items())
         )
     print(
         f"  planned in {outcome.plan_seconds * 1e3:.1f} ms; simulated step {outcome.step_time:.3f} s, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -100,6 +101,11 @@ class Plan:
     def micro_batches_of(self, rank: int) -> list[MicroBatch]:
         by_id = {m.id: m for m in self.micro_batches}
         return [by_id[i] for i in self.schedule[rank]]
+
+    def splits(self) -> dict[str, int]:
+        """Shared micro-batches per u × r split ("2x4": u = 2, r = 4), most frequent first."""
+        counts = Counter(f"{m.ulysses}x{m.ring}" for m in self.micro_batches if m.shared)
+        return dict(counts.most_common())
 
     def validate(self, *, heads: int | None = None, kv_heads: int | None = None) -> None:
         """Raise PlanError naming the first broken invariant of DESIGN.md's valid plans. With the model's

@@ -61,10 +61,12 @@ _OPTIONAL = (
     "dataset_tokens",
     "predicted_peak_bytes",
     "measured_peak_bytes",
+    "splits",
 )
 """Left out of a metrics.jsonl line when None: steps without evaluation, strategies other than auto, runs
 without pipelines, models without a shape (TFLOP/s) or devices without a known peak (MFU), single-dataset runs,
-models the memory model cannot describe, devices without allocator statistics (CPU)."""
+models the memory model cannot describe, devices without allocator statistics (CPU), steps that share no
+sequence."""
 
 
 class LoggerError(ValueError):
@@ -118,6 +120,9 @@ class StepRecord:
     """The memory model's peak over the ranks for this step's plan."""
     measured_peak_bytes: int | None = None
     """CUDA: the largest `max_memory_allocated` over the ranks during the step."""
+    splits: dict[str, int] | None = None
+    """Shared micro-batches per u × r split of the step's plan (`Plan.splits`: "1x4" a ring of 4, "2x2" Ulysses
+    in pairs with a ring of 2 between them)."""
     checkpoint_stall_s: float | None = None
     """A step that saved a checkpoint: the seconds it waited for it on rank 0 (the whole save, or with
     checkpoint_async the copy to host memory and any wait for the previous save)."""
@@ -182,6 +187,7 @@ class StepRecord:
             reduce_overlap=stats.reduce_overlap,
             predicted_peak_bytes=max(stats.predicted_peak_bytes) if stats.predicted_peak_bytes else None,
             measured_peak_bytes=max(stats.measured_peak_bytes) if stats.measured_peak_bytes else None,
+            splits=stats.plan.splits() or None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -189,7 +195,8 @@ class StepRecord:
 
     def scalars(self) -> dict[str, float]:
         """The step's numbers by name, for the experiment loggers' plots: every int or float field that is set
-        (not the step, flags or lists) and each dataset's tokens as `dataset_tokens/<name>`."""
+        (not the step, flags or lists), each dataset's tokens as `dataset_tokens/<name>` and each split's
+        micro-batches as `splits/<u>x<r>`."""
         values = {
             f.name: float(value)
             for f in fields(self)
@@ -198,6 +205,7 @@ class StepRecord:
             and not isinstance(value, bool)
         }
         values.update({f"dataset_tokens/{name}": float(n) for name, n in (self.dataset_tokens or {}).items()})
+        values.update({f"splits/{split}": float(n) for split, n in (self.splits or {}).items()})
         return values
 
     def summary(self, predicted: bool = True) -> str:

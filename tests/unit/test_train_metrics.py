@@ -251,3 +251,11 @@ def test_a_failing_logger_is_dropped_with_a_warning_and_metrics_go_on(monkeypatc
     log.write(_record(2))
     log.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_step_that_shares_a_sequence_records_its_splits():
+    assert _record().splits is None and "splits" not in _record().to_dict()  # no sequence shared
+    planned = plan([400, 5], 2, 256, COST_MODEL, sp="ulysses")
+    assert planned.splits() == {"2x1": 1}
+    record = StepRecord.from_stats(dataclasses.replace(_stats(), plan=planned), 1e-3, COST_MODEL)
+    assert record.to_dict()["splits"] == {"2x1": 1} and record.scalars()["splits/2x1"] == 1.0
