@@ -16,7 +16,7 @@ from .cost_model import CostModel, Hardware, ModelShape
 from .hdp import plan_naive
 from .limits import LengthLimit, length_limit
 from .plan import MicroBatch, Plan, PlanError
-from .split import DEFAULT_SP, SP_MODES, check_sp, choose_split
+from .split import DEFAULT_SP, SP_MODES, check_sp, choose_split, validate_splits
 from .static import plan_static
 from .topology import Topology
 from .unsharded import plan_unsharded
@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_SP",
     "SP_MODES",
     "choose_split",
+    "validate_splits",
     "STRATEGIES",
     "STRATEGY_SPECS",
     "StepTime",

@@ -22,6 +22,7 @@ from .plan import local_tokens, split_tokens
 
 if TYPE_CHECKING:
     from .cost_model import CostModel, Hardware
+    from .plan import Plan
 
 __all__ = [
     "DEFAULT_SP",
@@ -33,6 +34,7 @@ __all__ = [
     "check_sp",
     "choose_split",
     "split_time",
+    "validate_splits",
 ]
 
 
@@ -111,6 +113,13 @@ def _bandwidths(hardware: Hardware, ranks: tuple[int, ...], ulysses: int) -> tup
     """(ring, all-to-all) bytes/s per rank of a u × r split over `ranks`: the placers ask for the same group
     sizes over and over, and the all-to-all's links take O(D(s)·u) hops to add up."""
     return hardware.split_ring_bandwidth(ranks, ulysses), hardware.all_to_all_bandwidth(ranks, ulysses)
+
+
+def validate_splits(plan: Plan, cost_model: CostModel) -> None:
+    """`plan.validate()` with the heads of one device (`CostModel.device_heads`), which every micro-batch's
+    Ulysses degree must divide."""
+    heads = cost_model.device_heads
+    plan.validate(heads=heads and heads[0], kv_heads=heads and heads[1])
 
 
 def choose_split(

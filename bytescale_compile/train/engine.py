@@ -46,7 +46,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ..api import OptimizedModule, optimize
 from ..config import Config
 from ..passes.report import CompileReport
-from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, check_sp, plan
+from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, check_sp, plan, validate_splits
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
@@ -99,7 +99,8 @@ class StepStats:
     """Seconds each rank spent in its micro-batches."""
     micro_batches: list[int]
     p2p_bytes: int
-    """Ring bytes sent by all ranks together, forward and backward."""
+    """Ring and all-to-all bytes sent by all ranks together, forward and backward (under tensor parallelism
+    each TP rank sends its own heads')."""
     mixer_bytes: int
     """Of `p2p_bytes`: the halos and state summaries of a hybrid's convolutions and scans."""
     allreduce_bytes: int
@@ -180,14 +181,25 @@ class RankFigures:
         device: torch.device,
         tp_size: int = 1,
     ) -> RankFigures:
-        """Rows of the global ranks that lead their TP group (every rank of a group did the same work)."""
+        """Rows of the global ranks that lead their TP group (every rank of a group ran the same micro-batches),
+        but the bytes each rank sent for its own shard of the heads or channels summed over its group."""
         mine = {
             **dataclasses.asdict(work),
             "forward_backward_time": forward_backward_time,
             "measured_peak_bytes": measured_peak_bytes,
         }
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(*gather([float(mine[name]) for name in names], rank, world_size, device)[::tp_size].T)
+        table = gather([float(mine[name]) for name in names], rank, world_size, device)
+        rows = table[::tp_size].copy()
+        for name in _SHARDED_BYTES:
+            column = names.index(name)
+            rows[:, column] = table[:, column].reshape(-1, tp_size).sum(axis=1)
+        return cls(*rows.T)
+
+
+_SHARDED_BYTES = ("p2p_bytes", "mixer_bytes")
+"""`RankFigures` columns that differ between the ranks of a TP group: each moves its own shard's K/V, halos and
+states."""
 
 
 class Runtime:
@@ -306,8 +318,7 @@ class Runtime:
     def _validate(self, step_plan: Plan) -> None:
         """`step_plan.validate()` with the head counts of one device (a TP rank's shard of them), which each
         micro-batch's Ulysses degree must divide."""
-        heads = self.planning_cost_model.device_heads
-        step_plan.validate(heads=heads and heads[0], kv_heads=heads and heads[1])
+        validate_splits(step_plan, self.planning_cost_model)
 
     def predicted_peaks(self, step_plan: Plan) -> list[int] | None:
         """Per HDP rank, the memory model's peak over its micro-batches (each at its offload ratio as this run
@@ -460,7 +471,7 @@ class Runtime:
             plan=step_plan,
             grad_norm=grad_norm,
             skipped=skipped,
-            predicted_time=step_time(step_plan, self.cost_model),
+            predicted_time=step_time(step_plan, self.planning_cost_model),
             auto_choice=auto.get("chosen"),
             auto_speedup=auto.get("speedup_over_static"),
             stage_bytes=int(ranks.stage_bytes.sum()),

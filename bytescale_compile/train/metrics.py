@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from ..planner import CostModel
 from ..planner.cost_model import ModelShape
 from ..planner.memory import format_bytes
-from ..sim.simulator import busy_times, p2p_bytes, simulate
+from ..sim.simulator import busy_times, p2p_bytes, simulate, ulysses_bytes
 from .engine import StepStats
 from .flops import achieved, model_flops
 
@@ -172,7 +172,7 @@ class StepRecord:
             offloaded_bytes=stats.offloaded_bytes,
             predicted_time=stats.predicted_time,
             predicted_busy_spread=float(busy.max() / busy.min()) if busy.size else 1.0,
-            predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model),
+            predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model) + ulysses_bytes(stats.plan, cost_model),
             data_wait_s=data_wait_s,
             plan_time_s=stats.plan_time if plan_time_s is None else plan_time_s,
             auto_choice=stats.auto_choice,

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..data import GlobalBatchSampler, TokenDataset, open_dataset
-from ..planner import DEFAULT_SP, CostModel, Plan, plan
+from ..planner import DEFAULT_SP, CostModel, Plan, plan, validate_splits
 from ..sim.simulator import step_time
 from .config import ConfigError
 from .engine import BatchError
@@ -309,7 +309,7 @@ class Scheduler:
             step_time=step_time,
             sp=s.sp,
         )
-        step_plan.validate(heads=s.cost_model.heads, kv_heads=s.cost_model.kv_heads)
+        validate_splits(step_plan, s.cost_model)
         return PlannedStep(
             step, batch.indices, batch.lengths, step_plan, time.perf_counter() - began, self.sampler.state_dict()
         )

@@ -19,3 +19,7 @@ def test_ulysses_on_4_ranks_equals_one_process(workspace, tmp_path):
     ran, reference = run_metrics(tmp_path / "sp"), run_metrics(tmp_path / "one")
     np.testing.assert_allclose([r["loss"] for r in ran], [r["loss"] for r in reference], rtol=1e-4)
     assert sum(r["p2p_bytes"] for r in ran) > 0, "no sequence was shared"
+    splits = [split for r in ran for split in r.get("splits", {})]
+    assert any(not split.startswith("1x") for split in splits), splits  # some shared micro-batch ran Ulysses
+    for r in ran:  # the all-to-all's bytes predicted and counted
+        assert r["p2p_bytes"] == pytest.approx(r["predicted_p2p_bytes"], rel=0.2), r

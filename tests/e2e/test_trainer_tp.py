@@ -35,6 +35,8 @@ def test_tp2_on_4_ranks_equals_one_process_resumes_and_saves_whole_weights(works
     np.testing.assert_allclose([r["loss"] for r in ran], [r["loss"] for r in reference], rtol=1e-4)
     assert ran[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=1e-4)
     assert sum(r["p2p_bytes"] for r in ran) > 0, "no sequence was shared by the two HDP ranks"
+    for r in ran:  # both TP ranks' K/V counted, as the cost model's TP group sends them
+        assert r["p2p_bytes"] == pytest.approx(r["predicted_p2p_bytes"], rel=0.2), r
 
     held_out = TokenDataset.open(eval_prefix(workspace.data))
     for run in ("tp", "tp_pp"):
