@@ -154,6 +154,11 @@ class StepStats:
         return max(busy) / min(busy) if busy else 1.0
 
 
+_SHARDED_BYTES = ("p2p_bytes", "mixer_bytes")
+"""`RankFigures` columns that differ between the ranks of a TP group: each moves its own shard's K/V, halos and
+states."""
+
+
 @dataclass(frozen=True)
 class RankFigures:
     """Every rank's `RankWork` of a step and the wall seconds of its forward-backward, one entry per global rank
@@ -195,11 +200,6 @@ class RankFigures:
             column = names.index(name)
             rows[:, column] = table[:, column].reshape(-1, tp_size).sum(axis=1)
         return cls(*rows.T)
-
-
-_SHARDED_BYTES = ("p2p_bytes", "mixer_bytes")
-"""`RankFigures` columns that differ between the ranks of a TP group: each moves its own shard's K/V, halos and
-states."""
 
 
 class Runtime:
