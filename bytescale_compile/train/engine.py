@@ -243,7 +243,6 @@ class Runtime:
             raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
         self.model = model if isinstance(model, OptimizedModule) else optimize(model, config)
         self.optimizer = optimizer
-        self.cost_model = cost_model or default_cost_model(self.model)
         self.strategy, self.capacity, self.max_grad_norm = strategy, capacity, max_grad_norm
         self.context_length = context_length
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -259,6 +258,7 @@ class Runtime:
         mesh = self.executor.mesh
         self.tp_size = mesh.tp
         """Ranks of a TP group: one HDP rank of the plans."""
+        self.cost_model = cost_model or default_cost_model(self.model)
         self._refuse_with_tp(optimizer)
         self.sp = check_sp(sp)
         """How shared micro-batches split their ranks u × r (`planner.split`): "ring", "ulysses" or "auto"; under
@@ -296,7 +296,7 @@ class Runtime:
             lengths,
             self.world_size,
             self.capacity,
-            self.planning_cost_model,
+            self.cost_model,
             strategy=self.strategy,
             pp_size=self.pp_size,
             context_length=self.context_length,
@@ -308,17 +308,21 @@ class Runtime:
         return result
 
     @property
-    def planning_cost_model(self) -> CostModel:
-        """`cost_model` with the heads sharded over this run's TP group, whatever hardware it was made for: a
-        Ulysses degree splits each TP rank's heads."""
-        if self.cost_model.head_shards == self.tp_size:
-            return self.cost_model
-        return dataclasses.replace(self.cost_model, head_shards=self.tp_size)
+    def cost_model(self) -> CostModel:
+        """What plans are made and predicted with. Whatever hardware it was made for, its heads are sharded over
+        this run's TP group (`CostModel.head_shards`): a Ulysses degree splits each TP rank's heads."""
+        return self._cost_model
+
+    @cost_model.setter
+    def cost_model(self, model: CostModel) -> None:
+        self._cost_model = (
+            model if model.head_shards == self.tp_size else dataclasses.replace(model, head_shards=self.tp_size)
+        )
 
     def _validate(self, step_plan: Plan) -> None:
         """`step_plan.validate()` with the head counts of one device (a TP rank's shard of them), which each
         micro-batch's Ulysses degree must divide."""
-        validate_splits(step_plan, self.planning_cost_model)
+        validate_splits(step_plan, self.cost_model)
 
     def predicted_peaks(self, step_plan: Plan) -> list[int] | None:
         """Per HDP rank, the memory model's peak over its micro-batches (each at its offload ratio as this run
@@ -471,7 +475,7 @@ class Runtime:
             plan=step_plan,
             grad_norm=grad_norm,
             skipped=skipped,
-            predicted_time=step_time(step_plan, self.planning_cost_model),
+            predicted_time=step_time(step_plan, self.cost_model),
             auto_choice=auto.get("chosen"),
             auto_speedup=auto.get("speedup_over_static"),
             stage_bytes=int(ranks.stage_bytes.sum()),

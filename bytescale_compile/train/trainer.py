@@ -646,7 +646,7 @@ def _train_steps(
             record = StepRecord.from_stats(
                 runtime.step(loaded.batch, plan=loaded.plan),
                 lr,
-                runtime.planning_cost_model,
+                runtime.cost_model,
                 loaded.data_wait_s,
                 loaded.plan_time_s if loaded.plan is not None else None,
                 shape=inputs.shape,
@@ -686,7 +686,7 @@ def _steps(
     settings = PlanSettings(
         runtime.world_size,
         runtime.capacity,
-        runtime.planning_cost_model,
+        runtime.cost_model,
         runtime.strategy,
         runtime.context_length,
         "; ".join(runtime.shard_blockers()) or None,
