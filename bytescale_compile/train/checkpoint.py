@@ -21,9 +21,13 @@ reads them from whichever files hold them (resharding). The layout it was saved 
 reported on load when it differs. Checkpoints of the older format (per-shard keys, manifest version 1) do not
 verify and say so. Everything also works without `torch.distributed` initialised (one process).
 
-`save_checkpoint_async` returns once the state is copied to host memory; DCP writes it from a background
-thread, every rank hashes its own files, and rank 0 commits, with the guarantees of a synchronous save. One save
-is in flight at a time: the next save, and `wait_for_checkpoint`, wait for it first.
+`save_checkpoint_async` returns once the state is copied to host memory (`_Stager`, which also copies the
+distributed optimizer's ShardedTensors); DCP writes it from a background thread, every rank hashes its own files,
+and rank 0 commits, with the guarantees of a synchronous save. One save is in flight at a time: the next save,
+and `wait_for_checkpoint`, wait for it first.
+
+A save that fails raises `CheckpointSaveError` on every rank alike, with each failing rank's cause and traceback,
+so that one rank can report it once.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ import json
 import logging
 import shutil
 import time
+import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -44,7 +49,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -63,6 +69,7 @@ from .checkpoint_files import (
     TRAIN_STATE_FILE,
     CheckpointChoice,
     CheckpointError,
+    Rank0Error,
     SkippedCheckpoint,
     checkpoint_dir,
     commit,
@@ -89,7 +96,9 @@ __all__ = [
     "TRAIN_STATE_FILE",
     "CheckpointChoice",
     "CheckpointError",
+    "CheckpointSaveError",
     "PendingCheckpoint",
+    "SaveFailure",
     "Resumed",
     "SkippedCheckpoint",
     "checkpoint_dir",
@@ -274,6 +283,76 @@ class _AppState(Stateful):
 # -- save -----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SaveFailure:
+    """What went wrong on one rank of a failed save."""
+
+    rank: int
+    cause: str
+    """`<exception type>: <message>`, one line."""
+    traceback: str
+    """The rank's formatted traceback ("" where only the message travelled)."""
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> SaveFailure:
+        return cls(rank, _one_line(error), "".join(traceback.format_exception(error)))
+
+
+class CheckpointSaveError(CheckpointError):
+    """The checkpoint of `step` could not be saved; raised on every rank alike, `failures` holding each failing
+    rank's cause (lowest rank first), so one rank reports it. The previous checkpoint is still the newest."""
+
+    def __init__(self, step: int, directory: Path, failures: list[SaveFailure]) -> None:
+        self.step, self.directory = step, directory
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        ranks = [f.rank for f in self.failures]
+        causes = "; ".join(dict.fromkeys(f.cause for f in self.failures))
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        super().__init__(
+            f"the checkpoint of step {step} failed on {where}: {causes} ({directory} is left unfinished; the "
+            "previous checkpoint is still the newest that verifies)"
+        )
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:500]}{'...' if len(text) > 500 else ''}"
+
+
+def _failures(error: BaseException) -> list[SaveFailure]:
+    """Each failing rank's cause: DCP gathers every rank's exception and stack into a `CheckpointException`; a
+    `CheckpointSaveError` has them already, a `Rank0Error` rank 0's; anything else failed on this rank."""
+    if isinstance(error, CheckpointSaveError):
+        return error.failures
+    if isinstance(error, Rank0Error):
+        return [SaveFailure(0, error.cause, error.trace)]
+    if isinstance(error, CheckpointException) and error.failures:
+        return [
+            SaveFailure(
+                group_rank,
+                _one_line(exc),
+                "Traceback (most recent call last):\n"
+                + "".join(traceback.format_list(stack) if stack is not None else [])
+                + "".join(traceback.format_exception_only(type(exc), exc)),
+            )
+            for group_rank, (exc, stack) in error.failures.items()
+        ]
+    return [SaveFailure.of(rank(), error)]
+
+
+def _agreed(step: int, directory: Path, error: BaseException | None) -> None:
+    """Raise `CheckpointSaveError` on every rank when any rank failed the part of a save it runs alone (one
+    all-gather on the default group): the others must not go on to the collective writing."""
+    mine = None if error is None else SaveFailure.of(rank(), error)
+    every = [mine]
+    if distributed():
+        every = [None] * world_size()
+        dist.all_gather_object(every, mine)
+    failed = [f for f in every if f is not None]
+    if failed:
+        raise CheckpointSaveError(step, directory, failed) from error
+
+
 @dataclass
 class PendingCheckpoint:
     """A checkpoint whose state is copied to host memory and is being written and committed in the background."""
@@ -289,31 +368,74 @@ class PendingCheckpoint:
         return self._future.done()
 
     def result(self) -> Path:
-        """Wait for the commit and return the final directory; `CheckpointError` when the write or commit failed
-        (the previous checkpoint is then still the newest that verifies)."""
+        """Wait for the commit and return the final directory; `CheckpointSaveError` when the write or commit
+        failed (the previous checkpoint is then still the newest that verifies)."""
         try:
             return self._future.result()
-        except CheckpointError:
-            raise
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise CheckpointError(
-                f"the checkpoint of step {self.step} failed while it was written in the background "
-                f"({_short(e)}); {tmp_dir(self.path)} is left unfinished and the previous checkpoint is still "
-                "the newest that verifies"
-            ) from e
+            raise CheckpointSaveError(self.step, tmp_dir(self.path), _failures(e)) from e
 
 
 _in_flight: PendingCheckpoint | None = None
-_stager: DefaultStager | None = None
-"""Stages every async save of the process: it keeps the host copies of the state's storages and copies into
-them again, so only the first save allocates (fresh host pages cost more than the copy). Safe because a save
-waits for the previous one to be written before it stages."""
 _background: tuple[Any, dist.ProcessGroup] | None = None
 """(the default process group, a gloo group of every rank for background saves) once one was made."""
 
 
+class _Stager(DefaultStager):
+    """DCP's synchronous stager, which also stages `ShardedTensor`s (the distributed optimizer's main weights and
+    moments: rectangular pieces of flat fragments, which DCP's stager cannot copy and no DTensor placement can
+    describe). Their local shards are views of a few flat tensors and go through the same host-copy cache as every
+    other tensor (one host copy per storage, kept and copied into again by the next save); each ShardedTensor is
+    then rebuilt around its copies, its pieces placed on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__(StagingOptions(False, False, False, False))
+
+    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        found: dict[tuple[str, ...], ShardedTensor] = {}
+        staged = super().stage(_pieces_of_sharded(state_dict, found, ()), **kwargs)
+        assert isinstance(staged, dict)  # synchronous staging
+        for path, sharded in found.items():
+            parent = staged
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = _sharded_on_host(sharded, parent[path[-1]])
+        return staged
+
+
+def _pieces_of_sharded(tree: Any, found: dict[tuple[str, ...], ShardedTensor], path: tuple[str, ...]) -> Any:
+    """`tree` (nested dicts) with each ShardedTensor replaced by the list of its local shards' tensors, which
+    `found` records by path."""
+    if isinstance(tree, ShardedTensor):
+        found[path] = tree
+        return [shard.tensor for shard in tree.local_shards()]
+    if isinstance(tree, dict):
+        return {key: _pieces_of_sharded(value, found, (*path, key)) for key, value in tree.items()}
+    return tree
+
+
+def _sharded_on_host(sharded: ShardedTensor, tensors: list[torch.Tensor]) -> ShardedTensor:
+    """`sharded` with its local shards' host copies `tensors`, every piece placed on the CPU."""
+
+    def on_host(meta: ShardMetadata) -> ShardMetadata:
+        assert meta.placement is not None
+        return ShardMetadata(meta.shard_offsets, meta.shard_sizes, f"rank:{meta.placement.rank()}/cpu")
+
+    metadata = sharded.metadata()
+    shards = [Shard(t, on_host(s.metadata)) for s, t in zip(sharded.local_shards(), tensors)]
+    every = [on_host(meta) for meta in metadata.shards_metadata]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, type(metadata)(every, metadata.size, metadata.tensor_properties)
+    )
+
+
+_stager: _Stager | None = None
+"""Stages every async save of the process; safe to reuse because a save waits for the previous one to be written
+before it stages."""
+
+
 def wait_for_checkpoint() -> Path | None:
-    """Wait for the save in flight, if any, and return its final directory (`CheckpointError` if it failed);
+    """Wait for the save in flight, if any, and return its final directory (`CheckpointSaveError` if it failed);
     every rank must call it before the process group goes away."""
     global _in_flight
     pending, _in_flight = _in_flight, None
@@ -333,8 +455,9 @@ def _background_group() -> dist.ProcessGroup | None:
 
 
 def _begin(root: str | Path, step: int, train_state: dict[str, Any]) -> tuple[Path, str]:
-    """Check the arguments on every rank before any I/O, then (rank 0) make an empty `.tmp` directory: a stale
-    one from a crashed save must not mix its files into this one. Returns the final directory and the state's JSON."""
+    """Check the arguments on every rank before any I/O, wait for the save in flight, then (rank 0) make an empty
+    `.tmp` directory: a stale one from a crashed save must not mix its files into this one. Returns the final
+    directory and the state's JSON."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if not isinstance(train_state, dict):
@@ -353,26 +476,38 @@ def _begin(root: str | Path, step: int, train_state: dict[str, Any]) -> tuple[Pa
             shutil.rmtree(tmp)
         tmp.mkdir()
 
-    on_rank0(f"preparing {tmp}", prepare)
+    try:
+        on_rank0(f"preparing {tmp}", prepare)
+    except (OSError, CheckpointError) as e:
+        raise CheckpointSaveError(step, tmp, _failures(e)) from e
     return final, state_text
 
 
 def _finish(
-    final: Path, step: int, state_text: str, layout: _Layout, keep_last: int, group: dist.ProcessGroup | None
+    final: Path,
+    step: int,
+    state_text: str,
+    layout: _Layout,
+    keep_last: int,
+    group: dist.ProcessGroup | None,
+    on_commit: Callable[[Path], None] | None,
 ) -> Path:
     """Every rank, once DCP has written its files: hash them, gather the hashes on rank 0 (which also waits
-    for every rank this way), and let rank 0 commit."""
+    for every rank this way), and let rank 0 commit, then call `on_commit`."""
     tmp = tmp_dir(final)
     hashed = hash_written(tmp, dist.get_rank(group) if distributed() else 0)
     if distributed():
         every: list[Any] | None = [None] * world_size() if rank() == 0 else None
         dist.gather_object(hashed, every, dst=0, group=group)
         hashed = {name: entry for part in every or [] for name, entry in part.items()}
-    return on_rank0(
-        f"committing {tmp} as {final}",
-        lambda: commit(tmp, final, step, state_text, asdict(layout), hashed, keep_last),
-        group,
-    )
+
+    def commit_and_tell() -> Path:
+        committed = commit(tmp, final, step, state_text, asdict(layout), hashed, keep_last)
+        if on_commit is not None:
+            on_commit(committed)
+        return committed
+
+    return on_rank0(f"committing {tmp} as {final}", commit_and_tell, group)
 
 
 def save_checkpoint(
@@ -382,19 +517,25 @@ def save_checkpoint(
     optimizer: Optimizer,
     train_state: dict[str, Any],
     keep_last: int = 0,
+    *,
+    on_commit: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save model, optimizer and `train_state` as `<root>/step_<step:08d>/`; every rank must call it.
 
     Returns the final directory; with `keep_last` > 0, older checkpoints beyond the newest `keep_last` are
-    then deleted (`prune_checkpoints`). `train_state` must be JSON-able (it is checked on every rank before any
-    I/O, so a bad value fails everywhere at once). Re-saving a step that already has a checkpoint
-    replaces it. Note: DCP's `get_state_dict` initialises an optimizer that has never stepped (one zero-lr
-    step with zero gradients), so save after the first optimizer step to keep Adam's step count untouched.
+    then deleted (`prune_checkpoints`), and rank 0 calls `on_commit(final)` once it is committed. `train_state`
+    must be JSON-able (it is checked on every rank before any I/O, so a bad value fails everywhere at once).
+    Re-saving a step that already has a checkpoint replaces it. A failed save raises `CheckpointSaveError` on
+    every rank. Note: DCP's `get_state_dict` initialises an optimizer that has never stepped (one zero-lr step
+    with zero gradients), so save after the first optimizer step to keep Adam's step count untouched.
     """
     final, state_text = _begin(root, step, train_state)
     app = _AppState(model, optimizer)
-    dcp.save({_APP: app}, checkpoint_id=str(tmp_dir(final)))  # collective; replicated tensors are written once
-    return _finish(final, step, state_text, app.layout, keep_last, None)
+    try:
+        dcp.save({_APP: app}, checkpoint_id=str(tmp_dir(final)))  # collective; replicated tensors are written once
+        return _finish(final, step, state_text, app.layout, keep_last, None, on_commit)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointSaveError(step, tmp_dir(final), _failures(e)) from e
 
 
 def save_checkpoint_async(
@@ -404,33 +545,35 @@ def save_checkpoint_async(
     optimizer: Optimizer,
     train_state: dict[str, Any],
     keep_last: int = 0,
+    *,
+    on_commit: Callable[[Path], None] | None = None,
 ) -> PendingCheckpoint:
-    """`save_checkpoint`, returning once the state is copied to host memory (DCP's staging): the training may
-    change the weights right after. DCP writes the copy from a background thread over a gloo group of its own,
-    each rank hashes its files there, and rank 0 commits; `PendingCheckpoint.result()` (or the next save, or
-    `wait_for_checkpoint`) waits for it. Costs host memory for one copy of this rank's state, kept for the next
-    save, which copies into it again."""
+    """`save_checkpoint`, returning once the state is copied to host memory (`_Stager`): the training may change
+    the weights right after. DCP writes the copy from a background thread over a gloo group of its own, each rank
+    hashes its files there, and rank 0 commits; `PendingCheckpoint.result()` (or the next save, or
+    `wait_for_checkpoint`) waits for it. A copy that fails on any rank raises `CheckpointSaveError` here on every
+    rank. Costs host memory for one copy of this rank's state, kept for the next save, which copies into it again."""
     global _in_flight, _stager
     began = time.perf_counter()
     final, state_text = _begin(root, step, train_state)
+    tmp = tmp_dir(final)
     app = _AppState(model, optimizer)
     group = _background_group()
-    _stager = _stager or DefaultStager(StagingOptions(False, False, False, False))
-    written = dcp.async_save(
-        {_APP: app},
-        checkpoint_id=str(tmp_dir(final)),
-        process_group=group,
-        async_stager=_stager,
-        no_dist=not distributed(),
-    )
-    assert isinstance(written, Future)  # staging is synchronous, so DCP gives the upload's future
+    _stager = _stager or _Stager()
+    staged: dict[str, Any] = {}
+    try:
+        staged = {_APP: _stager.stage(app.state_dict())}
+        error = None
+    except Exception as e:
+        error = e
+    _agreed(step, tmp, error)
 
-    def finish() -> Path:
-        written.result()
-        return _finish(final, step, state_text, app.layout, keep_last, group)
+    def write() -> Path:
+        dcp.save(staged, checkpoint_id=str(tmp), process_group=group, no_dist=not distributed())
+        return _finish(final, step, state_text, app.layout, keep_last, group, on_commit)
 
-    executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
-    _in_flight = PendingCheckpoint(final, step, time.perf_counter() - began, executor.submit(finish))
+    executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
+    _in_flight = PendingCheckpoint(final, step, time.perf_counter() - began, executor.submit(write))
     executor.shutdown(wait=False)
     return _in_flight
 

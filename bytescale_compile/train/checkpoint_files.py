@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = [
     "TRAIN_STATE_FILE",
     "CheckpointChoice",
     "CheckpointError",
+    "Rank0Error",
     "SkippedCheckpoint",
     "checkpoint_dir",
     "commit",
@@ -75,6 +77,15 @@ FileEntries = dict[str, dict[str, Any]]
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is corrupt or incomplete (the message names it and what is missing)."""
+
+
+class Rank0Error(CheckpointError):
+    """What failed on rank 0 in `on_rank0`, raised on every rank alike with rank 0's `cause` (one line) and
+    `trace` (its formatted traceback)."""
+
+    def __init__(self, message: str, cause: str, trace: str) -> None:
+        super().__init__(message)
+        self.cause, self.trace = cause, trace
 
 
 @dataclass(frozen=True)
@@ -120,22 +131,23 @@ def world_size() -> int:
 
 def on_rank0(what: str, fn: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
     """Run `fn()` on rank 0 and share its outcome over `group` (every rank), so a failure raises on every rank
-    instead of hanging them."""
+    (`Rank0Error`) instead of hanging them."""
     result: Any = None
-    error: str | None = None
+    error: tuple[str, str, str] | None = None
     if rank() == 0:
         try:
             result = fn()
         except Exception as e:
             if not distributed():
                 raise
-            error = f"{what} failed on rank 0: {type(e).__name__}: {e}"
+            cause = f"{type(e).__name__}: {e}"
+            error = (f"{what} failed on rank 0: {cause}", cause, "".join(traceback.format_exception(e)))
     if distributed():
         box = [(result, error)]
         dist.broadcast_object_list(box, src=0, group=group)
         result, error = box[0]
         if error is not None:
-            raise CheckpointError(error)
+            raise Rank0Error(*error)
     return cast(T, result)
 
 

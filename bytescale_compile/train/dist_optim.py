@@ -22,6 +22,7 @@ named for each TP rank at once), so TP shards must be even.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -43,6 +44,12 @@ from .optim import param_groups
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError", "restore_fp32_"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+warnings.filterwarnings(
+    "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
+)
+"""Our ShardedTensors are deliberate (a fragment's pieces are boxes no DTensor placement describes), and torch warns
+on every torch function that touches one, in DCP's loading as in ours."""
 
 
 class DistributedOptimizerError(ValueError):

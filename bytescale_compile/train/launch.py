@@ -6,19 +6,23 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "SHUTDOWN_TIMEOUT_S", "init_distributed", "launch_local", "local_device"]
+__all__ = ["DistEnv", "SHUTDOWN_TIMEOUT_S", "init_distributed", "launch_local", "local_device", "record_exit_status"]
 
 SHUTDOWN_TIMEOUT_S = 300
 """How long `launch_local` lets the ranks finish their step and save it after a signal before killing them
 (torchrun's default is 30 s)."""
+_EXIT_STATUS_DIR = "BYTESCALE_EXIT_STATUS_DIR"
+"""Where `launch_local` has each rank leave its exit status (`record_exit_status`): torch's launcher stops the
+ranks itself on a signal and keeps their statuses to itself."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ def launch_local(nproc: int, module: str, argv: Sequence[str]) -> int:
     """Run `python -m module ARGV` as `nproc` ranks on this machine, as `torchrun --standalone` does, and return
     their exit status without torchrun's report: the ranks print their own one-line errors, and a first-failure
     table and a traceback of the launcher would bury them. A signal (Ctrl-C, SIGTERM) is passed to the ranks,
-    which stop after their step; the status is then 0 for SIGTERM and 128 + the signal otherwise."""
+    which stop after their step; the status is then the ranks' (0 for SIGTERM with a checkpoint, 130 for Ctrl-C,
+    3 when the checkpoint failed), or 128 + the signal when a rank left none (the signal ended it before it could
+    stop cleanly, or it was killed after `SHUTDOWN_TIMEOUT_S`)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -90,10 +96,30 @@ def launch_local(nproc: int, module: str, argv: Sequence[str]) -> int:
         max_restarts=0,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
-    try:
-        elastic_launch(config, sys.executable)("-m", module, *argv)
-    except ChildFailedError as e:
-        return e.get_first_failure()[1].exitcode or 1
-    except SignalException as e:
-        return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
+    with tempfile.TemporaryDirectory(prefix="bytescale-exit-") as statuses:
+        os.environ[_EXIT_STATUS_DIR] = statuses
+        try:
+            elastic_launch(config, sys.executable)("-m", module, *argv)
+        except ChildFailedError as e:
+            return e.get_first_failure()[1].exitcode or 1
+        except SignalException as e:
+            return _stopped_status(Path(statuses), nproc, int(e.sigval))
+        finally:
+            del os.environ[_EXIT_STATUS_DIR]
+    return 0
+
+
+def record_exit_status(status: int) -> None:
+    """Leave this rank's exit status where `launch_local` reads it (nothing under another launcher)."""
+    if directory := os.environ.get(_EXIT_STATUS_DIR):
+        Path(directory, os.environ.get("RANK", "0")).write_text(str(status), encoding="utf-8")
+
+
+def _stopped_status(statuses: Path, nproc: int, signal_number: int) -> int:
+    """The first non-zero status of ranks stopped by signal `signal_number`; 128 + it for a rank that left none."""
+    for rank in range(nproc):
+        path = statuses / str(rank)
+        status = int(path.read_text(encoding="utf-8")) if path.is_file() else 128 + signal_number
+        if status:
+            return status
     return 0

@@ -18,24 +18,38 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-__all__ = ["FORCE_AFTER_S", "StopRequest", "Stopped"]
+__all__ = ["FORCE_AFTER_S", "SAVE_FAILED_EXIT", "StopRequest", "Stopped"]
 
 FORCE_AFTER_S = 2.0
 """A second signal sooner than this is the same request arriving twice (a key held, or sent to a whole group)."""
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
+SAVE_FAILED_EXIT = 3
+"""The exit status of a run whose checkpoint could not be saved (at a stop on a signal, or any other): a
+scheduler must not take it for a preemption handled as asked, which exits 0."""
 
 
 class Stopped(Exception):
-    """The run stopped early on a signal, after `step` (its checkpoint saved when checkpoints are on)."""
+    """The run stopped early on a signal, after `step` (its checkpoint saved when checkpoints are on, unless
+    `save_error` says why that save failed)."""
 
-    def __init__(self, signal_name: str, step: int, checkpoint: str | None) -> None:
-        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-        saved = f"checkpoint {checkpoint} saved; continue with --resume" if checkpoint else "no checkpoint saved"
-        super().__init__(f"stopped by {signal_name} after step {step}: {saved}")
+    def __init__(
+        self, signal_name: str, step: int, checkpoint: str | None, *, save_error: Exception | None = None
+    ) -> None:
+        self.signal_name, self.step, self.checkpoint, self.save_error = signal_name, step, checkpoint, save_error
+        if save_error is not None:
+            saved = f" without a checkpoint: {save_error}"
+        elif checkpoint:
+            saved = f": checkpoint {checkpoint} saved; continue with --resume"
+        else:
+            saved = ": no checkpoint saved"
+        super().__init__(f"stopped by {signal_name} after step {step}{saved}")
 
     @property
     def exit_code(self) -> int:
-        """0 for SIGTERM (a preemption handled as asked), 130 for Ctrl-C, as shells report an interrupt."""
+        """0 for SIGTERM (a preemption handled as asked), 130 for Ctrl-C, as shells report an interrupt;
+        `SAVE_FAILED_EXIT` for either when the checkpoint failed."""
+        if self.save_error is not None:
+            return SAVE_FAILED_EXIT
         return 0 if self.signal_name == "SIGTERM" else 128 + signal.SIGINT
 
 

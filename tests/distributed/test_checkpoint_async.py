@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.testing import run_distributed
+from bytescale_compile.train import checkpoint
 from bytescale_compile.train.checkpoint import (
     MANIFEST_FILE,
     CheckpointError,
+    CheckpointSaveError,
     checkpoint_dir,
     load_checkpoint,
     save_checkpoint,
@@ -31,6 +34,7 @@ from bytescale_compile.train.checkpoint import (
     verify_checkpoint,
     wait_for_checkpoint,
 )
+from bytescale_compile.train.dist_optim import DistributedOptimizer
 
 
 def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -158,3 +162,79 @@ def _two_ranks_async(rank: int, world: int, root: str) -> None:
 def test_two_ranks_save_in_the_background(tmp_path: Path) -> None:
     run_distributed(_two_ranks_async, 2, str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt" / "ok_0").exists() and (tmp_path / "ckpt" / "ok_1").exists()
+
+
+def _bf16_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.LayerNorm(10), torch.nn.Linear(10, 5, bias=False))
+
+
+def _bf16_inputs(step: int, world: int) -> list[torch.Tensor]:
+    """Each rank's input of `step`: rank r's is the r-th, whatever the number of ranks that trains on them."""
+    g = torch.Generator().manual_seed(step)
+    return list(torch.randn(world, 3, 6, generator=g))
+
+
+def _bf16_steps(model: torch.nn.Module, optimizer: DistributedOptimizer, steps: range, share: slice) -> list[Any]:
+    """Train `steps` on this rank's `share` of every step's inputs; the bf16 weights after each step."""
+    weights = []
+    for step in steps:
+        parts = _bf16_inputs(step, 2)[share]
+        optimizer.start(len(parts))
+        for x in parts:
+            model(x.to(torch.bfloat16)).float().pow(2).sum().backward()
+        optimizer.finish()
+        optimizer.step()
+        weights.append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]))
+    return weights
+
+
+def _bf16_async_worker(rank: int, world: int, root: str) -> None:
+    """The distributed optimizer (fp32 main weights and moments as ShardedTensors of fragment pieces) saved in the
+    background twice while the training goes on, the uninterrupted weights kept for the resume to compare with; read
+    back on 2 ranks without torch's ShardedTensor warning; a host copy that fails on rank 1 fails the save on both."""
+    model = _bf16_model()
+    optimizer = DistributedOptimizer(model, 0.1, 0.1, (0.9, 0.95), bucket_bytes=64)
+    _bf16_steps(model, optimizer, range(1), slice(rank, rank + 1))
+    save_checkpoint_async(root, 1, model, optimizer, {"step": 1})
+    _bf16_steps(model, optimizer, range(1, 2), slice(rank, rank + 1))  # while step 1 is written
+    at_save = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    pending = save_checkpoint_async(root, 2, model, optimizer, {"step": 2})
+    uninterrupted = _bf16_steps(model, optimizer, range(2, 4), slice(rank, rank + 1))
+    assert pending.result() == checkpoint_dir(root, 2)
+    if rank == 0:
+        torch.save({"at_save": at_save, "uninterrupted": uninterrupted}, Path(root, "uninterrupted.pt"))
+    fresh = _bf16_model()
+    with warnings.catch_warnings(record=True) as caught:  # torch's ShardedTensor deprecation is ours to silence
+        load_checkpoint(pending.path, fresh, DistributedOptimizer(fresh, 0.1, 0.1, (0.9, 0.95), bucket_bytes=64))
+    assert not [str(w.message) for w in caught if "ShardedTensor" in str(w.message)]
+    assert torch.equal(torch.cat([p.detach().float().reshape(-1) for p in fresh.parameters()]), at_save)
+
+    def copy_fails_on_rank_1(stager: checkpoint._Stager, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if rank == 1:
+            raise RuntimeError("host copy refused")
+        return staged(stager, state_dict)
+
+    staged = checkpoint._Stager.stage
+    checkpoint._Stager.stage = copy_fails_on_rank_1  # type: ignore[method-assign]
+    with pytest.raises(CheckpointSaveError) as failed:  # on both ranks, neither left waiting in the write
+        save_checkpoint_async(root, 3, model, optimizer, {"step": 3})
+    assert [f.rank for f in failed.value.failures] == [1], failed.value.failures
+    assert "step 3 failed on rank 1: RuntimeError: host copy refused" in str(failed.value)
+    assert select_checkpoint(root).path == checkpoint_dir(root, 2)
+
+
+def test_bf16_distributed_optimizer_saves_in_the_background_and_resumes_on_one_rank(tmp_path: Path) -> None:
+    """Saved on 2 ranks, resumed in one process: the main weights round to the bf16 weights at the save, and the
+    next steps equal the uninterrupted ones to bf16 rounding (the gradient sums run in another order)."""
+    root = tmp_path / "ckpt"
+    run_distributed(_bf16_async_worker, 2, str(root))
+    expected = torch.load(root / "uninterrupted.pt")
+    model = _bf16_model()
+    optimizer = DistributedOptimizer(model, 0.1, 0.1, (0.9, 0.95), bucket_bytes=64)
+    assert load_checkpoint(checkpoint_dir(root, 2), model, optimizer) == {"step": 2}
+    assert torch.equal(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]), expected["at_save"])
+    for resumed, uninterrupted in zip(
+        _bf16_steps(model, optimizer, range(2, 4), slice(0, 2)), expected["uninterrupted"]
+    ):
+        torch.testing.assert_close(resumed, uninterrupted, rtol=1e-2, atol=1e-2)

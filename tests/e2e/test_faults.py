@@ -304,6 +304,43 @@ def test_model_change_is_refused_even_when_allowed(resumable: TrainConfig) -> No
         setup(other)
 
 
+def _tiny_args(saved_run: TrainConfig, *extra: str) -> list[str]:
+    return [
+        *("--model", "tiny", "--data", saved_run.data, "--out", saved_run.out, "--global-tokens", "256"),
+        *("--capacity", "256", "--max-len", "64", "--lr", "1e-3", "--decay-steps", "4", "--checkpoint-every", "1"),
+        *extra,
+    ]
+
+
+def test_a_resume_whose_first_save_fails_keeps_config_toml_and_says_so_once(
+    saved_run: TrainConfig, capsys, monkeypatch
+) -> None:
+    """A resume with a changed setting whose first checkpoint cannot be committed: exit 3, one `error:` line naming
+    the rank, the step and the cause, the traceback once; config.toml still holds the saved run's settings, so the
+    next resume finds the change again."""
+    from bytescale_compile.train import checkpoint
+    from bytescale_compile.train.__main__ import main as train
+
+    out = Path(saved_run.out)
+    (out / CONFIG_FILE).unlink()
+    assert train(_tiny_args(saved_run, "--steps", "1")) == 0
+    saved = (out / CONFIG_FILE).read_text()
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "commit", full_disk)
+    capsys.readouterr()
+    assert train(_tiny_args(saved_run, "--steps", "2", "--resume", "--lr", "2e-3", "--allow-config-change")) == 3
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error" in line]
+    assert len(errors) == 1 and err.count("Traceback") == 1, err
+    assert "checkpoint of step 2 failed on rank 0: OSError: [Errno 28] No space left on device" in errors[0], err
+    assert (out / CONFIG_FILE).read_text() == saved
+    again = replace(load_config(out / CONFIG_FILE), resume=True, lr=2e-3, steps=2, allow_config_change=True)
+    assert setup(again).config_changes == ("lr: 0.001 -> 0.002",)
+
+
 @pytest.mark.slow
 def test_trainer_removes_stale_tmp_and_resumes_from_the_last_verified(saved_run: TrainConfig, capsys) -> None:
     """Through `python -m bytescale_compile.train`: a damaged latest checkpoint and a crashed save's `.tmp`."""

@@ -32,3 +32,17 @@ def test_resumed_on_other_world_sizes_and_stages_the_losses_are_the_uninterrupte
     assert "pp: 2 -> 1 (topology: the checkpoint is resharded)" in output
     assert "saved by 2 rank(s), pp 2, a replicated optimizer; loaded by 2 rank(s), a replicated optimizer" in output
     np.testing.assert_allclose(run_losses(tmp_path / "pp2to1"), uninterrupted, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_bf16_saved_in_the_background_on_tp_2_resumes_on_other_ranks_and_tp(workspace, tmp_path):
+    """bf16 with the distributed optimizer, its checkpoint saved asynchronously (the default) on 4 ranks at tp 2 and
+    resumed on 2 ranks at tp 1: the losses of the uninterrupted run, to bf16 rounding (the reductions run in
+    another order)."""
+    bf16 = ("--dtype", "bf16")
+    whole = ("--steps", str(STEPS), "--decay-steps", str(STEPS), "--tp", "2", *bf16)
+    run_trainer(torchrun_command(4, train_args(workspace, tmp_path / "whole", *whole)))
+    output = cut_and_resume(workspace, tmp_path / "tp2to1", STEPS, (4, ("--tp", "2", *bf16)), (2, bf16))
+    assert "tp: 2 -> 1 (topology: the checkpoint is resharded)" in output
+    assert "saved by 4 rank(s), tp 2, distributed-optimizer shards (bf16 weights); loaded by 2 rank(s)" in output
+    np.testing.assert_allclose(run_losses(tmp_path / "tp2to1"), run_losses(tmp_path / "whole"), rtol=1e-2)

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from bytescale_compile.data import TokenDataset, eval_prefix, write_dataset
 from bytescale_compile.planner import CostModel
-from bytescale_compile.train.__main__ import main
+from bytescale_compile.train.__main__ import PROG, main
 from bytescale_compile.train.checkpoint import COMPLETE_MARKER
 from bytescale_compile.train.config import load_config
 from bytescale_compile.train.trainer import CALIBRATED_COST_MODEL
@@ -104,6 +105,41 @@ def test_bf16_first_step_matches_fp32(workspace, tmp_path):
     assert all(r["predicted_peak_bytes"] > 0 for r in records) and all(r["reduce_time"] >= 0 for r in records)
     final = safetensors.torch.load_file(str(tmp_path / "bf16" / "final" / "model.safetensors"))
     assert {t.dtype for t in final.values()} == {torch.bfloat16}  # final/ in the run's dtype
+
+
+def test_sigterm_to_2_bf16_ranks_whose_save_fails_exits_3_with_one_error_line(workspace, tmp_path):
+    """`kill -TERM` to the launcher of 2 bf16 ranks, the checkpoint directory made unwritable first (a file where it
+    goes): the stop's save fails on rank 0, and the launcher exits with the ranks' 3 after one `error:` line naming
+    the step and the cause, and the traceback once."""
+    out = tmp_path / "run"
+    args = train_args(workspace, out, "--steps", "20", "--dtype", "bf16", "--checkpoint-every", "100")
+    command = [sys.executable, "-m", "bytescale_compile.train", "--nproc-per-node", "2", *args]
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _metrics_written(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        (out / "checkpoints").write_text("not a directory")
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = [line for line in stderr.splitlines() if line.startswith(f"{PROG}: error")]
+    assert proc.returncode == 3, stderr[-3000:]
+    step = len(run_metrics(out))
+    assert len(errors) == 1 and stderr.count("Traceback") == 1, stderr[-3000:]
+    assert (
+        f"stopped by SIGTERM after step {step} without a checkpoint: the checkpoint of step {step} failed on rank 0"
+        in errors[0]
+    )
+    assert "FileExistsError" in errors[0], errors[0]
+
+
+def _metrics_written(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and bool(metrics.read_text().strip())
 
 
 def _error(args: list[str], capsys) -> str:
