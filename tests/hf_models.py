@@ -449,6 +449,65 @@ HYBRIDS = [
         (),
         _layers("backbone.layers.{}.mixer", 0, 1),
     ),
+    # The Mamba2 copies below keep their configs' use_cache=True, as released checkpoints do: in a training
+    # forward, their models then build a cache that would send every mixer call to the class's own forward.
+    Hybrid(
+        "granite-moe-hybrid",
+        lambda tf: tf.GraniteMoeHybridForCausalLM(
+            tf.GraniteMoeHybridConfig(
+                **_hybrid(
+                    use_cache=True,
+                    layer_types=["mamba", "attention", "mamba", "mamba"],
+                    mamba_n_heads=8,
+                    mamba_d_head=16,
+                    mamba_n_groups=2,
+                    mamba_d_state=8,
+                    mamba_chunk_size=16,
+                    num_local_experts=2,
+                    num_experts_per_tok=1,
+                )
+            )
+        ),
+        _layers("model.layers.{}.self_attn", 1),
+        _layers("model.layers.{}.mamba", 0, 2, 3),
+    ),
+    Hybrid(
+        "nemotron-h",
+        lambda tf: tf.NemotronHForCausalLM(
+            tf.NemotronHConfig(
+                **_hybrid(
+                    use_cache=True,
+                    hybrid_override_pattern="M*-M",
+                    head_dim=16,
+                    mamba_num_heads=8,
+                    mamba_head_dim=16,
+                    n_groups=1,
+                    ssm_state_size=16,
+                    chunk_size=16,
+                )
+            )
+        ),
+        _layers("model.layers.{}.mixer", 1),
+        _layers("model.layers.{}.mixer", 0, 3),
+    ),
+    Hybrid(
+        "zamba2",
+        lambda tf: tf.Zamba2ForCausalLM(
+            tf.Zamba2Config(
+                **_hybrid(
+                    use_cache=True,
+                    layers_block_type=["mamba", "hybrid", "mamba", "mamba"],
+                    mamba_d_state=8,
+                    mamba_headdim=16,
+                    mamba_ngroups=1,
+                    n_mamba_heads=8,
+                    chunk_size=16,
+                )
+            )
+        ),
+        _layers("model.layers.{}.shared_transformer.self_attn", 1),
+        ("model.layers.0.mamba", "model.layers.1.mamba_decoder.mamba", "model.layers.2.mamba", "model.layers.3.mamba"),
+    ),
 ]
 HYBRID_BY_NAME = {h.name: h for h in HYBRIDS}
 

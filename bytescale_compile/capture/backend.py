@@ -32,6 +32,8 @@ from ..passes.loss import PREVIOUS_GRAPH_BREAK, rewrite_loss
 from ..passes.manager import Pass, PassContext, PassManager
 from ..passes.offload import NAME as OFFLOAD
 from ..passes.offload import apply_offload
+from ..passes.opaque import NAME as OPAQUE
+from ..passes.opaque import find_opaque_regions
 from ..passes.regions import has_regions
 from ..passes.report import CompileReport, GraphReport, PassResult
 from ..passes.token_mixers import NAME as TOKEN_MIXERS
@@ -56,11 +58,13 @@ REGIONS_HIDE_SAVED = (
 
 
 def default_passes() -> list[Pass]:
-    """The pre-autograd passes in the order they run; the token-mixer analysis last, over what they left."""
+    """The pre-autograd passes in the order they run; then the analyses of what they left: token mixers, and what
+    hides inside regions no pass looked into."""
     return [
         Pass(ATTENTION, rewrite_attention, enabled_by="attention"),
         Pass(FUSED_LOSS, rewrite_loss, enabled_by="fused_loss"),
         Pass(TOKEN_MIXERS, find_token_mixers),
+        Pass(OPAQUE, find_opaque_regions),
     ]
 
 

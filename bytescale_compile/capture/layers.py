@@ -47,6 +47,13 @@ def mark_repeated_layers(model: nn.Module) -> str | None:
         )
         return None
     path, layers = found
+    if any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers):
+        raise ValueError(
+            f"Config(compile_layers_once=True) with gradient checkpointing on the layers of `{path}`: torch's "
+            f"Dynamo cannot trace a layer compiled once inside a checkpointed region. Turn one of them off: "
+            f"model.gradient_checkpointing_disable(), or Config(compile_layers_once=False) (checkpointed layers "
+            f"are rewritten as any other)"
+        )
     for layer in layers:
         layer.__class__ = _marked_class(type(layer))
     log.info(

@@ -6,7 +6,8 @@ only. `adapt_mixers` replaces the `forward` of each known mixer module with one 
 module's torch path computes, except that the token convolution and the scan are `bytescale::causal_conv1d` and
 `bytescale::scan`, which know where each row's sequences start (`ops/mixers.py`). Parameters, state_dict and call
 signature stay as they are. A call these forwards do not cover (a cache for generation, packing passed as
-kwargs) goes to the class's own forward, so nothing changes silently.
+kwargs) goes to the class's own forward, so nothing changes silently; `split_reached` then tells, after capture,
+which swapped modules' ops reached the compiled graphs.
 
 Classes are matched by name, so transformers is not imported here; a module is adapted only when its class
 comes from transformers and its forward has the signature these forwards mirror: `(hidden_states, cache,
@@ -20,7 +21,7 @@ import importlib.metadata
 import inspect
 import re
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
 
-__all__ = ["ADAPTERS", "AdaptedMixer", "MixerAdapter", "adapt_mixers"]
+__all__ = ["ADAPTERS", "AdaptedMixer", "MixerAdapter", "adapt_mixers", "split_reached", "wants_no_cache"]
 
 NEWEST_CHECKED = (5, 24)
 """The newest transformers (major, minor) whose mixer torch paths the tests check these forwards against. A newer
@@ -300,3 +301,34 @@ def adapt_mixers(model: nn.Module) -> tuple[list[AdaptedMixer], list[tuple[str, 
             module.forward = types.MethodType(_adapted_forward, module)
         adapted.append(AdaptedMixer(path, name, adapter.pattern))
     return adapted, refused
+
+
+BYPASSED = (
+    "its forward was swapped, but none of its ops reached the compiled graphs: every call went to the class's own "
+    "forward, as calls with a cache (use_cache=True) or packing kwargs do"
+)
+
+
+def split_reached(
+    swapped: list[AdaptedMixer], rewritten: Collection[str]
+) -> tuple[list[AdaptedMixer], list[tuple[str, str]]]:
+    """(adapted, [(path, reason) bypassed]): the swapped modules whose segment-aware ops are in the compiled graphs
+    (`rewritten`: the module paths the token_mixers pass found them at), and those whose calls all went to the class's
+    forward. A swap says nothing of what runs: the model decides how it calls the module."""
+    return [m for m in swapped if m.path in rewritten], [(m.path, BYPASSED) for m in swapped if m.path not in rewritten]
+
+
+def wants_no_cache(model: nn.Module, signature: inspect.Signature, arguments: Mapping[str, Any]) -> bool:
+    """Whether a call of `model` with swapped mixers (its forward's `signature`, the call's bound `arguments`) should
+    pass `use_cache=False`: a training call that leaves it unset, to a forward that takes it by name, or through
+    **kwargs when the forward is Hugging Face's own and the config has `use_cache` (GraniteMoeHybrid's; a wrapper's
+    **kwargs may mean something else). Hugging Face configs default to `use_cache=True`, and most hybrids then build
+    a cache even in a training forward, which sends every mixer call to the class's own forward. A call that sets
+    use_cache keeps it; so does an eval call (it may be decoding)."""
+    if not model.training or "use_cache" in arguments:
+        return False
+    if "use_cache" in signature.parameters:
+        return True
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    from_transformers = getattr(model.forward, "__module__", "").startswith("transformers.")
+    return takes_kwargs and from_transformers and hasattr(getattr(model, "config", None), "use_cache")

@@ -45,7 +45,7 @@ from .masks import CausalMask, prove_causal_mask, strip_additive_mask
 from .regions import Region, find_regions
 from .report import PassResult, Rewrite, Skipped
 
-__all__ = ["rewrite_attention"]
+__all__ = ["rewrite_attention", "is_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,17 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return result
 
 
+def is_attention(node: fx.Node) -> bool:
+    """Whether `node` is an attention site the pass matches: an SDPA call, or `softmax(...) @ v`."""
+    return is_call(node, *_SDPA) or _softmax_behind(node) is not None
+
+
 def _rewrite_graph(graph: fx.Graph, result: PassResult, region: Region | None) -> None:
     scope = _Scope(region)
     for node in list(graph.nodes):
-        if is_call(node, *_SDPA):
-            match = _match_sdpa
-        elif _softmax_behind(node) is not None:
-            match = _match_explicit
-        else:
+        if not is_attention(node):
             continue
+        match = _match_sdpa if is_call(node, *_SDPA) else _match_explicit
         source = source_module(node)
         try:
             found = match(node, scope)
@@ -122,7 +124,7 @@ class _Scope:
         """The module path of a site, once per layer that runs it."""
         if self.region is None:
             return [source]
-        return [self.region.site_source(call, source) for call in self.region.calls]
+        return self.region.sources(source)
 
     def drop_resolved(self) -> None:
         if self.region is not None:

@@ -40,9 +40,10 @@ from .. import ops  # noqa: F401  (registers torch.ops.bytescale)
 from ..ops.tensor_parallel import tp_rank, tp_size
 from .graph import NotEquivalent, arg, is_call, replace_with_op, same_size, source_module, value
 from .manager import PassContext
+from .regions import Region, find_regions
 from .report import PassResult, Rewrite, Skipped
 
-__all__ = ["PREVIOUS_GRAPH_BREAK", "rewrite_loss"]
+__all__ = ["PREVIOUS_GRAPH_BREAK", "rewrite_loss", "is_cross_entropy"]
 
 log = logging.getLogger(__name__)
 
@@ -111,16 +112,32 @@ class _LossMatch:
         return torch.ops.bytescale.vocab_parallel_linear_cross_entropy.default
 
 
+def is_cross_entropy(node: fx.Node) -> bool:
+    return is_call(node, *_CROSS_ENTROPY)
+
+
 def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Fuse the graph's losses, then those inside regions (a checkpointed lm_head and loss)."""
     result = PassResult(NAME)
-    for node in list(gm.graph.nodes):
-        if not is_call(node, *_CROSS_ENTROPY):
+    _rewrite_graph(gm.graph, result, ctx, gm.meta.get(PREVIOUS_GRAPH_BREAK), region=None)
+    for region in find_regions(gm):
+        _rewrite_graph(region.body.graph, result, ctx, None, region=region)
+    return result
+
+
+def _rewrite_graph(
+    graph: fx.Graph, result: PassResult, ctx: PassContext, previous_break: str | None, *, region: Region | None
+) -> None:
+    for node in list(graph.nodes):
+        if not is_cross_entropy(node):
             continue
         source = source_module(node)
         try:
             if not ctx.training:
                 raise NotEquivalent("model in eval mode: logits are returned, the loss is not fused")
-            match = _match(node, gm.meta.get(PREVIOUS_GRAPH_BREAK))
+            match = _match(node, previous_break)
+            if region is not None:
+                _check_stays_inside(match.chain, region)
         except NotEquivalent as why:
             result.skipped.append(Skipped(node.name, "cross_entropy", source, str(why)))
             continue
@@ -135,10 +152,19 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 node.name,
                 str(match.op.overloadpacket),
                 source,
-                _fuse(gm.graph, node, match, ctx.config.loss_chunk_size),
+                _fuse(graph, node, match, ctx.config.loss_chunk_size),
             )
         )
-    return result
+
+
+def _check_stays_inside(chain: tuple[fx.Node, ...], region: Region) -> None:
+    """Logits a region returns cannot be emptied there: its callers' outputs are typed by the body's."""
+    returned = [n.name for n in chain if n in region.body.graph.output_node().all_input_nodes]
+    if returned:
+        raise NotEquivalent(
+            f"the logits {returned} leave the region `{region.calls[0].name}` they are computed in: "
+            f"compute them and the loss in the same region (or outside it)"
+        )
 
 
 def _fuse(graph: fx.Graph, ce: fx.Node, match: _LossMatch, chunk_size: int) -> str:

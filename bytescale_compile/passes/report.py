@@ -18,10 +18,12 @@ __all__ = [
     "CompileReport",
     "ATTENTION_PASS",
     "TOKEN_MIXERS_PASS",
+    "OPAQUE_PASS",
 ]
 
 ATTENTION_PASS = "attention"
 TOKEN_MIXERS_PASS = "token_mixers"
+OPAQUE_PASS = "opaque_regions"
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
@@ -172,6 +174,7 @@ class CompileReport:
             (source, f"left alone: {', '.join(patterns)}")
             for source, patterns in self.token_mixers_left_alone().items()
         ]
+        sites += [(s.source, f"left alone: {s.reason}") for s in self.skipped(OPAQUE_PASS)]
         return [
             f"{_layer_name(source)}: {what}" for source, what in sorted(sites, key=lambda site: _layer_key(site[0]))
         ]
@@ -181,7 +184,8 @@ class CompileReport:
 
         Both are safe only when every token mixer found in the compiled graphs became a segment-aware op
         (`bytescale::attention`): any other would read across the packed sequences, or only the rank's own
-        zigzag chunks of its sequence — silently wrong.
+        zigzag chunks of its sequence — silently wrong. So would one inside a region the passes do not look
+        into (`passes/opaque.py`).
         """
         if not self.graphs:
             return ["the model has not been compiled yet (no compile report)"]
@@ -194,6 +198,7 @@ class CompileReport:
             f"sequences, and only a rank's own chunks of a shared one"
             for source, patterns in self.token_mixers_left_alone().items()
         ]
+        blockers += [f"`{s.source}`: {s.reason}" for s in self.skipped(OPAQUE_PASS)]
         return list(dict.fromkeys(blockers))
 
     def mixers_rewritten(self) -> dict[str, list[str]]:
@@ -216,6 +221,14 @@ class CompileReport:
         """Module path -> what each token mixer the analysis left alone there does."""
         found: dict[str, list[str]] = {}
         for s in self.skipped(TOKEN_MIXERS_PASS):
+            if s.reason not in found.setdefault(s.source, []):
+                found[s.source].append(s.reason)
+        return found
+
+    def opaque_regions(self) -> dict[str, list[str]]:
+        """Module path -> what hides there inside a region the passes did not look into (`passes/opaque.py`)."""
+        found: dict[str, list[str]] = {}
+        for s in self.skipped(OPAQUE_PASS):
             if s.reason not in found.setdefault(s.source, []):
                 found[s.source].append(s.reason)
         return found

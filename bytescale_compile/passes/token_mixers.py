@@ -38,11 +38,11 @@ from torch import fx
 from ..ops.mixers import boundary_bytes
 from .graph import ATTENTION_SITE, source_module, value
 from .manager import PassContext
-from .regions import Region, find_regions
+from .regions import find_regions
 from .report import TOKEN_MIXERS_PASS as NAME
 from .report import PassResult, Rewrite, Skipped
 
-__all__ = ["find_token_mixers", "NAME"]
+__all__ = ["find_token_mixers", "mixers_in", "token_dims", "NAME"]
 
 _CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d"}
 _CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "cumsum_", "cumprod_"}
@@ -102,7 +102,7 @@ def find_token_mixers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Report every token-mixing op of `gm` that is not a rewritten attention, with its module and pattern."""
     result = PassResult(NAME)
     graphs: list[tuple[fx.Graph, Callable[[str], list[str]]]] = [(gm.graph, lambda source: [source])]
-    graphs += [(r.body.graph, _layer_sources(r)) for r in find_regions(gm)]
+    graphs += [(r.body.graph, r.sources) for r in find_regions(gm)]
     for graph, sources in graphs:
         for node in graph.nodes:
             rewritten = _segment_aware(node)
@@ -115,15 +115,25 @@ def find_token_mixers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     reported: set[tuple[str, str]] = set()
     for graph, sources in graphs:
         attention_sites = {source_module(n) for n in graph.nodes if n.meta.get(ATTENTION_SITE)}
-        for node, found in _mixers(graph, tokens):
+        for node, what in mixers_in(graph, tokens):
             if source_module(node) in attention_sites:
                 continue
-            what = f"{found.pattern} ({found.detail})" if found.detail else found.pattern
             for source in sources(source_module(node)):
                 if (source, what) not in reported:
                     reported.add((source, what))
                     result.skipped.append(Skipped(node.name, _op_name(node) or str(node.target), source, what))
     return result
+
+
+def token_dims(gm: fx.GraphModule) -> _TokenDims | None:
+    """Which dims of the values traced in `gm` (and the graphs it calls) hold tokens; None without input_ids."""
+    return _TokenDims.of(gm)
+
+
+def mixers_in(graph: fx.Graph, tokens: _TokenDims) -> Iterator[tuple[fx.Node, str]]:
+    """Each token-mixing node of `graph` with what it does, as the report names it."""
+    for node, found in _mixers(graph, tokens):
+        yield node, f"{found.pattern} ({found.detail})" if found.detail else found.pattern
 
 
 _SCAN_PATTERNS = {"ssd": "Mamba2 SSD scan", "selective": "selective scan (Mamba)", "gated_delta": "gated delta rule"}
@@ -141,11 +151,6 @@ def _segment_aware(node: fx.Node) -> tuple[str, int] | None:
         kind, inputs = str(node.args[0]), [value(a) for a in cast(list, node.args[1])]
         return _SCAN_PATTERNS.get(kind, kind), boundary_bytes(kind, inputs)
     return None
-
-
-def _layer_sources(region: Region) -> Callable[[str], list[str]]:
-    """A site's sources in a shared layer body: its module path once per layer that runs the body."""
-    return lambda source: [region.site_source(call, source) for call in region.calls]
 
 
 class _TokenDims:

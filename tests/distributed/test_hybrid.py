@@ -1,7 +1,7 @@
 """Hybrid models: every token mixer accounted for, then packed and sharded right.
 
-Convolutions (LFM2, and the one before each scan), Mamba/Mamba2 scans (Bamba, Jamba, Mamba2) and gated delta
-rules (Qwen3-Next) read other tokens than their own. Their Hugging Face modules run on the segment-aware
+Convolutions (LFM2, and the one before each scan), Mamba/Mamba2 scans (Bamba, Jamba, Mamba2, GraniteMoeHybrid,
+Nemotron-H, Zamba2) and gated delta rules (Qwen3-Next) read other tokens than their own. Their Hugging Face modules run on the segment-aware
 `bytescale::causal_conv1d` and `bytescale::scan`: a packed row equals each sequence alone, and a sequence
 shared by two ranks equals single-process training. Mixers the compiler does not know (or with
 `Config(token_mixers=False)`) are listed by layer, a packed row is refused, and the runtime runs every sequence
@@ -28,15 +28,37 @@ NAMES = [h.name for h in HYBRIDS]
 PACKED = [50, 9, 1, 14]
 LENGTHS = [50, 9, 14, 30]
 CAPACITY = 32
-DEFAULT = ("lfm2", "mamba2")
-PRECISION = {"jamba": (torch.float32, 0.0), "qwen3-next": (torch.float32, 0.1)}
-"""(dtype, floor as a share of the largest gradient) where fp64 does not hold: the grouped-mm experts of Jamba
-and Qwen3-Next take no fp64, and Qwen3-Next's gated delta rule runs in fp32 whatever the model's dtype anyway, so
-its A_log gradient (a sum of cancelling terms 1e6 below the largest) holds fp32 rounding, 1e-7 of the largest."""
+DEFAULT = ("lfm2", "mamba2", "nemotron-h")
+PRECISION = {
+    "jamba": (torch.float32, 0.0),
+    "granite-moe-hybrid": (torch.float32, 0.0),
+    "qwen3-next": (torch.float32, 0.1),
+}
+"""(dtype, floor as a share of the largest gradient) where fp64 does not hold: the grouped-mm experts of Jamba,
+GraniteMoeHybrid and Qwen3-Next take no fp64, and Qwen3-Next's gated delta rule runs in fp32 whatever the model's
+dtype anyway, so its A_log gradient (a sum of cancelling terms 1e6 below the largest) holds fp32 rounding, 1e-7 of
+the largest."""
+
+
+UNSEGMENTED_ATTENTION = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="GraniteMoeHybrid builds its attention mask without position_ids, so outside a micro-batch context the "
+    "attention pass sees no restarts and its rewritten attention reads across a packed row (the runtime's packed "
+    "micro-batches carry cu_seqlens and are right)",
+)
+"""Its mixers are checked packed in tests/unit/test_capture_mixers.py, its shared step below."""
 
 
 def _cheap_by_default(names: list[str]) -> list:
-    return [pytest.param(n, marks=[] if n in DEFAULT else pytest.mark.slow) for n in names]
+    return [
+        pytest.param(
+            n,
+            marks=([] if n in DEFAULT else [pytest.mark.slow])
+            + ([UNSEGMENTED_ATTENTION] if n == "granite-moe-hybrid" else []),
+        )
+        for n in names
+    ]
 
 
 def _each_sequence_alone(model: nn.Module, lengths: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -71,6 +93,7 @@ def test_a_packed_row_equals_each_sequence_alone_with_every_mixer_rewritten(name
     assert sorted(r.source for r in report.rewrites("attention")) == list(hybrid.attention)
     assert sorted(report.mixers_rewritten()) == list(hybrid.mixers)
     assert report.token_mixers_left_alone() == {} and optimized.shard_blockers() == []
+    assert [m.path for m in optimized.mixers_adapted] == list(hybrid.mixers) and optimized.mixers_not_adapted == []
     table = report.mixer_layers()
     assert len(table) == len(hybrid.attention) + len(hybrid.mixers) and all("rewritten" in line for line in table)
 

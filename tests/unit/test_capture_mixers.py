@@ -7,6 +7,7 @@ and on a row packing 3 sequences against the class's forward run on each sequenc
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from copy import deepcopy
@@ -16,11 +17,12 @@ import pytest
 import torch
 from torch import nn
 
+import bytescale_compile as bsc
 from bytescale_compile.capture import mixers
 from bytescale_compile.capture.mixers import ADAPTERS, adapt_mixers
 from bytescale_compile.runtime.context import micro_batch
-from tests.helpers import rel_err
-from tests.hf_models import HYBRID_BY_NAME, build_hybrid
+from tests.helpers import protocol_batch, rel_err
+from tests.hf_models import HYBRID_BY_NAME, VOCAB, build_hybrid
 
 tf = pytest.importorskip("transformers")
 
@@ -66,51 +68,6 @@ EXTRA: dict[str, tuple[Callable[[], nn.Module], tuple[str, ...]]] = {
             )
         ),
         ("model.layers.0.conv",),
-    ),
-    "granite-moe-hybrid": (
-        lambda: tf.GraniteMoeHybridForCausalLM(
-            tf.GraniteMoeHybridConfig(
-                **_small(),
-                layer_types=["mamba", "attention"],
-                mamba_n_heads=4,
-                mamba_d_head=16,
-                mamba_n_groups=2,
-                mamba_d_state=8,
-                mamba_chunk_size=16,
-                num_local_experts=2,
-                num_experts_per_tok=1,
-            )
-        ),
-        ("model.layers.0.mamba",),
-    ),
-    "nemotron-h": (
-        lambda: tf.NemotronHForCausalLM(
-            tf.NemotronHConfig(
-                **_small("num_hidden_layers"),
-                layers_block_type=["mamba", "attention"],
-                head_dim=8,
-                mamba_num_heads=4,
-                mamba_head_dim=16,
-                n_groups=2,
-                ssm_state_size=8,
-                chunk_size=16,
-            )
-        ),
-        ("model.layers.0.mixer",),
-    ),
-    "zamba2": (
-        lambda: tf.Zamba2ForCausalLM(
-            tf.Zamba2Config(
-                **_small("intermediate_size"),
-                mamba_d_state=8,
-                mamba_headdim=16,
-                mamba_ngroups=1,
-                n_mamba_heads=4,
-                chunk_size=16,
-                layers_block_type=["mamba", "hybrid"],
-            )
-        ),
-        ("model.layers.0.mamba", "model.layers.1.mamba_decoder.mamba"),
     ),
     "mamba": (
         lambda: tf.MambaForCausalLM(
@@ -328,3 +285,53 @@ def test_a_transformers_newer_than_the_checked_one_leaves_the_mixers_alone(monke
     adapted, refused = adapt_mixers(model)
     assert adapted == [] and [path for path, _ in refused] == list(paths)
     assert "transformers 5.99.0.dev0 is newer than" in refused[0][1]
+
+
+def test_every_adapted_class_is_in_the_matrix() -> None:
+    classes = set()
+    for name in MODELS:
+        model, paths = _model(name)
+        classes |= {type(model.get_submodule(p)).__name__ for p in paths}
+    assert classes == set(ADAPTERS)
+
+
+def _forward(use_cache: bool | None = None, **kwargs: Any) -> None:
+    """A causal LM's forward that takes use_cache by name."""
+
+
+def _forward_kwargs(input_ids: torch.Tensor, **kwargs: Any) -> None:
+    """One that takes it through **kwargs (GraniteMoeHybrid's)."""
+
+
+def test_a_training_call_that_leaves_use_cache_unset_runs_without_a_cache() -> None:
+    """Hugging Face configs default to use_cache=True, and the cache a training forward then builds would send every
+    mixer call to the class's own forward. An explicit use_cache, an eval call and a forward without one keep theirs."""
+    model = nn.Linear(1, 1).train()
+    by_name, by_kwargs = inspect.signature(_forward), inspect.signature(_forward_kwargs)
+    assert mixers.wants_no_cache(model, by_name, {})
+    assert not mixers.wants_no_cache(model, by_name, {"use_cache": True})
+    granite = build_hybrid("granite-moe-hybrid")
+    assert "use_cache" not in inspect.signature(granite.forward).parameters
+    assert mixers.wants_no_cache(granite, inspect.signature(granite.forward), {})
+    granite.__class__ = type("Stage", (type(granite),), {"forward": _forward_kwargs})  # a pipeline stage's, say
+    assert not mixers.wants_no_cache(granite, by_kwargs, {})  # not Hugging Face's forward: its **kwargs may differ
+    assert not mixers.wants_no_cache(model, inspect.signature(lambda input_ids: None), {})
+    assert not mixers.wants_no_cache(model.eval(), by_name, {})
+
+
+def test_mixers_adapted_lists_the_mixers_whose_ops_reach_the_graph() -> None:
+    """A module swapped but called with a cache (an eval call, as the config's use_cache=True asks) runs the class's
+    forward: not adapted, with the reason, until a graph holds its ops (a training call: no cache by default)."""
+    torch.manual_seed(0)
+    config = tf.Lfm2Config(**_small("use_cache"), layer_types=["conv", "full_attention"], conv_L_cache=3)
+    assert config.use_cache
+    optimized = bsc.optimize(tf.Lfm2ForCausalLM(config).eval())
+    path = "model.layers.0.conv"
+    assert optimized.mixers_adapted == [] and optimized.mixers_not_adapted == []  # nothing captured yet
+    batch = protocol_batch([12], VOCAB, hf=True)
+    optimized(**batch)
+    assert optimized.mixers_adapted == [] and optimized.mixers_not_adapted == [(path, mixers.BYPASSED)]
+    assert list(optimized.report.token_mixers_left_alone()) == [path]
+    optimized.train()(**batch)
+    assert [m.path for m in optimized.mixers_adapted] == [path] and optimized.mixers_not_adapted == []
+    assert list(optimized.report.mixers_rewritten()) == [path]
