@@ -14,7 +14,7 @@ from torch import nn
 
 from .capture import Backend, ShardingError
 from .capture.layers import mark_repeated_layers
-from .capture.mixers import AdaptedMixer, adapt_mixers
+from .capture.mixers import BYPASSED, AdaptedMixer, adapt_mixers, split_reached, wants_no_cache
 from .capture.tensor_parallel import LocalRunner, TPLayout, find_tp_layout
 from .config import Config
 from .passes.report import CompileReport, GraphReport
@@ -62,12 +62,15 @@ class OptimizedModule(nn.Module):
         self.tp_layout: TPLayout | None = find_tp_layout(model)
         """The TP group and each sharded module's layout when parameters are DTensors (`capture/tensor_parallel.py`)."""
         self._local = LocalRunner(model, self.tp_layout) if self.tp_layout is not None else None
+        self._mixers_swapped: list[AdaptedMixer] = []
+        """Hugging Face mixer modules whose forward was swapped (what the model then calls is for capture to say)."""
         self.mixers_adapted: list[AdaptedMixer] = []
-        """Hugging Face mixer modules whose convolution and scan now run as segment-aware ops."""
+        """Swapped mixer modules whose convolution and scan reached a compiled graph as segment-aware ops (empty
+        until the first call compiles)."""
         self.mixers_not_adapted: list[tuple[str, str]] = []
-        """(module path, reason) of known mixer modules left as they are."""
+        """(module path, reason) of known mixer modules left as they are, or swapped but bypassed in every graph."""
         if config.token_mixers:
-            self.mixers_adapted, self.mixers_not_adapted = adapt_mixers(model)
+            self._mixers_swapped, self.mixers_not_adapted = adapt_mixers(model)
             for path, reason in self.mixers_not_adapted:
                 logger.warning(
                     "token mixer `%s` stays as it is (%s): the model will be neither packed nor sharded", path, reason
@@ -76,7 +79,8 @@ class OptimizedModule(nn.Module):
         self._pending: list[GraphReport] = []
         self._compiled_graphs: list[GraphReport] = []
         self._mixers_left_alone: dict[str, list[str]] = {}
-        """Token mixers left alone in every graph compiled so far, updated when one compiles (not per call)."""
+        """Token mixers left alone in every graph compiled so far, also those inside regions the passes did not look
+        into, updated when one compiles (not per call)."""
         graph_ids = itertools.count()
         self._backends = {mode: Backend(config, mode, self._pending.append, graph_ids) for mode in (True, False)}
         self._compiled = {
@@ -134,7 +138,7 @@ class OptimizedModule(nn.Module):
                     ignore_logging_functions=_ignored_logging_functions(),
                 ),
             ):
-                out = self._compiled[self._orig_mod.training](*args, **kwargs)
+                out = self._compiled[self._orig_mod.training](*args, **self._without_cache(args, kwargs))
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RecompileLimitError(
                 f"{type(self._orig_mod).__name__}.forward was compiled {RECOMPILE_LIMIT} times in this process "
@@ -144,8 +148,33 @@ class OptimizedModule(nn.Module):
         if self._pending:
             self._report = CompileReport(graphs=list(self._pending), tensor_parallel=self._tp_described())
             self._compiled_graphs += self._pending
-            self._mixers_left_alone = CompileReport(graphs=self._compiled_graphs).token_mixers_left_alone()
+            compiled = CompileReport(graphs=self._compiled_graphs)
+            self._mixers_left_alone = compiled.token_mixers_left_alone()
+            for source, hidden in compiled.opaque_regions().items():
+                self._mixers_left_alone.setdefault(source, []).extend(hidden)
+            self._check_mixers_reached(compiled)
         return out
+
+    def _check_mixers_reached(self, compiled: CompileReport) -> None:
+        """`mixers_adapted`: the swapped mixers whose ops some compiled graph holds; the others go to
+        `mixers_not_adapted` with the reason (warned once each)."""
+        refused = [(path, reason) for path, reason in self.mixers_not_adapted if reason != BYPASSED]
+        self.mixers_adapted, bypassed = split_reached(self._mixers_swapped, compiled.mixers_rewritten())
+        for path, reason in bypassed:
+            if (path, reason) not in self.mixers_not_adapted:
+                logger.warning(
+                    "token mixer `%s` stays as it is (%s): the model will be neither packed nor sharded", path, reason
+                )
+        self.mixers_not_adapted = refused + bypassed
+
+    def _without_cache(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs`, with `use_cache=False` for a training call of a model with swapped mixers that leaves it unset."""
+        if not self._mixers_swapped:
+            return kwargs
+        arguments = self.__signature__.bind_partial(*args, **kwargs).arguments
+        if wants_no_cache(self._orig_mod, self.__signature__, arguments):
+            return {**kwargs, "use_cache": False}
+        return kwargs
 
     def _tp_described(self) -> dict[str, str]:
         return self.tp_layout.describe() if self.tp_layout is not None else {}
@@ -167,7 +196,7 @@ class OptimizedModule(nn.Module):
                     f"{input_ids.shape[-1]}: they must describe the same tokens"
                 )
         ctx: MicroBatchContext | None = current_context()
-        if not self.mixers_adapted or not isinstance(position_ids, torch.Tensor) or position_ids.dim() < 1:
+        if not self._mixers_swapped or not isinstance(position_ids, torch.Tensor) or position_ids.dim() < 1:
             return row_packing(None, 0)
         if ctx is not None and (ctx.is_ring or ctx.cu_seqlens is not None):
             return row_packing(None, 0)

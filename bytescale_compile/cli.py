@@ -532,17 +532,48 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     from .data import MixedDataset, open_data
 
     try:
+        vocab, of = _checked_vocabulary(args.vocab_size, args.model)
         data, _ = open_data(args.data)
         for part in data.parts if isinstance(data, MixedDataset) else (data,):
-            part.check_tokens()
+            low, high = part.id_range()
+            if vocab is None and (low < 0 or high >= part.vocab_size):
+                part.check_tokens()  # names the file and byte of the first id outside its declared vocabulary
+            elif vocab is not None and (low < 0 or high >= vocab):
+                found = part.first_outside(vocab)
+                assert found is not None  # id_range saw one
+                raise CLIError(
+                    f"{part.spec}: sequence {found.sequence} holds token id {found.token} at position "
+                    f"{found.position} (ids {low} to {high} in all), outside the vocabulary of {vocab} ({of}; the "
+                    f"dataset declares vocab_size {part.vocab_size}): give the vocabulary the data was tokenized "
+                    "with (PATH?vocab_size=N or PATH?tokenizer=DIR) and a model whose vocab_size covers it"
+                )
             tokenizer = "none" if part.tokenizer is None else part.tokenizer.name_or_path
+            below = f"{vocab} ({of}; the dataset declares {part.vocab_size})" if vocab else str(part.vocab_size)
             print(
-                f"{part.spec}: {len(part)} sequences, {int(part.lengths.sum())} tokens ({part.dtype}), every id "
-                f"below vocab_size {part.vocab_size}; tokenizer {tokenizer}; {part.source}"
+                f"{part.spec}: {len(part)} sequences, {int(part.lengths.sum())} tokens ({part.dtype}), max id {high}, "
+                f"every id below vocab_size {below}; tokenizer {tokenizer}; {part.source}"
             )
     except _DATA_ERRORS as e:
         raise CLIError(str(e)) from e
     return 0
+
+
+def _checked_vocabulary(vocab_size: int | None, model: str | None) -> tuple[int | None, str]:
+    """The vocabulary size `data check` holds the ids against, and where it comes from: --vocab-size, the
+    `vocab_size` of --model's config.json, or (None) each dataset's own."""
+    if vocab_size is not None:
+        return vocab_size, "--vocab-size"
+    if model is None:
+        return None, "the dataset's"
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CLIError(f"--model {model}: cannot read {path} ({e}): give a Hugging Face model directory") from e
+    vocab = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    if not isinstance(vocab, int) or vocab < 1:
+        raise CLIError(f"--model {model}: {path} has no vocab_size: pass --vocab-size")
+    return vocab, f"model {model}"
 
 
 def _add_data_commands(sub: Any) -> None:
@@ -603,6 +634,16 @@ def _add_data_commands(sub: Any) -> None:
         required=True,
         metavar="SPEC",
         help="as training's --data: PREFIX, PATH?vocab_size=N, PATH?tokenizer=DIR, or a mixture a:0.7,b:0.3",
+    )
+    against = p.add_mutually_exclusive_group()
+    against.add_argument(
+        "--vocab-size",
+        type=_int_at_least(1),
+        default=None,
+        help="hold every id against this vocabulary (a model's embedding rows) instead of the dataset's own",
+    )
+    against.add_argument(
+        "--model", metavar="DIR", default=None, help="hold every id against the vocab_size of DIR/config.json"
     )
     p.set_defaults(func=cmd_data_check)
 

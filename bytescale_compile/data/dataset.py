@@ -33,6 +33,7 @@ __all__ = [
     "FlatTokens",
     "GlobalBatch",
     "GlobalBatchSampler",
+    "OutOfVocabulary",
     "SequenceSource",
     "TokenDataset",
     "TokenSpan",
@@ -115,6 +116,15 @@ def _check_range(start: int, end: int | None, length: int) -> tuple[int, int]:
     if not 0 <= start <= end <= length:
         raise IndexError(f"token range [{start}, {end}) outside a sequence of length {length}")
     return start, end
+
+
+@dataclass(frozen=True)
+class OutOfVocabulary:
+    """A token id outside a vocabulary: sequence `sequence` of a dataset holds `token` at `position`."""
+
+    sequence: int
+    position: int
+    token: int
 
 
 @dataclass(frozen=True)
@@ -229,7 +239,22 @@ class TokenDataset:
 
     def max_token(self) -> int:
         """The largest token id present (reads every token once): what a model's vocabulary must cover."""
-        return max((int(span.ids.max()) for span in self._store.spans() if span.ids.size), default=-1)
+        return self.id_range()[1]
+
+    def id_range(self) -> tuple[int, int]:
+        """The smallest and largest token id present, (0, -1) when there is none (reads every token once)."""
+        ranges = [(int(s.ids.min()), int(s.ids.max())) for s in self._store.spans() if s.ids.size]
+        return (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else (0, -1)
+
+    def first_outside(self, vocab_size: int, indices: Iterable[int] | None = None) -> OutOfVocabulary | None:
+        """The first of the sequences `indices` (default: all, in order) that holds an id outside
+        0..vocab_size-1, and where; None when every id fits. Reads those sequences whole."""
+        for index in range(len(self)) if indices is None else indices:
+            ids = self._store.read(int(index), 0, int(self._lengths[index]))
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                at = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+                return OutOfVocabulary(int(index), at, int(ids[at]))
+        return None
 
     def check_tokens(self) -> None:
         """Raise `DatasetError` at the first id outside 0..vocab_size-1, naming its file and byte offset (reads

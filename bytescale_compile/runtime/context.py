@@ -53,6 +53,9 @@ class MicroBatchContext:
     ulysses: the Ulysses (head-parallel) degree u of the u × r split (`runtime/ulysses.py`); the row then
         holds this rank's tokens of `split_layout`. 1 is the plain ring.
     micro_batch_id: the micro-batch's index in the step (for counters and error messages).
+    num_items: the valid next-token targets of the whole global batch (the model protocol's
+        `num_items_in_batch`): a sequence's router load-balancing loss weighs its share of them, like its
+        cross-entropy (`ops/router.py`). None outside a Runtime step.
     ring_stats: bytes and blocks of every ring call under this context.
     """
 
@@ -62,6 +65,7 @@ class MicroBatchContext:
     micro_batch_id: int = 0
     ulysses: int = 1
     ring_timeout_s: float = DEFAULT_TIMEOUT_S
+    num_items: int | None = None
     ring_stats: RingStats = field(default_factory=RingStats, compare=False)
     _checked_shapes: set = field(default_factory=set, init=False, compare=False, repr=False)
 

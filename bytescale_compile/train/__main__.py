@@ -10,7 +10,9 @@ NCCL on GPU.
 
 Everything that can be known before step 1 is checked first, on every rank alike: a bad setting prints one
 `error: ...` line (from rank 0) and exits 2. SIGTERM or Ctrl-C stops after the current step with a
-checkpoint (exit 0 for SIGTERM, 130 for Ctrl-C); in one process, a second Ctrl-C stops at once.
+checkpoint (exit 0 for SIGTERM, 130 for Ctrl-C); in one process, a second Ctrl-C stops at once. A checkpoint that
+cannot be saved, at such a stop or any other step, prints the failing rank's traceback once and one `error: ...`
+line naming the rank, the step and the cause, and exits 3.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .config import ALL_STRATEGIES, DTYPES, LOADERS, RESUME_AUTO, SIZES, TrainCo
 if TYPE_CHECKING:
     import torch
 
+    from .checkpoint import CheckpointSaveError
     from .trainer import RunInputs, RunResult
 
 PROG = "python -m bytescale_compile.train"
@@ -157,11 +160,12 @@ def _train(inputs: RunInputs) -> int:
 
     from ..planner import PlanError
     from ..planner.memory import MemoryBudgetError
-    from .checkpoint import CheckpointError
+    from .batch import BatchError
+    from .checkpoint import CheckpointError, CheckpointSaveError
     from .config import ConfigError
     from .launch import init_distributed, local_device
     from .remote import DataServerError
-    from .signals import Stopped
+    from .signals import SAVE_FAILED_EXIT, Stopped
     from .trainer import run
 
     alike = (ConfigError, PlanError, MemoryBudgetError, CheckpointError, DataServerError)
@@ -174,11 +178,19 @@ def _train(inputs: RunInputs) -> int:
     try:
         results = run(inputs, device)
     except Stopped as e:
-        if _rank() == 0:
+        if isinstance(e.save_error, CheckpointSaveError):
+            _save_failed(str(e), e.save_error)
+        elif _rank() == 0:
             print(str(e), file=sys.stderr, flush=True)
         return e.exit_code
+    except CheckpointSaveError as e:
+        _save_failed(str(e), e)
+        return SAVE_FAILED_EXIT
     except alike as e:
         _error(str(e))
+        return USAGE_EXIT
+    except BatchError as e:  # this rank's data only (an id past the vocabulary the sampled check missed)
+        _error(str(e), rank0_only=False)
         return USAGE_EXIT
     except KeyboardInterrupt:
         return _interrupted("at once (a second signal), without a checkpoint")
@@ -224,6 +236,14 @@ def _projection(inputs: RunInputs, world_size: int, capacity: int) -> str:
         return f"no simulated projection: {e}"
 
 
+def _save_failed(message: str, error: CheckpointSaveError) -> None:
+    """A failed save, which every rank raises alike with each failing rank's cause: rank 0 prints the first failing
+    rank's traceback and then one `error:` line."""
+    if _rank() == 0:
+        print(error.failures[0].traceback, end="", file=sys.stderr, flush=True)
+        _error(message)
+
+
 def _interrupted(when: str) -> int:
     if _rank() == 0:
         print(f"interrupted {when}", file=sys.stderr, flush=True)
@@ -254,4 +274,9 @@ def _warnings_once() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if "WORLD_SIZE" in os.environ:  # a rank: `launch_local` reads the statuses of ranks a signal stopped
+        from .launch import record_exit_status
+
+        record_exit_status(status)
+    sys.exit(status)

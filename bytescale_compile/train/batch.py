@@ -9,7 +9,9 @@ batch, so every rank's summed loss is already token-level (paper §4.1, Eq. 2 = 
 
 Also here, shared by the HDP `Runtime` and the pipeline executor: what a global batch must offer
 (`BatchLike`, `ListBatch`), what one rank's micro-batches of a step did (`RankWork`), and the errors of the
-model protocol and of a bad batch.
+model protocol and of a bad batch. Every token a micro-batch reads is checked against the vocabulary while it is
+still on the host (`ids_checked`): an id past the embedding names its dataset and sequence instead of failing as an
+`IndexError` inside the compiled forward.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..data import GlobalBatch, MixedDataset
 from ..planner.plan import MicroBatch
 from ..runtime.context import MicroBatchContext
 from ..runtime.layout import UlyssesLayout, zigzag_layout
@@ -34,6 +37,7 @@ __all__ = [
     "RankWork",
     "TokenReader",
     "build_micro_batch",
+    "ids_checked",
     "num_targets",
 ]
 
@@ -99,6 +103,52 @@ class ListBatch:
 
     def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.sequences[seq][start:end].long()
+
+
+class VocabularyCheckedBatch:
+    """`batch`, whose every read is checked against the vocabulary on the host (a tensor read onto a device is
+    passed as it is: checking it there would wait for the device)."""
+
+    def __init__(self, batch: BatchLike, vocab_size: int) -> None:
+        self.batch, self.vocab_size = batch, vocab_size
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.batch.lengths
+
+    def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        ids = self.batch.tokens(seq, start, end)
+        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            at = int(torch.nonzero((ids < 0) | (ids >= self.vocab_size))[0, 0])
+            where, spec = _sequence_of(self.batch, seq)
+            raise BatchError(
+                f"{where} holds token id {int(ids[at])} at position {start + at}, outside the model's vocabulary "
+                f"of {self.vocab_size} (ids 0 to {self.vocab_size - 1}): the data was tokenized with a larger "
+                f"vocabulary than it declares or the model has; `bytescale-compile data check --data {spec} "
+                f"--vocab-size {self.vocab_size}` scans every id"
+            )
+        return ids
+
+
+def ids_checked(batch: BatchLike, vocab_size: int | None) -> BatchLike:
+    """`batch` with its reads checked against `vocab_size` (`VocabularyCheckedBatch`); as it is without one, or for
+    a `ListBatch`, checked whole when it was made."""
+    if vocab_size is None or isinstance(batch, ListBatch):
+        return batch
+    return VocabularyCheckedBatch(batch, vocab_size)
+
+
+def _sequence_of(batch: BatchLike, seq: int) -> tuple[str, str]:
+    """Where the global batch's sequence `seq` comes from, in words, and the `--data` spec that opens it."""
+    if not isinstance(batch, GlobalBatch):
+        return f"sequence {seq} of the global batch", "SPEC"
+    index, data = int(batch.indices[seq]), batch.dataset
+    if isinstance(data, MixedDataset):
+        part = int(data.part_of([index])[0])
+        index -= data.starts[part]
+        data = data.parts[part]
+    spec = getattr(data, "spec", str(data.prefix))
+    return f"dataset {spec}: sequence {index} (sequence {seq} of the global batch)", spec
 
 
 @dataclass(frozen=True)

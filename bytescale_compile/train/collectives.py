@@ -1,9 +1,19 @@
 """The collectives of a training step, shared by the HDP `Runtime` and the pipeline executor: summing
 gradients over the ranks that hold the same parameters, and gathering per-rank figures; with the gradients'
-squares and clipping, which read a tensor-parallel (DTensor) gradient through its local shard."""
+squares and clipping, which read a tensor-parallel (DTensor) gradient through its local shard; and the check,
+once, that a tensor-parallel model's plain (replicated) parameters got the same gradient on every rank of their
+TP group.
+
+A plain parameter that each TP rank applies to its own heads only (Qwen3's `q_norm` / `k_norm` under torch's
+`parallelize_module` with column-parallel q/k/v) gets a partial gradient on each rank, and nothing sums them:
+the replicas drift apart silently. Replicas computed honestly from the same tokens are bitwise equal (measured on
+CPU under both `bsc.tensor_parallel` and a user's plan), while partial ones differ by the order of the gradient
+itself, so `REPLICA_TOLERANCE` sits far from both.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
@@ -14,7 +24,29 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..planner.memory import BUCKET_BYTES
 
-__all__ = ["BUCKET_BYTES", "gather", "sync_gradients", "local", "grad_square_sum", "clip_grads_"]
+__all__ = [
+    "BUCKET_BYTES",
+    "REPLICA_TOLERANCE",
+    "ReplicaGradientError",
+    "check_replica_gradients",
+    "clip_grads_",
+    "gather",
+    "grad_square_sum",
+    "local",
+    "sync_gradients",
+]
+
+REPLICA_TOLERANCE = 1e-3
+"""How far apart (relative to the gradient's Σ|g| or Σg²) a replicated parameter's checksums may be over its TP
+group: honest replicas are equal up to the last bit or a nondeterministic kernel's rounding, partial ones O(1)."""
+
+_SHOWN = 16
+"""Parameters named in the refusal; the count says how many more."""
+
+
+class ReplicaGradientError(RuntimeError):
+    """Plain parameters of a tensor-parallel model got different gradients on the ranks of their TP group: each
+    holds a part only, and training them would let the replicas drift apart."""
 
 
 def sync_gradients(params: list[nn.Parameter], group_size: int, group: dist.ProcessGroup | None = None) -> int:
@@ -82,3 +114,45 @@ def gather(values: list[float], rank: int, world_size: int, device: torch.device
     if world_size > 1:
         dist.all_reduce(table)
     return table.cpu().numpy()
+
+
+def check_replica_gradients(
+    grads: Sequence[tuple[str, torch.Tensor]],
+    tp_group: dist.ProcessGroup,
+    *,
+    tolerance: float = REPLICA_TOLERANCE,
+) -> None:
+    """Raise `ReplicaGradientError` on every rank when some replicated parameter's gradient (`grads`: its name and
+    what this rank holds of it) differs over `tp_group`, naming them all and the fix.
+
+    One all-reduce of the checksums (Σg, Σ|g|, Σg² per parameter) over the TP group, one of a count over the world
+    so that every rank, of every TP group and pipeline stage, refuses alike; the names are gathered only then."""
+    device = grads[0][1].device if grads else torch.device("cpu")
+    sums = torch.zeros(2, len(grads), 3, dtype=torch.float64, device=device)
+    for i, (_, g) in enumerate(grads):
+        g = g.detach().double()
+        sums[0, i] = torch.stack([g.sum(), g.abs().sum(), g.pow(2).sum()])
+    sums[1] = -sums[0]
+    dist.all_reduce(sums, op=dist.ReduceOp.MAX, group=tp_group)
+    high, spread = sums[0], sums[0] + sums[1]  # max, and max - min
+    scale = torch.stack([high[:, 1], high[:, 1], high[:, 2]], dim=1)
+    differ = (spread > tolerance * scale).any(dim=1).tolist()
+    mine = [name for (name, _), bad in zip(grads, differ) if bad]
+    count = torch.tensor([float(len(mine))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if not count.item():
+        return
+    every: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    names = sorted({name for found in every for name in found or ()})
+    shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+    tp = dist.get_world_size(tp_group)
+    raise ReplicaGradientError(
+        f"{len(names)} replicated (non-DTensor) parameter(s) of this tensor-parallel model got different "
+        f"gradients on the {tp} ranks of their TP group, so each holds only its rank's part: {shown}. "
+        f"They are applied to each rank's own shard (e.g. a per-head q_norm / k_norm after column-parallel q/k/v), "
+        f"and a plan of torch's parallelize_module does not sum their gradients; no optimizer step was taken. "
+        f"Shard the model with bsc.tensor_parallel(model, {tp}), which sums them, or mark their modules "
+        f"'replicated_with_grad_allreduce' in the plan you give it: bsc.tensor_parallel(model, {tp}, "
+        f"plan={{..., 'model.layers.*.self_attn.q_norm': 'replicated_with_grad_allreduce'}})"
+    )

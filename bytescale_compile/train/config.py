@@ -198,6 +198,16 @@ class TrainConfig:
         "in groups of consecutive ranks inside a node, the ring between the groups), auto (per micro-batch, the "
         "split the cost model predicts fastest)",
     )
+    gradient_checkpointing: bool = _setting(
+        False,
+        "recompute each decoder layer's activations in the backward (Hugging Face's gradient_checkpointing_enable, "
+        "non-reentrant); the passes rewrite inside the checkpointed layers as in any other",
+    )
+    expert_bias_update: float | None = _setting(
+        None,
+        "MoE models with an expert score bias (DeepSeek-V3's e_score_correction_bias): aux-loss-free balancing, each "
+        "step moving every expert's bias by this much towards the mean load of the whole step (default: off)",
+    )
     seed: int = _setting(0, "initialisation and batch order")
     cost_model: str | None = _setting(
         None,
@@ -280,7 +290,9 @@ class TrainConfig:
         _check_float("max_grad_norm", self.max_grad_norm, 0.0, math.inf, low_open=True)
         if self.peak_tflops is not None:
             _check_float("peak_tflops", self.peak_tflops, 0.0, math.inf, low_open=True)
-        for key in ("allow_config_change", "zero"):
+        if self.expert_bias_update is not None:
+            _check_float("expert_bias_update", self.expert_bias_update, 0.0, math.inf, low_open=True)
+        for key in ("allow_config_change", "zero", "gradient_checkpointing"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be true or false, got {getattr(self, key)!r}")
         if self.calibrate is not None and not isinstance(self.calibrate, bool):

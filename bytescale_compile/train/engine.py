@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from ..api import OptimizedModule, optimize
 from ..config import Config
@@ -50,11 +51,13 @@ from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, check_sp,
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
-from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork
-from .collectives import clip_grads_, gather, sync_gradients
+from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork, ids_checked
+from .collectives import check_replica_gradients, clip_grads_, gather, sync_gradients
 from .dist_optim import DistributedOptimizer
 from .executor import Executor, WholeModelExecutor
+from .mesh import tp_group
 from .pipeline import PipelineExecutor
+from .routing import RouterTraining
 from .stages import stage_spec
 
 __all__ = [
@@ -137,6 +140,17 @@ class StepStats:
     """Per HDP rank: the memory model's peak over its micro-batches of the plan (None without a memory model)."""
     measured_peak_bytes: list[int] | None = None
     """Per global rank on CUDA: `torch.cuda.max_memory_allocated` during the step (None elsewhere)."""
+    aux_loss: float = 0.0
+    """Of `loss`: an MoE model's load-balancing loss times its `router_aux_loss_coef`, per sequence
+    (`train/routing.py`); 0 without one."""
+    expert_load: list[float] | None = None
+    """Per MoE layer: tokens routed to its busiest expert over the mean per expert, summed over ranks (1: balanced);
+    None for a dense model."""
+
+    @property
+    def ce_loss(self) -> float:
+        """The cross-entropy part of `loss`."""
+        return self.loss - self.aux_loss
 
     @property
     def tokens_per_second(self) -> float:
@@ -231,6 +245,8 @@ class Runtime:
         memory: MemoryModel | None = None,
         memory_budget: int | None = None,
         sp: str = DEFAULT_SP,
+        expert_bias_update: float | None = None,
+        router_aux_loss: str = "sequence",
     ) -> None:
         if strategy not in RUNTIME_STRATEGIES:
             raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
@@ -271,10 +287,34 @@ class Runtime:
         self.memory, self.memory_budget = memory, memory_budget
         """What a rank holds (`planner/memory.py`), and the bytes a plan's predicted peak must fit (None: any)."""
         self.vocab_size = _vocab_size(self.model.original_module)
+        self.routing = RouterTraining.of(
+            self.model.original_module, pp_size=self.pp_size, bias_update=expert_bias_update, scope=router_aux_loss
+        )
+        """An MoE model's routers: the load-balancing loss per sequence (`router_aux_loss`, "sequence"; other scopes
+        are refused), their figures, and DeepSeek-V3's aux-loss-free balancing when `expert_bias_update` (the bias
+        step γ) is given."""
         self.steps = 0
         self._skipped_in_a_row: list[int] = []
+        self._replicas_unchecked = self.tp_size > 1
+        """Tensor parallelism: the replicated parameters' gradients are yet to be compared over the TP group."""
         self._timed: list[StepStats] = []
         """This Runtime's steps so far, up to the last of `_COMPARED_CALLS`."""
+
+    def _check_replicas(self, sharded: DistributedOptimizer | None) -> None:
+        """Refuse, on the first step and before its update, plain parameters whose summed gradients differ over
+        their TP group (`collectives.check_replica_gradients`): partial gradients nothing sums."""
+        self._replicas_unchecked = False
+        if sharded is not None:  # the gradients live in its buffer
+            grads = {id(p): view for p, view in zip(sharded.params, sharded.grads.views)}
+        else:
+            grads = {id(p): p.grad for p in self.params if p.grad is not None}
+        module = self.model.original_module
+        replicated = [
+            (name, grads[id(p)])
+            for name, p in module.named_parameters()
+            if id(p) in grads and not isinstance(p, DTensor)
+        ]
+        check_replica_gradients(replicated, tp_group(module))
 
     def _refuse_with_tp(self, optimizer: object) -> None:
         """Torch's own ZeRO-1 under tensor parallelism, refused before any step rather than failing in one."""
@@ -439,13 +479,17 @@ class Runtime:
         if sharded is not None:
             sharded.start(len(step_plan.micro_batches_of(self.rank)))
         began = time.perf_counter()
-        work = self.executor.forward_backward(step_plan, batch)
+        with self.routing.tally() as tally:
+            work = self.executor.forward_backward(step_plan, batch)
         forward_backward_time = time.perf_counter() - began
         if sharded is not None:
             reduced_bytes = sharded.finish()
         else:
             reduced_bytes = sync_gradients(self.params, self.world_size, self.executor.sync_group)
         reduce_time = time.perf_counter() - began - forward_backward_time
+        routed = self.routing.reduce(tally, self.device, self.tp_size)  # read after the figures' gather
+        if self._replicas_unchecked:
+            self._check_replicas(sharded)
         measured = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         ranks = RankFigures.gather(
             work, forward_backward_time, measured, self.global_rank, self.global_world_size, self.device, self.tp_size
@@ -457,6 +501,7 @@ class Runtime:
             self.optimizer.step()
         self.steps += 1
         self._count_skip(skipped, loss, grad_norm)
+        router = self.routing.finish(routed, update=not skipped)
         auto = step_plan.meta.get("auto", {})
         stats = StepStats(
             step=self.steps,
@@ -484,6 +529,8 @@ class Runtime:
             reduce_overlap=sharded.launched_in_backward if sharded is not None else 0.0,
             predicted_peak_bytes=peaks,
             measured_peak_bytes=ranks.measured_peak_bytes.astype(int).tolist() if self.device.type == "cuda" else None,
+            aux_loss=router.aux_loss if router is not None else 0.0,
+            expert_load=router.expert_load if router is not None else None,
         )
         self._compare_with_prediction(stats)
         return stats
@@ -546,9 +593,9 @@ class Runtime:
 
 
 def _as_batch(batch: BatchLike | Sequence[torch.Tensor], vocab_size: int | None) -> BatchLike:
-    """`batch` as given, or a list of token tensors as a `ListBatch`."""
+    """`batch` with its reads checked against the vocabulary, or a list of token tensors as a `ListBatch`."""
     if hasattr(batch, "lengths"):
-        return cast(BatchLike, batch)
+        return ids_checked(cast(BatchLike, batch), vocab_size)
     return ListBatch(batch, vocab_size)
 
 

@@ -99,12 +99,15 @@ class Executor(ABC):
         return 0.0 if mode == "off" else float(mode)
 
     def in_mesh(self, inputs: MicroBatchInputs) -> MicroBatchInputs:
-        """`inputs` with a shared micro-batch's ring among the global ranks of its HDP ranks at this rank's stage
+        """`inputs` whose context holds the global batch's targets (what a router's load-balancing loss weighs its
+        sequences by) and a shared micro-batch's ring among the global ranks of its HDP ranks at this rank's stage
         and TP index (the plan names HDP ranks)."""
         group = inputs.context.group
-        if group is None:
-            return inputs
-        context = dataclasses.replace(inputs.context, group=tuple(self.mesh.global_rank(r) for r in group))
+        context = dataclasses.replace(
+            inputs.context,
+            num_items=int(inputs.num_items_in_batch),
+            group=None if group is None else tuple(self.mesh.global_rank(r) for r in group),
+        )
         return dataclasses.replace(inputs, context=context)
 
     def act_ctx(self, mine: list[MicroBatch]) -> ActivationContext:

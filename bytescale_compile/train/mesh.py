@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .stages import stage_spec
 
-__all__ = ["ReplicaGroupError", "TrainMesh", "hdp_group", "replica_group", "tp_size_of"]
+__all__ = ["ReplicaGroupError", "TrainMesh", "hdp_group", "replica_group", "tp_group", "tp_size_of"]
 
 
 class ReplicaGroupError(ValueError):
@@ -28,6 +28,14 @@ class ReplicaGroupError(ValueError):
 def tp_size_of(model: nn.Module) -> int:
     """Ranks of the TP group the model's DTensor parameters live on (1 without tensor parallelism)."""
     return next((p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)), 1)
+
+
+def tp_group(model: nn.Module) -> dist.ProcessGroup:
+    """The process group of the TP group the model's DTensor parameters live on."""
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None:
+        raise ValueError(f"{type(model).__name__} has no DTensor parameter: it is not tensor-parallel")
+    return mesh.get_group()
 
 
 @dataclass(frozen=True)

@@ -62,11 +62,14 @@ _OPTIONAL = (
     "predicted_peak_bytes",
     "measured_peak_bytes",
     "splits",
+    "ce_loss",
+    "aux_loss",
+    "expert_load",
 )
 """Left out of a metrics.jsonl line when None: steps without evaluation, strategies other than auto, runs
 without pipelines, models without a shape (TFLOP/s) or devices without a known peak (MFU), single-dataset runs,
 models the memory model cannot describe, devices without allocator statistics (CPU), steps that share no
-sequence."""
+sequence, dense models (no router figures)."""
 
 
 class LoggerError(ValueError):
@@ -126,6 +129,12 @@ class StepRecord:
     checkpoint_stall_s: float | None = None
     """A step that saved a checkpoint: the seconds it waited for it on rank 0 (the whole save, or with
     checkpoint_async the copy to host memory and any wait for the previous save)."""
+    ce_loss: float | None = None
+    """MoE models: the cross-entropy part of `loss`."""
+    aux_loss: float | None = None
+    """MoE models: the load-balancing part of `loss` (with its coefficient; 0 when the model trains without it)."""
+    expert_load: list[float] | None = None
+    """MoE models: per MoE layer, tokens routed to the busiest expert over the mean per expert (1: balanced)."""
 
     @classmethod
     def from_stats(
@@ -147,6 +156,7 @@ class StepRecord:
         have no attention term) give `tflops` per process of the job (one device each), and with the device's
         `peak` TFLOP/s the `mfu`."""
         timeline = simulate(stats.plan, cost_model)
+        routed = stats.expert_load is not None or stats.aux_loss != 0.0
         busy = busy_times(timeline)
         busy = busy[busy > 0]
         tflops, mfu = (
@@ -188,6 +198,9 @@ class StepRecord:
             predicted_peak_bytes=max(stats.predicted_peak_bytes) if stats.predicted_peak_bytes else None,
             measured_peak_bytes=max(stats.measured_peak_bytes) if stats.measured_peak_bytes else None,
             splits=stats.plan.splits() or None,
+            ce_loss=stats.ce_loss if routed else None,
+            aux_loss=stats.aux_loss if routed else None,
+            expert_load=stats.expert_load,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,6 +219,7 @@ class StepRecord:
         }
         values.update({f"dataset_tokens/{name}": float(n) for name, n in (self.dataset_tokens or {}).items()})
         values.update({f"splits/{split}": float(n) for split, n in (self.splits or {}).items()})
+        values.update({f"expert_load/layer{i}": load for i, load in enumerate(self.expert_load or [])})
         return values
 
     def summary(self, predicted: bool = True) -> str:
@@ -231,6 +245,10 @@ class StepRecord:
         if self.bubbles is not None and self.predicted_bubbles is not None:
             pairs = ", ".join(f"{m:.2f}/{p:.2f}" for m, p in zip(self.bubbles, self.predicted_bubbles))
             line += f", bubble per pipeline {pairs} (measured/predicted)"
+        if self.aux_loss is not None and self.ce_loss is not None:
+            line += f", loss = cross-entropy {self.ce_loss:.4f} + aux {self.aux_loss:.4f}"
+        if self.expert_load:
+            line += f", expert load max/mean {max(self.expert_load):.2f} (busiest layer)"
         if self.skipped:
             line += ", SKIPPED (non-finite loss or gradient)"
         if self.auto_choice is not None:

@@ -17,7 +17,7 @@ from torch import nn
 from ..models.factory import FactoryError, load_factory
 from .config import MODEL_PRESETS
 
-__all__ = ["LoadedModel", "ModelSourceError", "load_model"]
+__all__ = ["LoadedModel", "ModelSourceError", "enable_gradient_checkpointing", "load_model"]
 
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -84,6 +84,19 @@ def _from_directory(path: Path) -> LoadedModel:
         raise ModelSourceError(f"cannot build a causal LM from {path}: {e}") from e
     module.config.use_cache = False  # training: no KV cache
     return LoadedModel(module, str(path), _vocab_size(module, str(path)), path, pretrained)
+
+
+def enable_gradient_checkpointing(model: LoadedModel) -> None:
+    """Hugging Face's switch, non-reentrant: the reentrant form runs the layer outside autograd's graph, which
+    Dynamo cannot capture."""
+    module = model.module
+    if not getattr(module, "supports_gradient_checkpointing", False):
+        raise ModelSourceError(
+            f"--gradient-checkpointing: model {model.spec!r} ({type(module).__name__}) has no Hugging Face "
+            "gradient checkpointing (supports_gradient_checkpointing); train it without, or lower --capacity"
+        )
+    enable = getattr(module, "gradient_checkpointing_enable")  # noqa: B009 (nn.Module's __getattr__ types it a Tensor)
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _vocab_size(module: nn.Module, spec: str) -> int:

@@ -1,9 +1,16 @@
-"""The check before step 1 that every sequence the run can draw fits the cluster.
+"""The checks before step 1 that every sequence the run can draw fits the cluster, and that the data's token ids
+fit the model's vocabulary.
 
 The planner refuses a sequence too long for `ranks x C` (with the offload Eq. 2 allows, per pipeline stage)
 only when a step draws it, which can be hours into a run. Every length is known from the datasets' index, so
 each rank runs the planner's own rule (`planner/limits.py`) over all of them, the training and the held-out
 split, before the first step and without communicating; the step's check stays as the last line of defence.
+
+Formats that do not record their vocabulary (Megatron's, Hugging Face `datasets`, token files) take it as an
+option, which can be wrong: an id past the model's vocabulary would otherwise surface as an `IndexError` deep in
+the embedding's forward. `check_token_ids` reads a sample of every dataset's sequences (the same on every rank)
+and names the first such id; the micro-batch build checks every id it reads (`ids_checked`), and
+`bytescale-compile data check --vocab-size N` scans them all.
 """
 
 from __future__ import annotations
@@ -14,20 +21,44 @@ from pathlib import Path
 import numpy as np
 
 from ..data import GlobalBatch, MixedDataset, TokenDataset
+from ..data.mixture import format_data_spec
 from ..planner import AUTO, STATIC, CostModel
 from ..planner.limits import LengthLimit, length_limit
 from .config import ConfigError, TrainConfig
 
-__all__ = ["PreflightError", "preflight"]
+__all__ = ["PreflightError", "TokenIdError", "check_token_ids", "preflight"]
 
 MIN_LEN = 2
 """Sequences shorter than this have no target and are never drawn (the samplers' `min_len`)."""
 _SHOWN = 8
 """Dataset positions named in the message; the count says how many more."""
+ID_SAMPLE = 256
+"""Sequences of each dataset whose ids are checked before step 1, spread evenly over it."""
 
 
 class PreflightError(ConfigError):
     """Sequences of the data that no plan of this run can hold; names them and the settings that would."""
+
+
+class TokenIdError(ConfigError):
+    """A token id of the data outside the model's vocabulary: names the dataset, the sequence, the id and the fix."""
+
+
+def check_token_ids(data: TokenDataset | MixedDataset, vocab_size: int, model: str, sample: int = ID_SAMPLE) -> None:
+    """Raise `TokenIdError` at the first id outside 0..vocab_size-1 (the rows of `model`'s embedding) in `sample`
+    sequences spread evenly over each dataset of `data`."""
+    for part in data.parts if isinstance(data, MixedDataset) else (data,):
+        indices = np.unique(np.linspace(0, len(part) - 1, min(sample, len(part))).round().astype(np.int64))
+        found = part.first_outside(vocab_size, indices)
+        if found is not None:
+            raise TokenIdError(
+                f"dataset {part.spec} ({part.source}): sequence {found.sequence} holds token id {found.token} at "
+                f"position {found.position}, outside model {model}'s vocabulary of {vocab_size} (ids 0 to "
+                f"{vocab_size - 1}; the dataset declares vocab_size {part.vocab_size}). Give the vocabulary the data "
+                f"was tokenized with (PATH?vocab_size=N or PATH?tokenizer=DIR) and a model whose vocab_size covers "
+                f"it; `bytescale-compile data check --data {format_data_spec([(part.spec, 1.0)])} --vocab-size "
+                f"{vocab_size}` scans every id"
+            )
 
 
 def preflight(

@@ -58,6 +58,7 @@ from .batch import num_targets
 from .calibrate import calibrate
 from .checkpoint import (
     CheckpointError,
+    CheckpointSaveError,
     PendingCheckpoint,
     latest_checkpoint,
     remove_stale_tmp,
@@ -81,10 +82,10 @@ from .engine import CostModelWarning, Runtime, default_cost_model
 from .flops import peak_tflops
 from .memory import TORCH_DTYPES, device_memory, memory_model
 from .metrics import LoggerError, MetricsLog, StepRecord, check_loggers, echo, progress
-from .models import LoadedModel, load_model
+from .models import LoadedModel, enable_gradient_checkpointing, load_model
 from .optim import LRSchedule, build_optimizer
 from .pipeline import pipeline_stage, stage_group, whole_state
-from .preflight import preflight
+from .preflight import check_token_ids, preflight
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
 from .signals import Stopped, StopRequest
 from .stages import UnsupportedModelError, split_stages, stage_spec
@@ -187,7 +188,12 @@ def setup(config: TrainConfig) -> RunInputs:
         )
         _check_same_tokens(train_data, eval_data)
     model = load_model(config.model, config.seed)
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     _check_vocabulary(train_data, model)
+    for data in (train_data, eval_data):
+        if data is not None:
+            check_token_ids(data, model.vocab_size, model.spec)
     _check_processes(config.pp, config.tp)
     if config.pp > 1:
         _check_pipeline(config.pp, model)
@@ -367,7 +373,7 @@ def _final_tokenizer(config: TrainConfig, data: TrainData, model: LoadedModel) -
 
 def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult]:
     """Train every strategy of the config in turn on `device` (default: the CPU), each from the model's
-    initial weights; rank 0 writes config.toml first."""
+    initial weights; rank 0 writes config.toml first, or on a resume once the first checkpoint commits."""
     config = inputs.config
     for change in inputs.config_changes:
         echo(f"resuming with a changed setting: {change}", _is_rank0())
@@ -397,9 +403,9 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
         if whole is None:
             inputs = _with_memory(inputs, optimized, device)
             _preflight(inputs, optimized)
-    if _is_rank0():  # once the run is known to fit: a refused run leaves the saved settings alone
-        Path(config.out).mkdir(parents=True, exist_ok=True)
-        (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
+    resuming = any(latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR) for s in config.strategies)
+    if _is_rank0() and not resuming:  # once the run is known to fit: a refused run leaves the saved settings alone
+        _write_config(config)
     inputs = dataclasses.replace(inputs, peak_tflops=peak_tflops(device, config.dtype, config.peak_tflops))
     _notes(inputs, device)
     results = []
@@ -410,6 +416,12 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
             model.load_state_dict(initial)
             results.append(_train(inputs, strategy, optimized, stop))
     return results
+
+
+def _write_config(config: TrainConfig) -> None:
+    """config.toml, the settings of the run whose checkpoints --out holds: what a resume compares its own with."""
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
 
 
 def _with_memory(inputs: RunInputs, optimized: OptimizedModule, device: torch.device) -> RunInputs:
@@ -582,6 +594,7 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
         memory=inputs.memory,
         memory_budget=inputs.memory_budget,
         sp=config.sp,
+        expert_bias_update=config.expert_bias_update,
     )
     sampler = _sampler(inputs)
     """The local loader's, and in either case what a checkpoint's batch position is checked against."""
@@ -633,6 +646,7 @@ def _train_steps(
             runtime.optimizer,
             {"step": step, "sampler": sampler_state, "config": config.to_dict()},
             keep_last=config.keep_last,
+            on_commit=lambda _: _write_config(config),  # a resume's settings replace the saved ones from here
         )
         record.checkpoint_stall_s = time.perf_counter() - began
         return saved.path if isinstance(saved, PendingCheckpoint) else saved
@@ -663,9 +677,12 @@ def _train_steps(
             if step % config.log_every == 0 or step == config.steps or record.eval_loss is not None:
                 echo(record.summary(predicted=predicts), rank0)
             if (signal_name := stop.agreed(runtime.device)) is not None:
-                if config.checkpoint_every and saved is None:
-                    saved = save(step, loaded.sampler_state, record)
-                wait_for_checkpoint()
+                try:
+                    if config.checkpoint_every and saved is None:
+                        saved = save(step, loaded.sampler_state, record)
+                    wait_for_checkpoint()
+                except CheckpointSaveError as e:
+                    raise Stopped(signal_name, step, None, save_error=e) from e
                 raise Stopped(signal_name, step, str(saved) if saved else None)
     wait_for_checkpoint()
     return records, eval_loss

@@ -1,5 +1,6 @@
 """Tensor parallelism: `optimize()` of a DTensor model equals the eager DTensor model, and one `Runtime.step` on
-TP 2 × HDP 2 (4 gloo ranks) equals one single-process step, with a sequence shared by both HDP ranks."""
+TP 2 × HDP 2 (4 gloo ranks) equals one single-process step, with a sequence shared by both HDP ranks; a user's plan
+that leaves per-head norms' gradients partial is refused at the first step, before its update."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from bytescale_compile.capture.tp_plan import tp_plan_of
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.passes.loss import NAME as FUSED_LOSS
 from bytescale_compile.testing import run_distributed
+from bytescale_compile.train.collectives import ReplicaGradientError
+from bytescale_compile.train.dist_optim import DistributedOptimizer
 from tests.helpers import hf_llama, reference_step, rel_err
 from tests.hf_models import build
 
@@ -126,6 +129,50 @@ def _user_plan(model: torch.nn.Module, mesh) -> None:
         for proj in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"model.layers.{i}.{proj}"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
+
+
+def _partial_norms_worker(rank: int, world: int, optimizers: tuple[str, ...], check_tensor_parallel: bool) -> None:
+    """Qwen3 under the user's plan: q_norm / k_norm see each rank's own heads, and parallelize_module does not sum
+    their gradients. Refused on every rank, before the update; the same model sharded by bsc.tensor_parallel (which
+    marks them replicated_with_grad_allreduce) trains like one process."""
+    reference = build("qwen3")
+    for name in optimizers:
+        model = copy.deepcopy(reference)
+        _user_plan(model, init_device_mesh("cpu", (2,)))
+        before = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+        optimizer = (
+            torch.optim.SGD(model.parameters(), lr=0.5)
+            if name == "sgd"
+            else DistributedOptimizer(model, 0.1, 0.0, (0.9, 0.95), dtype=torch.float32)
+        )
+        runtime = bsc.Runtime(model, optimizer, capacity=4 * CAPACITY)
+        with pytest.raises(ReplicaGradientError, match="different gradients on the 2 ranks") as refused:
+            runtime.step(_batch())
+        named = re.findall(r"model\.layers\.\d\.\S+weight", str(refused.value))
+        assert named == [f"model.layers.{i}.self_attn.{n}.weight" for i in (0, 1) for n in ("k_norm", "q_norm")]
+        assert "bsc.tensor_parallel(model, 2)" in str(refused.value)
+        for n, p in model.named_parameters():
+            assert torch.equal(_full(p.detach()), before[n]), n  # no update
+    if not check_tensor_parallel:
+        return
+    model = copy.deepcopy(reference)
+    bsc.tensor_parallel(model, 2)
+    stats = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.5), capacity=4 * CAPACITY).step(_batch())
+    ref_loss, ref_params = reference_step(reference, _batch(), lr=0.5, hf=True)
+    assert abs(stats.loss - ref_loss) <= 1e-5 * abs(ref_loss), (stats.loss, ref_loss)
+    for n, p in model.named_parameters():
+        assert rel_err(_full(p.detach()), ref_params[n]) <= 1e-5, f"rank {rank} {n}"
+
+
+@pytest.mark.parametrize(
+    "optimizers,check_tensor_parallel",
+    [
+        (("sgd",), False),
+        pytest.param(("distributed",), True, marks=pytest.mark.slow),
+    ],
+)
+def test_partial_replica_gradients_are_refused_and_tensor_parallel_sums_them(optimizers, check_tensor_parallel):
+    run_distributed(_partial_norms_worker, 2, optimizers, check_tensor_parallel)
 
 
 def _optimize_worker(rank: int, world: int) -> None:

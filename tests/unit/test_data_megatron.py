@@ -314,6 +314,9 @@ def test_data_check_command(tmp_path, capsys):
 
     prefix = write_megatron(tmp_path / "ids", [np.array([1, 2, 3]), np.array([4, 9, 5])])
     assert main(["data", "check", "--data", f"{prefix}?vocab_size=10"]) == 0
-    assert "2 sequences, 6 tokens (uint16), every id below vocab_size 10; tokenizer none" in capsys.readouterr().out
+    assert (
+        "2 sequences, 6 tokens (uint16), max id 9, every id below vocab_size 10; tokenizer none"
+        in capsys.readouterr().out
+    )
     assert main(["data", "check", "--data", f"{prefix}?vocab_size=9"]) == 2
     assert f"data: error: {prefix}.bin: byte 8: token id 9 is outside" in capsys.readouterr().err
