@@ -1,8 +1,8 @@
-"""The hybrid matrix: every token mixer of the 5 tiny hybrids of `tests/hf_models.py`, packed and shared.
+"""The hybrid matrix: every token mixer of the tiny hybrids of `tests/hf_models.py` (`HYBRIDS`), packed and shared.
 
-For LFM2 (short convolutions), Bamba (Mamba2), Qwen3-Next (gated delta rule), Jamba (Mamba) and Mamba2, beside
-attention where they have it, this prints one markdown table: per layer, the compile report's token-mixer line
-(`report.mixer_layers()`: rewritten, or left alone and why), and per model
+For LFM2 (short convolutions), Bamba, GraniteMoeHybrid, Nemotron-H and Zamba2 (Mamba2), Qwen3-Next (gated delta
+rule), Jamba (Mamba) and Mamba2, beside attention where they have it, this prints one markdown table: per layer,
+the compile report's token-mixer line (`report.mixer_layers()`: rewritten, or left alone and why), and per model
 - packed: `optimize()` on one packed row of sequences [50, 9, 1, 14] against each sequence alone, eager: the
   max relative error of the loss and of the worst parameter gradient, in fp64 (fp32 for Jamba and Qwen3-Next,
   whose grouped-mm experts take no fp64; gradients compared against a floor of 0.1 x the largest for
@@ -13,7 +13,7 @@ attention where they have it, this prints one markdown table: per layer, the com
 
 Figures are printed, never asserted.
 
-    python benchmarks/hybrid_matrix.py [--models lfm2,bamba,qwen3-next,jamba,mamba2]
+    python benchmarks/hybrid_matrix.py [--models lfm2,bamba,qwen3-next,jamba,mamba2,nemotron-h,...]
 """
 
 from __future__ import annotations

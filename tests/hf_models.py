@@ -345,7 +345,7 @@ class Hybrid:
     attention: tuple[str, ...]
     """Module paths of the softmax attention sites (rewritten)."""
     mixers: tuple[str, ...]
-    """Module paths of the other token mixers (found and left alone)."""
+    """Module paths of the other token mixers (adapted onto the segment-aware mixer ops)."""
 
 
 _HYBRID_LAYERS = 4

@@ -217,21 +217,21 @@ class CompileReport:
         per_call = {(r.source, r.detail): r.boundary_bytes for r in self.rewrites(TOKEN_MIXERS_PASS)}
         return len(layers), sum(per_call.values())
 
-    def token_mixers_left_alone(self) -> dict[str, list[str]]:
-        """Module path -> what each token mixer the analysis left alone there does."""
+    def _reasons_by_module(self, pass_name: str) -> dict[str, list[str]]:
+        """Module path -> the distinct reasons `pass_name` left something alone there."""
         found: dict[str, list[str]] = {}
-        for s in self.skipped(TOKEN_MIXERS_PASS):
+        for s in self.skipped(pass_name):
             if s.reason not in found.setdefault(s.source, []):
                 found[s.source].append(s.reason)
         return found
 
+    def token_mixers_left_alone(self) -> dict[str, list[str]]:
+        """Module path -> what each token mixer the analysis left alone there does."""
+        return self._reasons_by_module(TOKEN_MIXERS_PASS)
+
     def opaque_regions(self) -> dict[str, list[str]]:
         """Module path -> what hides there inside a region the passes did not look into (`passes/opaque.py`)."""
-        found: dict[str, list[str]] = {}
-        for s in self.skipped(OPAQUE_PASS):
-            if s.reason not in found.setdefault(s.source, []):
-                found[s.source].append(s.reason)
-        return found
+        return self._reasons_by_module(OPAQUE_PASS)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "kernels": self.kernels}

@@ -5,7 +5,8 @@ The equations are sympy expressions over symbolic coefficients, solved once at i
 to numpy, so one CostModel evaluates them on arrays of 10^5 sequence lengths in about a millisecond.
 Coefficients come from a model shape and a hardware description (`CostModel.analytic`, the Table 1
 presets of `CostModel.preset`) or from the profiler (`planner/profiler.py`, source "profiled"). T(s) also
-charges the tensor-parallel all-reduces of an HDP rank that is a TP group (`tp_all_reduce_time`).
+charges the tensor-parallel all-reduces of an HDP rank that is a TP group (`tp_all_reduce_time`). With
+`recompute` (gradient checkpointing) every layer's forward runs twice: T(s) and the forward's P2P grow by it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "HARDWARE_PRESETS",
     "KERNELS_PER_LAYER",
     "PRESETS",
+    "RECOMPUTE_TIME",
     "TP_ALL_REDUCES_PER_LAYER",
     "ULYSSES_ALL_TO_ALLS_PER_LAYER",
     "ULYSSES_BACKWARD_SETS",
@@ -58,6 +60,11 @@ ULYSSES_BACKWARD_SETS = 2
 sends q, k, v, out and grad_out to head shards again (it saves token shards, not head shards) and dq, dk,
 dv back, so twice the forward's bytes (lse, 4 bytes per head and token, left out). 1 would charge the
 gradients alone (a runtime that kept head shards from the forward)."""
+
+RECOMPUTE_TIME = 4 / 3
+"""T(s)'s compute under gradient checkpointing, in units of fwd+bwd: the forward twice and the backward, which
+costs two forwards: (2 + 2) / (1 + 2). Launches (gamma) alike; the TP all-reduces add the forward's 2 of
+`TP_ALL_REDUCES_PER_LAYER` (`CostModel.tp_time_per_token`)."""
 
 CEIL_RTOL = 1e-12
 """D's ceiling forgives this relative float error, so a sequence of exactly k x Act(C) gets k ranks."""
@@ -413,6 +420,11 @@ class CostModel:
     head_shards: int | None = None
     """Devices of an HDP rank whose tensor-parallel shards of the heads each attend `device_heads`; None: the
     hardware's TP size. Ulysses splits each device's heads, not the rank's."""
+    recompute: bool = False
+    """Gradient checkpointing: the backward recomputes each layer's forward, so T(s) charges `RECOMPUTE_TIME`
+    and the forward's ring P2P and all-to-alls are sent twice. Set by the Runtime for a checkpointed model;
+    coefficients measured on one (`train/calibrate.py` refits T on the model it trains) already hold the
+    recompute's time."""
 
     @property
     def _head_shards(self) -> int:
@@ -476,6 +488,8 @@ class CostModel:
                 f"CostModel ({self.source}): heads {self.heads} and kv_heads {self.kv_heads} must both be given, "
                 f"kv_heads dividing heads, or both None"
             )
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"CostModel ({self.source}): recompute must be a bool, got {self.recompute!r}")
         shards = self.head_shards
         if shards is not None and not (isinstance(shards, int) and shards >= 1):
             raise ValueError(f"CostModel ({self.source}): head_shards must be None or an int >= 1, got {shards!r}")
@@ -555,6 +569,7 @@ class CostModel:
                 tp_comm_time=data["coefficients"].get("tp_comm_time"),
                 heads=data.get("heads"),
                 kv_heads=data.get("kv_heads"),
+                recompute=data.get("recompute", False),
             )
         except KeyError as e:
             raise ValueError(
@@ -580,6 +595,7 @@ class CostModel:
             "mixer_state_bytes": self.mixer_state_bytes,
             "heads": self.heads,
             "kv_heads": self.kv_heads,
+            "recompute": self.recompute,
         }
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
@@ -620,9 +636,11 @@ class CostModel:
         """tau: seconds per token and layer, fwd+bwd, of the rank's TP all-reduces (`tp_comm_time` when
         given, else `tp_all_reduce_time` of the hardware's TP group and link); 0 at TP 1."""
         if self.tp_comm_time is not None:
-            return float(self.tp_comm_time)
-        hw = self.hardware
-        return tp_all_reduce_time(hw.tp_size, self.hidden_bytes_per_token, hw.tp_link)
+            tau = float(self.tp_comm_time)
+        else:
+            hw = self.hardware
+            tau = tp_all_reduce_time(hw.tp_size, self.hidden_bytes_per_token, hw.tp_link)
+        return tau * (TP_ALL_REDUCES_PER_LAYER + 2) / TP_ALL_REDUCES_PER_LAYER if self.recompute else tau
 
     @cached_property
     def exprs(self) -> dict[str, sympy.Expr]:
@@ -631,10 +649,11 @@ class CostModel:
         return {k: e.subs(values) for k, e in EXPRS.items()}
 
     def _coeffs(self) -> tuple[float, ...]:
+        compute = RECOMPUTE_TIME if self.recompute else 1.0
         return (
-            self.alpha1,
-            self.beta1,
-            self.gamma,
+            compute * self.alpha1,
+            compute * self.beta1,
+            compute * self.gamma,
             self.alpha2,
             self.beta2,
             self.offload_bandwidth,
@@ -739,16 +758,26 @@ class CostModel:
         steps moves the rank's K/V once forward and K/V plus their gradients backward (3 transfers), per
         attention layer. A hybrid's mixer layers send each of the rank's 2 chunks' halos and states to the
         (up to group_size - 1) ranks holding later chunks, forward, in the backward's recompute, and as
-        gradients back (3 transfers), whatever the tokens."""
+        gradients back (3 transfers), whatever the tokens. With `recompute` the forward's transfer is made
+        twice (4)."""
         g = np.asarray(group_size, np.float64)
-        attention = self.ring_layers * 3 * (g - 1) * np.asarray(tokens_per_rank, np.float64) * self.kv_bytes_per_token
-        return attention + 3 * 2 * (g - 1) * self.mixer_state_bytes
+        sends = self._transfers
+        attention = (
+            self.ring_layers * sends * (g - 1) * np.asarray(tokens_per_rank, np.float64) * self.kv_bytes_per_token
+        )
+        return attention + sends * 2 * (g - 1) * self.mixer_state_bytes
+
+    @property
+    def _transfers(self) -> int:
+        """Ring transfers per step and layer: the forward's (twice with `recompute`), 2 in the backward."""
+        return 4 if self.recompute else 3
 
     def ring_latency(self, group_size) -> np.ndarray:
         """Seconds of P2P latency per rank for one micro-batch: a transfer per ring step and attention layer, and
-        one batch per mixer layer, each 3 times (forward, backward); 0 for a group of one."""
+        one batch per mixer layer, each `_transfers` times (forward, backward); 0 for a group of one."""
         g = np.asarray(group_size, np.float64)
-        transfers = self.ring_layers * 3 * (g - 1) + np.where(g > 1, 3 * self.mixer_layers, 0)
+        sends = self._transfers
+        transfers = self.ring_layers * sends * (g - 1) + np.where(g > 1, sends * self.mixer_layers, 0)
         return transfers * self.latency
 
     def ring_time(self, tokens_per_rank, group_size) -> np.ndarray:
@@ -782,19 +811,21 @@ class CostModel:
     def ulysses_bytes(self, tokens_per_rank, ulysses: int) -> np.ndarray:
         """Bytes one rank sends in the all-to-alls of Ulysses degree u for one micro-batch, all attention
         layers, fwd+bwd: per layer (u - 1)/u of its tokens' q, k, v and attention output (q and the output
-        at H heads, k and v at `ulysses_kv_heads`), once forward and `ULYSSES_BACKWARD_SETS` times backward.
-        0 at u = 1."""
+        at H heads, k and v at `ulysses_kv_heads`), once forward (twice with `recompute`) and
+        `ULYSSES_BACKWARD_SETS` times backward. 0 at u = 1."""
         if ulysses <= 1:
             return np.zeros(np.shape(tokens_per_rank))
         heads, kv = self._ulysses_heads(ulysses)
         per_token = (2 * heads + 2 * kv) * self.head_bytes_per_token
         share = (ulysses - 1) / ulysses
-        sets = 1 + ULYSSES_BACKWARD_SETS
+        sets = (2 if self.recompute else 1) + ULYSSES_BACKWARD_SETS
         return self.ring_layers * sets * share * np.asarray(tokens_per_rank, np.float64) * per_token
 
     def ulysses_latency(self, ulysses: int) -> float:
-        """Seconds of message latency of the all-to-alls: `ULYSSES_ALL_TO_ALLS_PER_LAYER` per attention layer."""
-        return self.ring_layers * ULYSSES_ALL_TO_ALLS_PER_LAYER * self.latency if ulysses > 1 else 0.0
+        """Seconds of message latency of the all-to-alls: `ULYSSES_ALL_TO_ALLS_PER_LAYER` per attention layer, 2
+        more (the forward's) with `recompute`."""
+        calls = ULYSSES_ALL_TO_ALLS_PER_LAYER + (2 if self.recompute else 0)
+        return self.ring_layers * calls * self.latency if ulysses > 1 else 0.0
 
     def ulysses_time(self, tokens_per_rank, ulysses: int, bandwidth: float) -> np.ndarray:
         """All-to-all seconds per rank for one micro-batch: `ulysses_bytes` at `bandwidth` (bytes/s per rank,
@@ -810,7 +841,7 @@ class CostModel:
         if ulysses == 1:
             return self.ring_bytes(virtual_tokens, ring)
         kv_bytes = 2 * self._ulysses_heads(ulysses)[1] * self.head_bytes_per_token / ulysses
-        return self.ring_layers * 3 * (ring - 1) * np.asarray(virtual_tokens, np.float64) * kv_bytes
+        return self.ring_layers * self._transfers * (ring - 1) * np.asarray(virtual_tokens, np.float64) * kv_bytes
 
     def split_ring_compute_time(self, virtual_tokens, ulysses: int, ring: int) -> np.ndarray:
         """`ring_compute_time` of a u × r split: r - 1 steps over the virtual rank's tokens on H/u heads."""

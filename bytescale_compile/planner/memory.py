@@ -5,7 +5,9 @@ fixed once the model and the parallel layout are) plus the activations of the mi
 plus a workspace (buffers no micro-batch length changes: the fused loss's, the allocator's slack). Activations
 are linear in the tokens: one layer's saved tensors cost `layer_bytes_per_token` per token, the tensors
 outside the layers (embedding output, final norm, loss) `other_bytes_per_token`. Offloading at ratio r keeps
-the last 2 of the rank's l layers whole and a share 1 - r of the others, the numerator of Eq. 2's D(s).
+the last 2 of the rank's l layers whole and a share 1 - r of the others, the numerator of Eq. 2's D(s). Under
+gradient checkpointing a layer saves only its inputs, and the backward rebuilds one layer's activations at a
+time: `recomputed_bytes_per_token` more per token, once (one backward runs at a time), never offloaded.
 
 Pure arithmetic on numbers: the figures come from a compile report (`train/memory.py`) or from hand, so the
 planner can solve C without torch.
@@ -117,6 +119,9 @@ class MemoryModel:
     other_bytes_per_token: float = 0.0
     """Saved activations per token outside the layers (embedding output, final norm, loss): never offloaded.
     Both 0: a model of the static part alone, which can check a budget but has no capacity."""
+    recomputed_bytes_per_token: float = 0.0
+    """Gradient checkpointing: one layer's activations per token that its backward recomputes and holds at
+    once (0 without checkpointing, where `layer_bytes_per_token` holds them all along)."""
     workspace_bytes: int = 0
     in_flight: int = 1
     """Micro-batches whose activations the rank holds at its peak: 1 without pipeline stages; pp under 1F1B,
@@ -131,7 +136,7 @@ class MemoryModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"MemoryModel.{name} must be an int >= 0, got {value!r}")
-        for name in ("layer_bytes_per_token", "other_bytes_per_token"):
+        for name in ("layer_bytes_per_token", "other_bytes_per_token", "recomputed_bytes_per_token"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"MemoryModel.{name} must be a finite number >= 0, got {value!r}")
@@ -188,14 +193,15 @@ class MemoryModel:
 
     def activation_bytes(self, tokens: float, offload_ratio: float = 0.0) -> float:
         """Activations resident for `in_flight` micro-batches of `tokens` tokens on this rank at ratio r:
-        (2 + (1 - r)(l - 2)) layers' worth plus those outside the layers (Eq. 2's numerator). With l <= 2 the
-        last 2 layers are all there are, and offloading frees nothing."""
+        (2 + (1 - r)(l - 2)) layers' worth plus those outside the layers (Eq. 2's numerator), plus the one
+        layer a checkpointed backward recomputes. With l <= 2 the last 2 layers are all there are, and
+        offloading frees nothing."""
         if not 0.0 <= offload_ratio <= 1.0:
             raise ValueError(f"offload_ratio must be in [0, 1], got {offload_ratio}")
         l = self.layers
         resident_layers = 2 + (1 - offload_ratio) * (l - 2) if l > 2 else l
         per_token = resident_layers * self.layer_bytes_per_token + self.other_bytes_per_token
-        return self.in_flight * per_token * tokens
+        return (self.in_flight * per_token + self.recomputed_bytes_per_token) * tokens
 
     def peak(self, tokens: float, offload_ratio: float = 0.0) -> float:
         """Predicted peak bytes: static + activations + workspace."""
@@ -219,7 +225,8 @@ class MemoryModel:
         layer activations, in units of l x Act(C)), and what lies outside the layers stays."""
         l = self.layers
         outside = max(1.0, l / 2) if offload and l > 2 else 1.0
-        return self.in_flight * (l * self.layer_bytes_per_token + outside * self.other_bytes_per_token)
+        per_token = self.in_flight * (l * self.layer_bytes_per_token + outside * self.other_bytes_per_token)
+        return per_token + outside * self.recomputed_bytes_per_token
 
     def capacity(self, budget: int, offload: bool) -> int:
         """The largest C whose every plan fits `budget`: without offload a micro-batch puts at most C tokens on
@@ -285,7 +292,12 @@ class MemoryModel:
         lines += [
             f"activations: {self.layer_bytes_per_token:,.0f} bytes/token per layer x {self.layers} layers, "
             f"{self.other_bytes_per_token:,.0f} bytes/token outside the layers"
-            + (f", {self.in_flight} micro-batches in flight" if self.in_flight > 1 else ""),
+            + (f", {self.in_flight} micro-batches in flight" if self.in_flight > 1 else "")
+            + (
+                f", {self.recomputed_bytes_per_token:,.0f} bytes/token of one recomputed layer"
+                if self.recomputed_bytes_per_token
+                else ""
+            ),
             f"workspace: {format_bytes(self.workspace_bytes)}",
         ]
         if budget is not None:

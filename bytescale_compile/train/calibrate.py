@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner import BALANCE, STATIC, CostModel, MicroBatch, Plan
+from ..planner.cost_model import RECOMPUTE_TIME
 from ..planner.plan import local_tokens
 from ..planner.profiler import fit_time
 from .collectives import sync_gradients
@@ -234,7 +235,9 @@ def _refit(
 ) -> CostModel:
     """`base` with T(s) = whole-model time / layers, and (with several ranks) the measured ring bandwidth and
     latency, which `allreduce_time` uses too (it comes out about half the measured all-reduce on gloo)."""
-    alpha1, beta1, gamma = (c / base.layers for c in fit_time(lengths, times))
+    # the measured model recomputes its forward when `base.recompute`, which T(s) charges again itself
+    per_layer = base.layers * (RECOMPUTE_TIME if base.recompute else 1.0)
+    alpha1, beta1, gamma = (c / per_layer for c in fit_time(lengths, times))
     hardware = base.hardware
     if world > 1:
         hardware = dataclasses.replace(

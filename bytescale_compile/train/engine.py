@@ -55,6 +55,7 @@ from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWor
 from .collectives import check_replica_gradients, clip_grads_, gather, sync_gradients
 from .dist_optim import DistributedOptimizer
 from .executor import Executor, WholeModelExecutor
+from .memory import checkpointed
 from .mesh import tp_group
 from .pipeline import PipelineExecutor
 from .routing import RouterTraining
@@ -350,14 +351,16 @@ class Runtime:
     @property
     def cost_model(self) -> CostModel:
         """What plans are made and predicted with. Whatever hardware it was made for, its heads are sharded over
-        this run's TP group (`CostModel.head_shards`): a Ulysses degree splits each TP rank's heads."""
+        this run's TP group (`CostModel.head_shards`): a Ulysses degree splits each TP rank's heads; and it
+        recomputes each layer's forward where the model is gradient-checkpointed (`CostModel.recompute`)."""
         return self._cost_model
 
     @cost_model.setter
     def cost_model(self, model: CostModel) -> None:
-        self._cost_model = (
-            model if model.head_shards == self.tp_size else dataclasses.replace(model, head_shards=self.tp_size)
-        )
+        recompute = checkpointed(self.model)
+        if (model.head_shards, model.recompute) != (self.tp_size, recompute):
+            model = dataclasses.replace(model, head_shards=self.tp_size, recompute=recompute)
+        self._cost_model = model
 
     def _validate(self, step_plan: Plan) -> None:
         """`step_plan.validate()` with the head counts of one device (a TP rank's shard of them), which each

@@ -16,11 +16,15 @@ Approximations, each erring towards more memory:
 - Layers: the mean over the model's layers, the layers the report lists standing for them: the last listed one
   for the model's last layer (it also keeps its output, the final norm's input), the others for the rest.
   Exact when the report lists every layer; a 2-layer copy stands for a uniform model's layers.
+- Gradient checkpointing: the report's table then lists each layer's inputs only, and the backward rebuilds one
+  layer's activations at a time. Their bytes are not in the report; they are read from the table of a 2-layer
+  copy of the model's config compiled on meta without checkpointing (same partitioner), its larger layer.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 import re
@@ -45,6 +49,7 @@ __all__ = [
     "LOSS_BUFFERS",
     "TORCH_DTYPES",
     "ParamCounts",
+    "checkpointed",
     "compile_on_meta",
     "device_memory",
     "loss_workspace_bytes",
@@ -63,6 +68,8 @@ LOSS_BUFFERS = 2
 """[chunk, vocab] fp32 buffers the fused loss holds per chunk: the logits and their gradient."""
 
 _LOSS_PASS = "fused_loss"
+_PROBE_TOKENS = 32
+"""Tokens of the row the un-checkpointed copy is compiled on: any length, the table is per token."""
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 """The first numbered component of a parameter's name is its decoder layer (`model.layers.3.mlp...`)."""
 _MEMORY_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -208,7 +215,7 @@ def memory_model(
     """
     layers = max(len(s.layers) for s in stage_specs(total_layers, pp))
     share = _tp_share(model, tp) if tp > 1 else None
-    layer_bytes, outside, fused = 0.0, 0.0, True
+    layer_bytes, outside, recomputed, fused = 0.0, 0.0, 0.0, True
     if activations:
         report = _report(model)
         per_layer, outside = report.activation_bytes_per_token(share)
@@ -219,6 +226,8 @@ def memory_model(
             )
         layer_bytes = _mean_layer(per_layer, total_layers)
         fused = bool(report.rewrites(_LOSS_PASS))
+        if checkpointed(model):
+            recomputed = _recomputed_layer(model, dtype=dtype, share=share)
     counts = param_counts(model)
     if workspace_bytes is None:
         workspace_bytes = (_loss_workspace(model, tp) if fused else 0) + (
@@ -235,9 +244,48 @@ def memory_model(
         layers=layers,
         layer_bytes_per_token=layer_bytes,
         other_bytes_per_token=outside,
+        recomputed_bytes_per_token=recomputed,
         workspace_bytes=workspace_bytes,
         in_flight=pp,
     )
+
+
+def checkpointed(model: nn.Module) -> bool:
+    """Whether `model`'s decoder layers recompute their forward in the backward: Hugging Face's gradient
+    checkpointing is on (`gradient_checkpointing_enable`, the trainer's --gradient-checkpointing), which Dynamo
+    captures as one checkpointed region per layer."""
+    inner = getattr(model, "original_module", model)
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules())
+
+
+def _recomputed_layer(model: nn.Module, *, dtype: str, share: Callable[[SavedActivation], float] | None) -> float:
+    """Bytes per token of the activations one checkpointed layer rebuilds in the backward: the larger layer of
+    a 2-layer copy of the model's config compiled on meta without checkpointing, by the partitioner `model` was
+    compiled with (module docstring)."""
+    inner = getattr(model, "original_module", model)
+    config = getattr(inner, "config", None)
+    if config is None or not hasattr(config, "vocab_size"):
+        raise ValueError(
+            f"{type(inner).__name__} is gradient-checkpointed but has no Hugging Face config to compile an "
+            f"un-checkpointed copy from: its recomputed activations cannot be measured"
+        )
+    copy_, _ = meta_model(config, dtype)
+    compile_config = getattr(model, "compile_config", Config())
+    device = next(inner.parameters()).device.type
+    ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long)
+    inputs: dict[str, Any] = {
+        "input_ids": ids,
+        "position_ids": torch.arange(_PROBE_TOKENS)[None],
+        "shift_labels": ids,
+        "num_items_in_batch": torch.tensor(_PROBE_TOKENS),
+    }
+    if "labels" in inspect.signature(copy_.forward).parameters:
+        inputs["labels"] = ids
+    compiled = compile_on_meta(copy_, inputs, partitioner=compile_config.resolve_partitioner(device))
+    per_layer, _ = _report(compiled).activation_bytes_per_token(share)
+    largest = max(per_layer.values(), default=0.0)
+    logger.info("gradient checkpointing: a recomputed layer holds up to %.0f bytes per token", largest)
+    return largest
 
 
 def _mean_layer(per_layer: dict[int, float], total_layers: int) -> float:
@@ -334,13 +382,13 @@ def meta_model(config: Any, dtype: str, layers: int = 2) -> tuple[nn.Module, int
     return module, total
 
 
-def compile_on_meta(model: nn.Module, inputs: dict[str, Any]) -> OptimizedModule:
-    """`optimize()` `model` (on the meta device) with the partitioner CUDA training uses, and run it once in
-    training mode on `inputs` (the model protocol's kwargs, moved to meta): its report holds the saved
-    activations a GPU run keeps."""
+def compile_on_meta(model: nn.Module, inputs: dict[str, Any], *, partitioner: str | None = None) -> OptimizedModule:
+    """`optimize()` `model` (on the meta device) with `partitioner` (default: the one CUDA training uses), and
+    run it once in training mode on `inputs` (the model protocol's kwargs, moved to meta): its report holds the
+    saved activations a run with that partitioner keeps."""
     from ..api import optimize
 
-    config = Config(partitioner=Config().resolve_partitioner("cuda"), codegen="none")
+    config = Config(partitioner=partitioner or Config().resolve_partitioner("cuda"), codegen="none")
     model.train()
     optimized = optimize(model, config)
     meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,16 +88,21 @@ def _from_directory(path: Path) -> LoadedModel:
 
 
 def enable_gradient_checkpointing(model: LoadedModel) -> None:
-    """Hugging Face's switch, non-reentrant: the reentrant form runs the layer outside autograd's graph, which
-    Dynamo cannot capture."""
+    """Hugging Face's switch (`activation_checkpointing_enable`, before 5.x `gradient_checkpointing_enable`),
+    non-reentrant, torch's recommended form."""
     module = model.module
     if not getattr(module, "supports_gradient_checkpointing", False):
         raise ModelSourceError(
             f"--gradient-checkpointing: model {model.spec!r} ({type(module).__name__}) has no Hugging Face "
             "gradient checkpointing (supports_gradient_checkpointing); train it without, or lower --capacity"
         )
-    enable = getattr(module, "gradient_checkpointing_enable")  # noqa: B009 (nn.Module's __getattr__ types it a Tensor)
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs: Any = {"use_reentrant": False}
+    enable: Any = getattr(module, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        enable = getattr(module, "gradient_checkpointing_enable")  # noqa: B009 (typed as a Tensor otherwise)
+        enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _vocab_size(module: nn.Module, spec: str) -> int:

@@ -87,6 +87,7 @@ from .optim import LRSchedule, build_optimizer
 from .pipeline import pipeline_stage, stage_group, whole_state
 from .preflight import check_token_ids, preflight
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
+from .routing import RouterTraining
 from .signals import Stopped, StopRequest
 from .stages import UnsupportedModelError, split_stages, stage_spec
 
@@ -190,6 +191,8 @@ def setup(config: TrainConfig) -> RunInputs:
     model = load_model(config.model, config.seed)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    # the routers adapted before anything compiles, and what cannot be made exact refused before any work
+    RouterTraining.of(model.module, pp_size=config.pp, bias_update=config.expert_bias_update)
     _check_vocabulary(train_data, model)
     for data in (train_data, eval_data):
         if data is not None:
@@ -406,6 +409,9 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     resuming = any(latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR) for s in config.strategies)
     if _is_rank0() and not resuming:  # once the run is known to fit: a refused run leaves the saved settings alone
         _write_config(config)
+    # a resume's settings (as given: `--capacity auto`, not the C it resolved to) replace the saved ones only once
+    # its first checkpoint commits, so a resume that fails before keeps the saved run's
+    settings_at_commit = config if resuming else None
     inputs = dataclasses.replace(inputs, peak_tflops=peak_tflops(device, config.dtype, config.peak_tflops))
     _notes(inputs, device)
     results = []
@@ -414,7 +420,7 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
             restore_fp32_(model)  # a bf16 run's distributed optimizer left them views of its bf16 buffer
             model.zero_grad(set_to_none=True)
             model.load_state_dict(initial)
-            results.append(_train(inputs, strategy, optimized, stop))
+            results.append(_train(inputs, strategy, optimized, stop, settings_at_commit))
     return results
 
 
@@ -477,7 +483,7 @@ def _with_memory(inputs: RunInputs, optimized: OptimizedModule, device: torch.de
         f"--capacity auto: C = {capacity:,} tokens per rank, from a budget of {format_bytes(budget)} less "
         f"{format_bytes(memory.static.total)} of weights, gradients and optimizer state "
         f"({memory.bytes_per_param:.2f} bytes per parameter) and {format_bytes(memory.workspace_bytes)} of "
-        f"workspace, at {memory.layers * memory.layer_bytes_per_token + memory.other_bytes_per_token:,.0f} "
+        f"workspace, at {memory.layers * memory.layer_bytes_per_token + memory.other_bytes_per_token + memory.recomputed_bytes_per_token:,.0f} "
         "activation bytes per token",
         _is_rank0(),
     )
@@ -560,7 +566,13 @@ def _ray_session(config: TrainConfig) -> Iterator[None]:
             ray.shutdown()
 
 
-def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: StopRequest) -> RunResult:
+def _train(
+    inputs: RunInputs,
+    strategy: str,
+    optimized: OptimizedModule,
+    stop: StopRequest,
+    settings_at_commit: TrainConfig | None,
+) -> RunResult:
     """One strategy's run; `optimized` is the whole model or, with pipelines, this rank's stage."""
     config, directory, rank0 = inputs.config, run_dir(inputs.config, strategy), _is_rank0()
     spec = stage_spec(optimized)
@@ -611,7 +623,9 @@ def _train(inputs: RunInputs, strategy: str, optimized: OptimizedModule, stop: S
     )
     try:
         with _steps(inputs, runtime, sampler, directory, done + 1) as batches:
-            records, eval_loss = _train_steps(inputs, runtime, schedule, batches, log, stop, done + 1)
+            records, eval_loss = _train_steps(
+                inputs, runtime, schedule, batches, log, stop, done + 1, settings_at_commit
+            )
     finally:
         log.close()
         if isinstance(optimizer, DistributedOptimizer):  # the next strategy's optimizer hooks the same parameters
@@ -628,9 +642,10 @@ def _train_steps(
     log: MetricsLog,
     stop: StopRequest,
     first_step: int,
+    settings_at_commit: TrainConfig | None,
 ) -> tuple[list[StepRecord], float | None]:
     """Steps `first_step`..`steps`: train, evaluate, log, checkpoint; after each, stop with a checkpoint when
-    any rank got SIGTERM or SIGINT."""
+    any rank got SIGTERM or SIGINT. `settings_at_commit` (a resume's) is written as config.toml at each commit."""
     config, rank0 = inputs.config, _is_rank0()
     directory = run_dir(config, runtime.strategy)
     predicts = _predicts(config, runtime.device)
@@ -646,7 +661,7 @@ def _train_steps(
             runtime.optimizer,
             {"step": step, "sampler": sampler_state, "config": config.to_dict()},
             keep_last=config.keep_last,
-            on_commit=lambda _: _write_config(config),  # a resume's settings replace the saved ones from here
+            on_commit=None if settings_at_commit is None else lambda _: _write_config(settings_at_commit),
         )
         record.checkpoint_stall_s = time.perf_counter() - began
         return saved.path if isinstance(saved, PendingCheckpoint) else saved

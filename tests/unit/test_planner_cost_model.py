@@ -19,6 +19,7 @@ from bytescale_compile.planner.common import PlanBuilder, micro_batch_time
 from bytescale_compile.planner.cost_model import (
     CEIL_RTOL,
     PRESETS,
+    RECOMPUTE_TIME,
     ULYSSES_BACKWARD_SETS,
     CostModel,
     Hardware,
@@ -63,7 +64,11 @@ def test_unknown_preset_lists_names():
 
 
 def test_json_round_trip(tmp_path):
-    for m in (CostModel.preset("mistral-8x7b", Hardware(name="h200", hbm_bytes=141e9)), HAND):
+    for m in (
+        CostModel.preset("mistral-8x7b", Hardware(name="h200", hbm_bytes=141e9)),
+        HAND,
+        dataclasses.replace(HAND, recompute=True),
+    ):
         m.save(tmp_path / "cm.json")
         assert CostModel.load(tmp_path / "cm.json") == m
 
@@ -436,3 +441,31 @@ def test_heads_survive_json_and_old_files_load_without_them(tmp_path):
     assert CostModel.preset("llama-7b").heads == 32 and CostModel.preset("llama-7b").kv_heads == 8
     with pytest.raises(ValueError, match="heads 4 and kv_heads 3"):
         dataclasses.replace(A2A, kv_heads=3)
+
+
+def test_recompute_runs_each_layer_forward_twice():
+    """Gradient checkpointing: T(s) is (2 fwd + bwd) / (fwd + bwd) = 4/3 of itself with bwd = 2 fwd, launches
+    included, the TP all-reduces 6/4 (the forward's 2 again); the forward's ring transfer and all-to-alls are
+    sent twice; Act(s) and the model FLOPs (what MFU counts) do not change."""
+    assert RECOMPUTE_TIME == pytest.approx(4 / 3)
+    plain = dataclasses.replace(A2A, gamma=0.01, beta1=1e-4, tp_comm_time=1e-3)
+    again = dataclasses.replace(plain, recompute=True)
+    s = np.array([100.0, 1000.0])
+    compute = plain.alpha1 * s**2 + plain.beta1 * s + plain.gamma
+    np.testing.assert_allclose(again.layer_time(s), 4 / 3 * compute + 1.5 * 1e-3 * s)
+    np.testing.assert_allclose(plain.layer_time(s), compute + 1e-3 * s)
+    np.testing.assert_array_equal(again.act(s), plain.act(s))
+    np.testing.assert_array_equal(again.flops(s), plain.flops(s))
+    # ring: 4 transfers per step and layer instead of 3 (K/V forward twice, K/V and their gradients backward)
+    assert float(again.ring_bytes(100, 4)) == pytest.approx(4 / 3 * float(plain.ring_bytes(100, 4)))
+    assert float(again.ring_latency(4)) == pytest.approx(4 / 3 * float(plain.ring_latency(4)))
+    assert float(again.split_ring_bytes(100, 2, 2)) == pytest.approx(4 / 3 * float(plain.split_ring_bytes(100, 2, 2)))
+    # Ulysses: q, k, v and the output twice forward, ULYSSES_BACKWARD_SETS backward; 6 all-to-alls a layer
+    assert float(again.ulysses_bytes(100, 2)) == pytest.approx(28800 * 4 / 3)
+    assert again.ulysses_latency(2) == pytest.approx(plain.ulysses_latency(2) * 6 / 4)
+    # a hybrid's mixer layers: halos and states forward twice
+    mixers = dataclasses.replace(plain, mixer_layers=1, mixer_state_bytes=10.0)
+    assert float(dataclasses.replace(mixers, recompute=True).ring_bytes(0, 2)) == pytest.approx(4 * 2 * 10.0)
+    assert not HAND.recompute
+    with pytest.raises(ValueError, match="recompute must be a bool"):
+        dataclasses.replace(HAND, recompute=1)

@@ -3,6 +3,7 @@ capacity C a budget allows, and the budget errors. Pure arithmetic: exact on any
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -78,6 +79,22 @@ def test_activations_keep_the_last_two_layers_and_what_lies_outside():
     assert m.peak(1000, 0.5) == m.static.total + m.activation_bytes(1000, 0.5) + m.workspace_bytes
     two_stages = model(layers=10, layer_bytes_per_token=100.0, other_bytes_per_token=10.0, in_flight=2)
     assert two_stages.activation_bytes(1000, 1.0) == 2 * m.activation_bytes(1000, 1.0)
+
+
+def test_a_checkpointed_backward_adds_one_recomputed_layer_once():
+    """Gradient checkpointing: each layer saves its input, and one layer's activations are rebuilt at a time in
+    the backward, whatever the micro-batches in flight; offloading never frees them."""
+    m = model(layers=10, layer_bytes_per_token=10.0, other_bytes_per_token=5.0, recomputed_bytes_per_token=100.0)
+    assert m.activation_bytes(1000, 0.0) == (10 * 10 + 5 + 100) * 1000
+    assert m.activation_bytes(1000, 1.0) == (2 * 10 + 5 + 100) * 1000
+    two_stages = dataclasses.replace(m, in_flight=2)
+    assert two_stages.activation_bytes(1000, 0.0) == (2 * (10 * 10 + 5) + 100) * 1000
+    budget = m.static.total + m.workspace_bytes + 2**30
+    for offload in (False, True):
+        c = m.capacity(budget, offload)
+        assert m._worst(c, offload) <= budget < m._worst(c + 1, offload)
+    assert m.capacity(budget, offload=False) == 2**30 // (10 * 10 + 5 + 100)
+    assert "100 bytes/token of one recomputed layer" in m.describe()
 
 
 @pytest.mark.parametrize("l", [1, 2])
@@ -159,6 +176,7 @@ def test_static_only_model_checks_budgets_but_has_no_capacity():
         (dict(hdp_size=0), "hdp_size"),
         (dict(layer_bytes_per_token=-1.0), "layer_bytes_per_token"),
         (dict(workspace_bytes=-1), "workspace_bytes"),
+        (dict(recomputed_bytes_per_token=math.inf), "recomputed_bytes_per_token"),
     ],
 )
 def test_bad_fields_are_refused(overrides, match):
