@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from .capture import Backend, ShardingError
 from .capture.layers import mark_repeated_layers
@@ -78,6 +79,8 @@ class OptimizedModule(nn.Module):
         self._report = CompileReport()
         self._pending: list[GraphReport] = []
         self._compiled_graphs: list[GraphReport] = []
+        self._graph_breaks: list[str] = []
+        """Why Dynamo broke a training forward's graph, once each (`CompileReport.graph_breaks`)."""
         self._mixers_left_alone: dict[str, list[str]] = {}
         """Token mixers left alone in every graph compiled so far, also those inside regions the passes did not look
         into, updated when one compiles (not per call)."""
@@ -99,7 +102,7 @@ class OptimizedModule(nn.Module):
 
     def shard_blockers(self) -> list[str]:
         """Why this model cannot run sequences over several ranks, from every graph compiled so far (empty: it can)."""
-        return CompileReport(graphs=self._compiled_graphs).shard_blockers()
+        return CompileReport(graphs=self._compiled_graphs, outside_graphs=self._outside_graphs()).shard_blockers()
 
     @property
     def compiled_graphs(self) -> list[GraphReport]:
@@ -128,6 +131,7 @@ class OptimizedModule(nn.Module):
             for t in (*args, *kwargs.values()):
                 _mark_token_dim_dynamic(t)
         self._pending.clear()
+        breaks_before = dict(counters["graph_break"])
         try:
             with (
                 self._local.localized() if self._local is not None else contextlib.nullcontext(),
@@ -136,6 +140,12 @@ class OptimizedModule(nn.Module):
                     fail_on_recompile_limit_hit=True,
                     recompile_limit=RECOMPILE_LIMIT,
                     ignore_logging_functions=_ignored_logging_functions(),
+                    # Hugging Face records router logits (output_router_logits) by a forward hook that appends
+                    # to a list made outside the layer: inside a checkpointed layer Dynamo refuses that side
+                    # effect, skips the frame, and every layer runs eagerly, out of the passes' reach (attention
+                    # over a rank's own chunks of a shared sequence). Allowed, the recompute in the backward does
+                    # not append again, as eager checkpointing does not either (the collector is gone by then).
+                    skip_fwd_side_effects_in_bwd_under_checkpoint=True,
                 ),
             ):
                 out = self._compiled[self._orig_mod.training](*args, **self._without_cache(args, kwargs))
@@ -145,15 +155,39 @@ class OptimizedModule(nn.Module):
                 f"(each optimize() of the same model class and, with Config(dynamic=False), each new length "
                 f"compiles anew); call torch._dynamo.reset() between independent models, or keep dynamic=True"
             ) from e
-        if self._pending:
-            self._report = CompileReport(graphs=list(self._pending), tensor_parallel=self._tp_described())
+        broke = [reason for reason, n in counters["graph_break"].items() if n > breaks_before.get(reason, 0)]
+        if self._orig_mod.training:
+            for reason in broke:
+                if (line := reason.strip().split("\n")[0]) not in self._graph_breaks:
+                    self._graph_breaks.append(line)
+        if self._pending or broke:
             self._compiled_graphs += self._pending
+            self._report = CompileReport(
+                graphs=list(self._pending),
+                tensor_parallel=self._tp_described(),
+                graph_breaks=list(self._graph_breaks),
+                outside_graphs=self._outside_graphs(),
+            )
             compiled = CompileReport(graphs=self._compiled_graphs)
             self._mixers_left_alone = compiled.token_mixers_left_alone()
             for source, hidden in compiled.opaque_regions().items():
                 self._mixers_left_alone.setdefault(source, []).extend(hidden)
             self._check_mixers_reached(compiled)
         return out
+
+    def _outside_graphs(self) -> list[str]:
+        """Checkpointed layers (Hugging Face's flag) that no compiled graph holds as a checkpoint region: Dynamo gave
+        up on their caller, and torch's checkpoint, which Dynamo never traces itself, ran them eagerly."""
+        expected = _checkpointed_layers(self._orig_mod)
+        found = sum(g.graph_before.count("tag_activation_checkpoint(") for g in self._compiled_graphs)
+        if not self._compiled_graphs or found >= expected:
+            return []
+        why = f" (graph breaks: {'; '.join(self._graph_breaks)})" if self._graph_breaks else ""
+        return [
+            f"{expected - found} of {expected} checkpointed layers ran outside the compiled graphs{why}: their "
+            "attention and mixers run eagerly, where a shared sequence's would see only a rank's own tokens; "
+            "train without gradient checkpointing, or remove the graph break"
+        ]
 
     def _check_mixers_reached(self, compiled: CompileReport) -> None:
         """`mixers_adapted`: the swapped mixers whose ops some compiled graph holds; the others go to
@@ -242,6 +276,13 @@ def _ignored_logging_functions() -> set[Any]:
     """Dynamo's ignore set plus `LOGGER_METHODS`, looked up now: transformers adds its own on import."""
     methods = {getattr(logging.Logger, name) for name in LOGGER_METHODS if hasattr(logging.Logger, name)}
     return set(torch._dynamo.config.ignore_logging_functions) | methods
+
+
+def _checkpointed_layers(model: nn.Module) -> int:
+    """Modules with Hugging Face's `gradient_checkpointing` flag on and none below them (the layers themselves,
+    not the model that also carries the flag)."""
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True]
+    return sum(1 for m in flagged if not any(c is not m and c in flagged for c in m.modules()))
 
 
 def _mark_token_dim_dynamic(t: Any) -> None:

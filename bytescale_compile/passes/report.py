@@ -124,6 +124,12 @@ class CompileReport:
     graphs: list[GraphReport] = field(default_factory=list)
     tensor_parallel: dict[str, str] = field(default_factory=dict)
     """Module path -> the tensor-parallel layout the compiler saw there (empty without TP)."""
+    graph_breaks: list[str] = field(default_factory=list)
+    """Why Dynamo broke the training forward's graph or skipped a frame (the first line of each reason): the code
+    between graphs runs eagerly (what it calls is compiled again, except under a function Dynamo never traces)."""
+    outside_graphs: list[str] = field(default_factory=list)
+    """Parts of the model known to hold attention or mixers that ran outside every compiled graph, e.g. checkpointed
+    layers whose caller Dynamo gave up on (torch's checkpoint then runs them eagerly)."""
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -199,6 +205,7 @@ class CompileReport:
             for source, patterns in self.token_mixers_left_alone().items()
         ]
         blockers += [f"`{s.source}`: {s.reason}" for s in self.skipped(OPAQUE_PASS)]
+        blockers += self.outside_graphs
         return list(dict.fromkeys(blockers))
 
     def mixers_rewritten(self) -> dict[str, list[str]]:
@@ -251,6 +258,10 @@ class CompileReport:
         layers = self.mixer_layers()
         if layers:
             lines += ["## Token mixers per layer", ""] + [f"- {line}" for line in layers] + [""]
+        if self.graph_breaks or self.outside_graphs:
+            lines += ["## Outside the compiled graphs", ""]
+            lines += [f"- {what}" for what in self.outside_graphs]
+            lines += [f"- graph break: {reason}" for reason in self.graph_breaks] + [""]
         for g in self.graphs:
             lines += [f"## Graph {g.graph_id}", ""]
             for p in g.passes:

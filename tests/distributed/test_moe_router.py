@@ -17,9 +17,12 @@ LR = 0.5
 TOLERANCE = 1e-5
 
 
-def _aux_loss_worker(rank: int, world: int, strategy: str, capacity: int, sp: str) -> None:
+def _aux_loss_worker(rank: int, world: int, strategy: str, capacity: int, sp: str, checkpointed: bool) -> None:
     ref = per_sequence_step(qwen3_moe(), batch(LENGTHS), LR)
-    stats, weights = runtime_step(qwen3_moe(), batch(LENGTHS), strategy, capacity, LR, sp=sp)
+    model = qwen3_moe()
+    if checkpointed:  # the router logits leave each checkpointed layer through Hugging Face's recording hook
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    stats, weights = runtime_step(model, batch(LENGTHS), strategy, capacity, LR, sp=sp)
     assert any(len(mb.ranks) > 1 for mb in stats.plan.micro_batches), stats.plan.micro_batches
     if sp == "ulysses":
         assert any(mb.ulysses > 1 for mb in stats.plan.micro_batches), stats.plan.micro_batches
@@ -32,17 +35,22 @@ def _aux_loss_worker(rank: int, world: int, strategy: str, capacity: int, sp: st
 
 
 @pytest.mark.parametrize(
-    "strategy,capacity,sp",
+    "strategy,capacity,sp,checkpointed",
     [
-        pytest.param("balance", 32, "ring"),
-        pytest.param("naive", 32, "ring", marks=pytest.mark.slow),
-        pytest.param("static", 32, "ring", marks=pytest.mark.slow),
-        pytest.param("balance", 24, "ring", marks=pytest.mark.slow),  # more micro-batches, the long one over both
-        pytest.param("naive", 32, "ulysses", marks=pytest.mark.slow),  # the shared sequence split by heads
+        pytest.param("balance", 32, "ring", False),
+        # gradient checkpointing: the layers compiled, not run eagerly (the default set checks that in
+        # tests/unit/test_capture_checkpointing.py)
+        pytest.param("balance", 32, "ring", True, marks=pytest.mark.slow),
+        pytest.param("naive", 32, "ring", False, marks=pytest.mark.slow),
+        pytest.param("static", 32, "ring", False, marks=pytest.mark.slow),
+        # more micro-batches, the long one over both
+        pytest.param("balance", 24, "ring", False, marks=pytest.mark.slow),
+        pytest.param("naive", 32, "ulysses", False, marks=pytest.mark.slow),  # the shared sequence split by heads
+        pytest.param("naive", 32, "ulysses", True, marks=pytest.mark.slow),
     ],
 )
-def test_step_with_aux_loss_equals_per_sequence_training(strategy, capacity, sp):
-    run_distributed(_aux_loss_worker, 2, strategy, capacity, sp)
+def test_step_with_aux_loss_equals_per_sequence_training(strategy, capacity, sp, checkpointed):
+    run_distributed(_aux_loss_worker, 2, strategy, capacity, sp, checkpointed)
 
 
 BIAS_STEP = 0.01

@@ -208,9 +208,11 @@ def _check_case(rank: int, case: Case) -> tuple[RingStats, RingStats]:
     (out * weight[idx]).sum().backward()
     context = f"rank {rank} group {group} lens {lens} {case}"
     results = (("out", out, ref_out), ("dq", ql.grad, ref_dq), ("dk", kl.grad, ref_dk), ("dv", vl.grad, ref_dv))
+    problem = max(t.abs().max().item() for t in (ref_out, ref_dk, ref_dv))
     for name, got, want in results:
-        # relative to the whole tensor: a rank may hold only first tokens, whose exact dq is 0
-        err = rel_err(got, want[idx], floor=want.abs().max().item())
+        # relative to the whole tensor: a rank may hold only first tokens, whose exact dq is 0; the whole dq is 0
+        # where every query sees only itself (a window of 1), and then holds rounding noise of the problem's scale
+        err = rel_err(got, want[idx], floor=want.abs().max().item() or problem)
         assert err <= 1e-5, f"{name} {context}: relative error {err:.2e}"
     return forward, RingStats(**{f: getattr(fwd, f) - getattr(forward, f) for f in vars(fwd)})
 

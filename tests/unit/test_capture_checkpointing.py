@@ -11,6 +11,8 @@ import torch.utils.checkpoint
 
 import bytescale_compile as bsc
 from tests.helpers import assert_matches_eager, hf_llama, protocol_batch
+from tests.hf_models import VOCAB
+from tests.moe import qwen3_moe
 
 CASES = [
     pytest.param(False, "none", id="non-reentrant"),
@@ -46,6 +48,22 @@ def test_checkpointed_llama_is_rewritten_per_layer_and_a_packed_row_equals_eager
     assert "bytescale.attention.default(" in graph.backward_graph  # recomputed in the backward, rewritten
     assert all(a.bytes_per_token is not None for a in report.saved_activations)  # no T x T mask saved
     assert {a.layer for a in report.saved_activations if a.layer is not None} == {0, 1}  # layer inputs only
+
+
+@pytest.mark.parametrize(
+    "reentrant", [pytest.param(False, id="non-reentrant"), pytest.param(True, marks=pytest.mark.slow, id="reentrant")]
+)
+def test_checkpointed_moe_layers_recording_router_logits_are_compiled(reentrant):
+    """Hugging Face records the router logits of an aux-loss MoE by a hook appending to a list made outside the
+    checkpointed layer; compiled anyway, not run eagerly out of the passes' reach. The reference is the model
+    without checkpointing: eager reentrant checkpointing records the logits under no_grad, so the aux loss does
+    not reach the routers there, while Dynamo captures both modes as one region that gets the whole gradient."""
+    eager = qwen3_moe()
+    model = copy.deepcopy(eager)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    optimized = bsc.optimize(model, codegen="none")
+    assert_matches_eager(optimized, eager, protocol_batch([11, 3, 18], VOCAB, hf=True))
+    assert len(optimized.report.rewrites("attention")) == 2, optimized.report.mixer_layers()
 
 
 def test_checkpointing_saves_less_than_without():

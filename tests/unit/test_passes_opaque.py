@@ -126,3 +126,35 @@ def test_weight_gradients_in_a_custom_backward_do_not_count():
     optimized = bsc.optimize(model, codegen="none")
     assert_matches_eager(optimized, copy.deepcopy(model), protocol_batch([5, 7], VOCAB))
     assert optimized.shard_blockers() == []
+
+
+def _run_layers(layers: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+    """A graph break in a loop makes Dynamo skip this frame: torch's checkpoint, which Dynamo never traces
+    itself, then runs each layer eagerly."""
+    for layer in layers:
+        torch._dynamo.graph_break()
+        h = h + checkpoint(layer, h, use_reentrant=False)
+    return h
+
+
+def test_checkpointed_layers_run_outside_the_graphs_block_sharding():
+    """Hugging Face's flag says which layers are checkpointed; those no compiled graph holds ran eagerly, their
+    attention out of the passes' reach (silently wrong on a shared sequence), and are named as a blocker."""
+
+    class Skipped(Tiny):
+        def __init__(self) -> None:
+            super().__init__("cond")
+            self.layers = nn.ModuleList([Mixer("cond"), Mixer("cond")])
+            for layer in self.layers:
+                layer.gradient_checkpointing = True
+
+        def forward(self, input_ids, position_ids, shift_labels, num_items_in_batch):
+            logits = self.head(_run_layers(self.layers, self.embed(input_ids)))
+            loss = F.cross_entropy(logits.view(-1, VOCAB), shift_labels.view(-1), reduction="sum")
+            return SimpleNamespace(loss=loss / num_items_in_batch)
+
+    optimized = bsc.optimize(Skipped(), codegen="none")
+    optimized.compile_and_run(**protocol_batch([12], VOCAB))
+    (blocker,) = optimized.shard_blockers()
+    assert blocker.startswith("2 of 2 checkpointed layers ran outside the compiled graphs (graph breaks: ")
+    assert "Outside the compiled graphs" in optimized.report.to_markdown()
