@@ -80,6 +80,8 @@ class OptimizedModule(nn.Module):
         self._pending: list[GraphReport] = []
         self._compiled_graphs: list[GraphReport] = []
         self._graph_breaks: list[str] = []
+        self._outside: list[str] = []
+        """`CompileReport.outside_graphs` over every graph compiled so far, updated when something compiles."""
         """Why Dynamo broke a training forward's graph, once each (`CompileReport.graph_breaks`)."""
         self._mixers_left_alone: dict[str, list[str]] = {}
         """Token mixers left alone in every graph compiled so far, also those inside regions the passes did not look
@@ -102,7 +104,7 @@ class OptimizedModule(nn.Module):
 
     def shard_blockers(self) -> list[str]:
         """Why this model cannot run sequences over several ranks, from every graph compiled so far (empty: it can)."""
-        return CompileReport(graphs=self._compiled_graphs, outside_graphs=self._outside_graphs()).shard_blockers()
+        return CompileReport(graphs=self._compiled_graphs, outside_graphs=self._outside).shard_blockers()
 
     @property
     def compiled_graphs(self) -> list[GraphReport]:
@@ -162,11 +164,12 @@ class OptimizedModule(nn.Module):
                     self._graph_breaks.append(line)
         if self._pending or broke:
             self._compiled_graphs += self._pending
+            self._outside = self._outside_graphs()
             self._report = CompileReport(
                 graphs=list(self._pending),
                 tensor_parallel=self._tp_described(),
                 graph_breaks=list(self._graph_breaks),
-                outside_graphs=self._outside_graphs(),
+                outside_graphs=self._outside,
             )
             compiled = CompileReport(graphs=self._compiled_graphs)
             self._mixers_left_alone = compiled.token_mixers_left_alone()
@@ -282,7 +285,8 @@ def _checkpointed_layers(model: nn.Module) -> int:
     """Modules with Hugging Face's `gradient_checkpointing` flag on and none below them (the layers themselves,
     not the model that also carries the flag)."""
     flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True]
-    return sum(1 for m in flagged if not any(c is not m and c in flagged for c in m.modules()))
+    ids = {id(m) for m in flagged}
+    return sum(1 for m in flagged if not any(id(c) in ids for c in m.modules() if c is not m))
 
 
 def _mark_token_dim_dynamic(t: Any) -> None:
