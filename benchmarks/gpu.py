@@ -17,6 +17,9 @@ Variable-length training on one GPU against what Hugging Face users run today:
 6. The cost model on the GPU: `bytescale-compile profile` fits it here; the simulator's predicted step for the
    batches of table 1 beside the measured one.
 
+`--check` is the short form that fits one lease (`benchmarks/gpu_check.py`): every goal measured once on one card
+within `--deadline` seconds, PASS or FAIL per goal. The full tables are for longer leases.
+
 Each trainer and baseline job runs in its own subprocess (`--job`), so no allocator cache or compiled graph carries
 over, and a crash or an out-of-memory costs one row. `--json DIR` (default `$OUT` when set) keeps every job's
 figures. Figures are printed, never asserted. `--only kernels|offload|stages` runs the older tables.
@@ -288,14 +291,14 @@ def loss_candidates() -> dict[str, LossStep]:
     import torch
     import torch.nn.functional as F
 
-    from bytescale_compile.config import DEFAULT_CHUNK_SIZE
+    from bytescale_compile.config import DEFAULT_LOSS_WORKSPACE_BYTES
     from bytescale_compile.kernels import dispatch
 
     def kernel(fn: Callable[..., Any]) -> LossStep:
         # The kernels compute the gradients in the forward (the op's backward only scales them), outside autograd.
         def step(h: Any, w: Any, t: Any) -> Any:
             with torch.no_grad():
-                return fn(h, w, None, t, -100, "mean", True, DEFAULT_CHUNK_SIZE, 1.0, None)
+                return fn(h, w, None, t, -100, "mean", True, DEFAULT_LOSS_WORKSPACE_BYTES, 1.0, None)
 
         return step
 
@@ -520,6 +523,8 @@ DEFAULT_TABLES = ("loss", "trainer", "e2e")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, in this process")
+    parser.add_argument("--check", action="store_true", help="every goal once, within --deadline (gpu_check.py)")
+    parser.add_argument("--deadline", type=float, default=540.0, help="seconds --check may take, all sections")
     parser.add_argument("--only", choices=TABLES, action="append", help=f"run only these (default {DEFAULT_TABLES})")
     parser.add_argument("--baselines", default=",".join(BASELINES), help="table 2's baselines, comma-separated")
     parser.add_argument("--skip-ours", action="store_true", help="table 2's baselines alone (no trainer job)")
@@ -550,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    if args.check and (args.smoke or torch.cuda.is_available()):
+        from benchmarks.gpu_check import run_check
+
+        return run_check(smoke=args.smoke, deadline_s=args.deadline, layers=args.layers, json_dir=args.json)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA GPU here: these tables need one (`--smoke` checks the script on the CPU)")
         return 0

@@ -136,6 +136,9 @@ class Measured:
     tokens_per_s: float | None = None
     mfu: float | None = None
     peak_gib: float | None = None
+    """Allocated."""
+    reserved_gib: float | None = None
+    """Reserved by the caching allocator: what the process holds of the device."""
     shares: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
@@ -148,15 +151,15 @@ def synchronize() -> None:
 
 def timed(
     step: Callable[[], Any], warmup: int, steps: int, reset_peak: bool = True
-) -> tuple[list[float], float | None]:
-    """Seconds of each of `steps` steps after `warmup` ones, and the peak GiB allocated over them (the peak is
-    also read after every step, for a step function that resets it itself)."""
+) -> tuple[list[float], float | None, float | None]:
+    """Seconds of each of `steps` steps after `warmup` ones, and the peak GiB allocated and reserved over them (the
+    peaks are also read after every step, for a step function that resets them itself)."""
     for _ in range(warmup):
         step()
     synchronize()
     if torch.cuda.is_available() and reset_peak:
         torch.cuda.reset_peak_memory_stats()
-    times, peak = [], 0
+    times, peak, reserved = [], 0, 0
     for _ in range(steps):
         start = time.perf_counter()
         step()
@@ -164,15 +167,22 @@ def timed(
         times.append(time.perf_counter() - start)
         if torch.cuda.is_available():
             peak = max(peak, torch.cuda.max_memory_allocated())
-    return times, (peak / GIB if torch.cuda.is_available() else None)
+            reserved = max(reserved, torch.cuda.max_memory_reserved())
+    if not torch.cuda.is_available():
+        return times, None, None
+    return times, peak / GIB, reserved / GIB
 
 
-def figures(tokens: int, flops: float, times: list[float], peak_gib: float | None) -> Measured:
+def figures(
+    tokens: int, flops: float, times: list[float], peak_gib: float | None, reserved_gib: float | None = None
+) -> Measured:
     """Median step, tokens/s and MFU against the device's dense bf16 peak."""
     step = statistics.median(times)
     peak = peak_tflops()
     mfu = flops / step / (peak * 1e12) if peak else None
-    return Measured(tokens=tokens, step_s=step, tokens_per_s=tokens / step, mfu=mfu, peak_gib=peak_gib)
+    return Measured(
+        tokens=tokens, step_s=step, tokens_per_s=tokens / step, mfu=mfu, peak_gib=peak_gib, reserved_gib=reserved_gib
+    )
 
 
 def measure(
@@ -187,8 +197,8 @@ def measure(
     """`figures` of `step`, and the shares of one more, profiled; a step that fails gives a row that says why, so
     the other rows still run."""
     try:
-        times, peak = timed(step, warmup, steps, reset_peak)
-        m = figures(tokens, flops, times, peak)
+        times, peak, reserved = timed(step, warmup, steps, reset_peak)
+        m = figures(tokens, flops, times, peak, reserved)
         m.shares = device_shares(step, ops)
         return m
     except Exception as e:

@@ -107,11 +107,17 @@ def trainer_rows(
                 "offload_ratios": sorted({round(mb.offload_ratio, 2) for mb in last.plan.micro_batches}),
                 "offloaded_gib": last.offloaded_bytes / 2**30,
                 "predicted_s": last.predicted_time,
+                "predicted_reserved_gib": _gib_max(last.predicted_peak_bytes),
+                "measured_reserved_gib": _gib_max(last.measured_reserved_peak_bytes),
                 "plan_s": last.plan_time,
                 "losses": [round(s.loss, 4) for s in stats[-3:]],
             }
         rows.append({"dataset": dataset, **asdict(m)})
     return rows
+
+
+def _gib_max(per_rank: list[int] | None) -> float | None:
+    return None if not per_rank else max(per_rank) / 2**30
 
 
 def _step(runtime: Any, batch: list[torch.Tensor], stats: list[Any]) -> Callable[[], None]:

@@ -63,6 +63,17 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _seconds_at_least_0(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _size(text: str) -> int:
     """An argparse type: one positive size such as 8K, 32M or 1000."""
     try:
@@ -355,14 +366,20 @@ def _profile_target(target: str) -> str | Callable[[], nn.Module]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    """Training steps of the compiled model cut to 1 and 2 layers (`train/profiling.py`); with
+    --ranks-per-device > 1, one eager layer as that many ranks sharing the CPU run it (T(s) and Act(s) only)."""
     from .planner.profiler import profile_model
+    from .train.profiling import profile_steps
 
     out = _output_file(args.out, "--out")
     target = _profile_target(args.target)
     try:
-        result = profile_model(
-            target, args.lengths, _created(out), repeats=args.repeats, ranks_per_device=args.ranks_per_device
-        )
+        if args.ranks_per_device > 1:
+            result: Any = profile_model(
+                target, args.lengths, _created(out), repeats=args.repeats, ranks_per_device=args.ranks_per_device
+            )
+        else:
+            result = profile_steps(target, args.lengths, _created(out), min_time=args.min_time)
     except ValueError as e:
         raise CLIError(str(e)) from e
     print(result.summary())
@@ -412,7 +429,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     import torch
 
     from .planner.memory import MemoryBudgetError, format_bytes
-    from .train.memory import compile_on_meta, device_memory, memory_model, parse_memory
+    from .train.memory import compile_on_meta, device_memory, memory_model, parse_memory, trainer_expandable_segments
 
     if args.device_memory is None and not torch.cuda.is_available():
         raise CLIError("no CUDA device here to read the memory of: pass --device-memory SIZE (e.g. 80G)")
@@ -437,6 +454,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         zero=args.zero,
         grad_reduce_dtype=args.grad_reduce_dtype,
         budget=budget,
+        expandable=trainer_expandable_segments(),
     )
     inputs = protocol_inputs(model, _PROBE_TOKENS)
     try:
@@ -740,20 +758,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, help="write per-rank timelines of the last context here (PNG)")
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("profile", help="fit T(s) and Act(s) of one layer of a model on this device")
+    p = sub.add_parser(
+        "profile",
+        help="fit the cost model to training steps of the compiled model cut to 1 and 2 layers on this device",
+    )
     p.add_argument(
         "target",
         help="MODULE:FACTORY, e.g. bytescale_compile.models.llama:small, or a directory with a Hugging Face "
         "config.json (random init from it, as the trainer builds --model)",
     )
-    p.add_argument("--lengths", type=_sizes, default="256,512,1K,2K", help="at least 3 distinct lengths")
-    p.add_argument("--repeats", type=_int_at_least(1), default=3)
+    p.add_argument(
+        "--lengths",
+        type=_sizes,
+        default="256,512,1K,2K",
+        help="at least 3 distinct sequence lengths; shorter ones are also packed into rows of the longest",
+    )
+    p.add_argument(
+        "--min-time",
+        type=_seconds_at_least_0,
+        default=1.0,
+        help="seconds of repeated steps timed per point, at least (GPU clocks settle in about one)",
+    )
+    p.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed calls per length, --ranks-per-device > 1")
     p.add_argument("--out", default="cost_model.json", help="the cost-model JSON to write (records the device)")
     p.add_argument(
         "--ranks-per-device",
         type=_int_at_least(1),
         default=1,
-        help="CPU: profile as this many ranks sharing the cores would run (that many processes at once)",
+        help="CPU: profile one eager layer as this many ranks sharing the cores would run it (that many processes "
+        "at once; T(s) and Act(s) only)",
     )
     p.set_defaults(func=cmd_profile)
     _add_data_commands(sub)

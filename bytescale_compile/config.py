@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["Config", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["ATTENTION_BACKEND_CHOICES", "Config", "DEFAULT_LOSS_WORKSPACE_BYTES", "LOSS_MIN_CHUNK", "loss_chunk_tokens"]
 
-DEFAULT_CHUNK_SIZE = 1024
-"""Tokens per chunk of the fused loss: smaller chunks give the grad_weight matmul a short inner dimension,
-larger ones are no faster and grow the [chunk, V] buffer. Defined here, at the bottom of the layers, so that
-`Config` and the loss op share it."""
+DEFAULT_LOSS_WORKSPACE_BYTES = 2**30
+"""Bytes the fused loss's [chunk, V] buffers may take (the default `Config.loss_workspace_bytes`): 1 GiB holds the
+bf16 logits of 4096 tokens at V = 128K, the chunk the loss wants for 128K tokens of H = 4096 (about T·H/V).
+Defined here, at the bottom of the layers, so that `Config` and the loss op share it."""
+
+LOSS_MIN_CHUNK = 1024
+"""The fewest tokens a chunk of the fused loss takes when its workspace cap allows: shorter chunks give the
+grad_weight matmul a short inner dimension and read and write grad_weight once more each."""
+
+
+def loss_chunk_tokens(*, n_tokens: int, vocab: int, hidden: int, bytes_per_logit: int, budget_bytes: int) -> int:
+    """Tokens per chunk of the fused loss: about n_tokens · hidden / vocab (the [chunk, V] logits as large as the
+    hidden states), rounded up to a power of two and at least `LOSS_MIN_CHUNK`; then no more than the tokens, nor
+    than `budget_bytes` holds at `bytes_per_logit` bytes per logit. A chunk shorter than the tokens is a multiple
+    of 64 when it can be, so the matmuls keep full tiles. Here, at the bottom of the layers, so that the kernels
+    and the memory model that predicts them share it."""
+    wanted = max(LOSS_MIN_CHUNK, 1 << max(0, math.ceil(n_tokens * hidden / max(1, vocab)) - 1).bit_length())
+    fits = budget_bytes // max(1, vocab * bytes_per_logit)
+    rows = max(1, min(wanted, n_tokens, fits))
+    return rows // 64 * 64 if 64 <= rows < n_tokens else rows
+
 
 _PARTITIONERS = ("auto", "default", "min_cut")
 _OFFLOAD_MODES = ("auto", "off")
 _CODEGEN = ("auto", "inductor", "none")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch-flash", "triton", "reference")
+"""What `Config.attention_backend` and `BYTESCALE_KERNELS` may name: "auto" or a row of `kernels.dispatch`'s table."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +48,10 @@ class Config:
         with any is neither packed nor sharded.
     fused_loss: rewrite `lm_head` + cross-entropy into `bytescale::fused_linear_cross_entropy`
         (training mode only: in eval mode the logits are returned as usual).
-    loss_chunk_size: tokens per chunk of the fused loss; memory of its logits is chunk × vocab.
+    loss_workspace_bytes: the most bytes the fused loss's workspace may take: the [chunk, V/tp] buffers of one chunk
+        (its logits, plus in the torch reference their fp32 copy and a soft-cap's derivative). The chunk itself
+        follows the data, about T·H/V tokens rounded up to a power of two and at least 1024, and this caps it
+        (below 1024 tokens too); on the CPU it is also capped at 256 MiB.
     dynamic: mark the token dimension (dim 1 of every `[B, T, ...]` input) dynamic so varying
         micro-batch lengths do not recompile.
     partitioner: how AOTAutograd splits forward from backward: "default" saves what eager saves,
@@ -44,18 +67,23 @@ class Config:
     compile_layers_once: trace and compile one decoder layer and reuse it for the identical others
         (`torch.compiler.nested_compile_region` on the ModuleList of same-class layers with the most
         parameters, `capture/layers.py`). The offload pass is off for such graphs (reported).
+    attention_backend: the kernels `bytescale::attention` runs on: "auto" takes the first backend of
+        `kernels.dispatch.ATTENTION_BACKENDS` that can serve each call ("torch-flash", "triton", "reference");
+        a name forces that backend (a call it cannot serve raises `KernelUnavailableError`). It wins over
+        `BYTESCALE_KERNELS`, which "auto" leaves in charge.
     """
 
     attention: bool = True
     token_mixers: bool = True
     fused_loss: bool = True
-    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
+    loss_workspace_bytes: int = DEFAULT_LOSS_WORKSPACE_BYTES
     dynamic: bool = True
     partitioner: str = "auto"
     keep_graph_text: bool = True
     offload: str | float = "auto"
     codegen: str = "auto"
     compile_layers_once: bool = False
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -63,11 +91,11 @@ class Config:
             if f.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"Config.{f.name} must be True or False, got {value!r}")
         if (
-            isinstance(self.loss_chunk_size, bool)
-            or not isinstance(self.loss_chunk_size, int)
-            or self.loss_chunk_size < 1
+            isinstance(self.loss_workspace_bytes, bool)
+            or not isinstance(self.loss_workspace_bytes, int)
+            or self.loss_workspace_bytes < 1
         ):
-            raise ValueError(f"Config.loss_chunk_size must be an int >= 1, got {self.loss_chunk_size!r}")
+            raise ValueError(f"Config.loss_workspace_bytes must be an int >= 1, got {self.loss_workspace_bytes!r}")
         if not (
             self.offload in _OFFLOAD_MODES
             or (
@@ -81,6 +109,10 @@ class Config:
             )
         if self.codegen not in _CODEGEN:
             raise ValueError(f"Config.codegen must be one of {_CODEGEN}, got {self.codegen!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"Config.attention_backend must be one of {ATTENTION_BACKEND_CHOICES}, got {self.attention_backend!r}"
+            )
         if self.partitioner not in _PARTITIONERS:
             raise ValueError(f"Config.partitioner must be one of {_PARTITIONERS}, got {self.partitioner!r}")
 

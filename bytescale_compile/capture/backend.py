@@ -23,10 +23,12 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from ..config import Config
-from ..kernels.dispatch import choose
+from ..kernels.attention_ref import AttentionMask
+from ..kernels.dispatch import AttentionCall, AttentionChoice, attention_backend, choose, explain_attention
 from ..ops import KERNEL_OPS, REFERENCE_OPS
 from ..passes.attention import NAME as ATTENTION
 from ..passes.attention import rewrite_attention
+from ..passes.graph import value as fake_value
 from ..passes.loss import NAME as FUSED_LOSS
 from ..passes.loss import PREVIOUS_GRAPH_BREAK, rewrite_loss
 from ..passes.manager import Pass, PassContext, PassManager
@@ -51,6 +53,7 @@ class ShardingError(RuntimeError):
 
 
 log = logging.getLogger(__name__)
+ATTENTION_OP = "bytescale::attention"
 REGIONS_HIDE_SAVED = (
     "layers compiled once (Config.compile_layers_once): the tensors each layer saves for its "
     "backward are made inside one body shared by every layer, which the offload pass cannot tell apart"
@@ -93,6 +96,7 @@ class Backend:
         if self.last_graph_break:
             gm.meta[PREVIOUS_GRAPH_BREAK] = self.last_graph_break
         report.passes = self.pass_manager.run(gm, PassContext(self.config, self.training))
+        _set_attention_backend(gm, self.config.attention_backend)
         self._note_graph_break(gm)
         if keep_text:
             report.graph_after = gm.print_readable(print_output=False)
@@ -100,7 +104,7 @@ class Backend:
             "graph %d: %s", report.graph_id, ", ".join(f"{p.name}: {len(p.rewrites)} rewritten" for p in report.passes)
         )
         device_type = _device_type(example_inputs)
-        report.kernels = _kernel_choices(gm, device_type)
+        report.kernels, report.kernel_notes = _kernel_choices(gm, device_type)
         self.on_graph(report)
         _refuse_unshardable(report)
         partitioner = self.config.resolve_partitioner(device_type)
@@ -197,18 +201,70 @@ def _refuse_unshardable(report: GraphReport) -> None:
         )
 
 
-def _kernel_choices(gm: fx.GraphModule, device_type: str) -> dict[str, str]:
-    """Each of our `KERNEL_OPS` the graph calls (in nested regions too) -> the kernels dispatch chooses for
-    `device_type`: what they run on these inputs, recorded now rather than read back from the ops later."""
-    called = {
-        node.target.name()
-        for module in gm.modules()
-        if isinstance(module, fx.GraphModule)
-        for node in module.graph.nodes
-        if isinstance(node.target, torch._ops.OpOverload)
-    }
-    ours = {op: choose(torch.device(device_type)) for op in KERNEL_OPS if op in called}
-    return ours | {op: "reference" for op in REFERENCE_OPS if op in called}
+def _nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """Every node of the graph and of the graphs nested in it (layer bodies compiled once)."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield from module.graph.nodes
+
+
+def _attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [node for node in _nodes(gm) if node.target is torch.ops.bytescale.attention.default]
+
+
+def _set_attention_backend(gm: fx.GraphModule, backend: str) -> None:
+    """`Config.attention_backend` onto every attention op of the graph, which scopes its kernel calls (local and
+    ring) with it when it runs: the graph, not the process, carries the model's choice."""
+    if backend == "auto":
+        return
+    for node in _attention_nodes(gm):
+        node.kwargs = {**node.kwargs, "backend": backend}
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            module.recompile()
+
+
+def _op_arguments(node: fx.Node) -> dict[str, Any]:
+    """The call's arguments by name, defaults filled in."""
+    schema = node.target._schema
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    return {**defaults, **dict(zip((a.name for a in schema.arguments), node.args)), **node.kwargs}
+
+
+def _attention_choice(node: fx.Node) -> AttentionChoice | None:
+    """What the attention table chooses for the node's q/k/v as self-attention segments of any packing (ring
+    blocks choose per block when they run), in the dtype the op runs in: the autocast one under autocast.
+    None when the trace recorded no values for them."""
+    args = _op_arguments(node)
+    q, k, v = (fake_value(args[name]) for name in ("q", "k", "v"))
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None
+    device_type = q.device.type
+    autocast = device_type != "meta" and torch.is_autocast_enabled(device_type)  # meta: a memory probe, no autocast
+    dtype = torch.get_autocast_dtype(device_type) if autocast else None
+    dtypes = (dtype, dtype, dtype) if dtype is not None else (q.dtype, k.dtype, v.dtype)
+    call = AttentionCall(
+        q.device, dtypes, int(q.shape[-1]), int(v.shape[-1]), args["softcap"], AttentionMask(True, args["window"])
+    )
+    with attention_backend(args["backend"], source="Config.attention_backend"):
+        return explain_attention(call)
+
+
+def _kernel_choices(gm: fx.GraphModule, device_type: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(each of our `KERNEL_OPS` the graph calls, in nested regions too -> the kernels it runs on these inputs,
+    recorded now rather than read back from the ops later; the attention op -> why the backends before its
+    own in the table were passed over). A backend asked for by name that cannot serve the graph raises now."""
+    called = {node.target.name() for node in _nodes(gm) if isinstance(node.target, torch._ops.OpOverload)}
+    kernels = {op: choose(torch.device(device_type)) for op in KERNEL_OPS if op in called and op != ATTENTION_OP}
+    kernels |= {op: "reference" for op in REFERENCE_OPS if op in called}
+    choices = {c for c in map(_attention_choice, _attention_nodes(gm)) if c is not None}
+    notes = {}
+    if choices:
+        kernels[ATTENTION_OP] = ", ".join(sorted({c.backend for c in choices}))
+        passed_over = sorted({f"{name}: {why}" for c in choices for name, why in c.passed_over})
+        if passed_over:
+            notes[ATTENTION_OP] = "; ".join(passed_over)
+    return kernels, notes
 
 
 def _device_type(example_inputs: list[Any]) -> str:

@@ -1,18 +1,27 @@
 """Torch reference of the fused linear cross-entropy (paper: "Fused SoftmaxCrossEntropy").
 
 The lm_head logits of a long micro-batch are the largest activation of a causal LM ([T, V] in fp32,
-plus as much again for their gradient). Here they are produced ``chunk_size`` tokens at a time and
-turned into their gradient in place, so only one [chunk_size, V] buffer (two when bf16 inputs are
-upcast) ever exists. The gradients of hidden, weight and bias are computed in the same pass, which
-costs three matmuls instead of the four that a separate forward and backward would need, but
-grad_weight is summed over the chunks in an fp32 [V, H] buffer.
+plus as much again for their gradient). Here they are produced a chunk of tokens at a time and
+turned into their gradient in place, so only one [chunk, V] buffer (two when bf16 inputs are
+upcast, one more for a soft-cap's derivative) ever exists. The gradients of hidden, weight and bias are
+computed in the same pass, three matmuls per chunk instead of the four that a separate forward and backward
+would need.
 
-`linear_cross_entropy_vocab_slices` is the same loss without that buffer, for when the tokens are fewer
+The chunk follows the data (`chunk_rows`): about T·H/V tokens (Liger-Kernel's rule), a power of two and at
+least `config.LOSS_MIN_CHUNK`, so the [chunk, V] logits are about as large as hidden itself and the grad_weight
+matmul has a long inner dimension; the caller's `max_workspace_bytes` (the config's `loss_workspace_bytes`)
+caps the chunk's buffers, and on the CPU `CPU_CHUNK_BUDGET_BYTES` does too. grad_weight is written once per
+chunk by its matmul (`addmm`, beta 0 for the first chunk, 1 after), straight into the gradient returned:
+in the weight's dtype by default, so under bf16 the sum over the chunks is rounded to bf16 after each
+chunk (as Liger-Kernel does), or in fp32 with `grad_dtype=torch.float32`. No fp32 [V, H] accumulator is
+read and written per chunk, and no copy follows.
+
+`linear_cross_entropy_vocab_slices` is the same loss walked the other way, for when the tokens are fewer
 than the vocabulary: a first walk over token chunks keeps only each token's log-sum-exp (here as its max
 logit and sum of exp, which bf16 logits subtract exactly), then a walk
 over slices of the vocabulary recomputes [T, Vs] logits for all tokens, turns them into their gradient
 and writes grad_weight of those rows with one matmul over all tokens, while grad_hidden sums over the
-slices in an fp32 [T, H] buffer. Four matmuls instead of three, T·H fp32 held instead of V·H.
+slices in an fp32 [T, H] buffer. Four matmuls instead of three.
 `run_chunks` and `run_vocab_slices` are the loops the torch and Triton versions share.
 
 Models that scale or soft-cap their logits (Granite, Cohere, Gemma2) give the loss
@@ -20,10 +29,14 @@ Models that scale or soft-cap their logits (Granite, Cohere, Gemma2) give the lo
 that transform before the softmax and its derivative after, so z's gradient is what the matmuls see.
 
 `vocab_parallel_linear_cross_entropy_chunked` is the same loss for an lm_head split over the vocabulary
-across a tensor-parallel group (Megatron's vocabulary-parallel cross-entropy): each rank walks its
-[chunk_size, V/tp] logits twice, once for the per-token max, sum of exp and target logit that the group
-combines, once more for the gradients, which need the whole vocabulary's log-sum-exp. It has no Triton
-variant: it runs as written here on every device.
+across a tensor-parallel group (Megatron's vocabulary-parallel cross-entropy), with the same three matmuls
+per chunk: each rank computes its [chunk, V/tp] logits once, and one all-gather of each token's
+(max, sum of exp, target logit) per chunk ([3, chunk] fp32 per rank) gives every rank the whole vocabulary's
+log-sum-exp before the logits turn into their gradient. It has no Triton variant: it runs as written here on
+every device.
+
+No function here waits for the device: the loss stays a device tensor, the chunking reads shapes only, and
+the target check is a host check on the CPU and an asynchronous device assert elsewhere.
 """
 
 from __future__ import annotations
@@ -34,12 +47,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import loss_chunk_tokens
+
 __all__ = [
+    "CPU_CHUNK_BUDGET_BYTES",
     "ChunkGrad",
     "SliceGrad",
     "chunk_rows",
     "linear_cross_entropy_chunked",
     "linear_cross_entropy_vocab_slices",
+    "logit_bytes",
     "run_chunks",
     "run_vocab_slices",
     "slice_rows",
@@ -47,36 +64,44 @@ __all__ = [
 ]
 
 CPU_CHUNK_BUDGET_BYTES = 256 * 2**20
-"""The [chunk, V] buffers of one chunk on the CPU (1024 rows of V = 32K in fp32 take 125 MiB)."""
-CUDA_FREE_FRACTION = 8
-"""On CUDA a chunk's buffers take at most this fraction of the free memory (read once per call)."""
-CUDA_CHUNK_BUDGET_BYTES = 2 * 2**30
-"""... and at most this much (2 GiB holds 8K rows of V = 128K in bf16; not yet tuned on a GPU)."""
+"""The [chunk, V] buffers of one chunk on the CPU, whatever the cap (1024 rows of V = 32K in fp32 take 125 MiB)."""
 
 
-def _chunk_budget_bytes(device: torch.device) -> int:
-    """Bytes one chunk's [chunk, V] buffers may take on `device`."""
-    if device.type != "cuda":
-        return CPU_CHUNK_BUDGET_BYTES
-    free, _ = torch.cuda.mem_get_info(device)
-    return min(CUDA_CHUNK_BUDGET_BYTES, free // CUDA_FREE_FRACTION)
+def _budget_bytes(max_workspace_bytes: int, device: torch.device) -> int:
+    """Bytes one chunk's (or slice's) buffers may take on `device`: the caller's cap, and on the CPU no more
+    than `CPU_CHUNK_BUDGET_BYTES`. Shapes only, so every rank of a group gets the same chunks."""
+    if device.type == "cpu":
+        return min(max_workspace_bytes, CPU_CHUNK_BUDGET_BYTES)
+    return max_workspace_bytes
 
 
-def chunk_rows(max_rows: int, n_tokens: int, vocab: int, bytes_per_row_entry: int, device: torch.device) -> int:
-    """Tokens per chunk: at most `max_rows` (the config's `loss_chunk_size`) and `n_tokens`, and no more
-    than the memory budget of `device` holds at `bytes_per_row_entry` bytes per logit (all [chunk, V]
-    buffers together); a multiple of 64 when that is at least 64, so the matmuls keep full tiles."""
-    fits = _chunk_budget_bytes(device) // max(1, vocab * bytes_per_row_entry)
-    rows = max(1, min(max_rows, n_tokens, fits))
-    return rows // 64 * 64 if rows >= 64 else rows
+def logit_bytes(dtype: torch.dtype, upcast: bool, softcap: float | None) -> int:
+    """Bytes the torch kernels hold per logit of a chunk: the linear's output, its fp32 copy when low-precision
+    logits are upcast, and tanh's derivative under a soft-cap (in the dtype the softmax runs in)."""
+    upcast_buffer = upcast and dtype != torch.float32
+    work_bytes = torch.float32.itemsize if upcast_buffer else dtype.itemsize
+    return dtype.itemsize + work_bytes * (int(upcast_buffer) + int(softcap is not None))
 
 
-def slice_rows(max_rows: int, n_tokens: int, vocab: int, bytes_per_row_entry: int, device: torch.device) -> int:
-    """Vocabulary rows per slice of `linear_cross_entropy_vocab_slices`: `chunk_rows` with the roles of tokens and
-    vocabulary swapped, so the [T, slice] buffers fit the same budget; and they hold no more logits than a chunk of
-    `max_rows` tokens would, so the config's `loss_chunk_size` bounds the buffers of both implementations."""
-    same_entries = max(1, max_rows * vocab // max(1, n_tokens))
-    return chunk_rows(same_entries, vocab, n_tokens, bytes_per_row_entry, device)
+def chunk_rows(
+    *, n_tokens: int, vocab: int, hidden: int, bytes_per_logit: int, max_workspace_bytes: int, device: torch.device
+) -> int:
+    """Tokens per chunk (`config.loss_chunk_tokens`) within `_budget_bytes` of `device`, at `bytes_per_logit`
+    bytes per logit (all [chunk, V] buffers together)."""
+    budget = _budget_bytes(max_workspace_bytes, device)
+    return loss_chunk_tokens(
+        n_tokens=n_tokens, vocab=vocab, hidden=hidden, bytes_per_logit=bytes_per_logit, budget_bytes=budget
+    )
+
+
+def slice_rows(
+    *, n_tokens: int, vocab: int, bytes_per_logit: int, max_workspace_bytes: int, device: torch.device
+) -> int:
+    """Vocabulary rows per slice of `linear_cross_entropy_vocab_slices`: as many as the budget holds of all tokens'
+    [T, slice] buffers (the same cap as the chunks'), at most the vocabulary; a multiple of 64 when it can be."""
+    fits = _budget_bytes(max_workspace_bytes, device) // max(1, n_tokens * bytes_per_logit)
+    rows = max(1, min(vocab, fits))
+    return rows // 64 * 64 if 64 <= rows < vocab else rows
 
 
 def _check_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> None:
@@ -204,24 +229,37 @@ class _LogitsWork:
         cls,
         hidden: torch.Tensor,
         vocab: int,
-        chunk_size: int,
+        max_workspace_bytes: int,
         upcast: bool,
         scale: float,
         softcap: float | None,
         slices: bool = False,
     ) -> tuple[int, _LogitsWork]:
         """(tokens per chunk, the buffers for such a chunk), or with `slices` (vocabulary rows per slice, the
-        buffers for all tokens of such a slice): sized to fit the device's budget for the logits, the upcast copy
-        and the derivative together."""
+        buffers for all tokens of such a slice): sized so the logits, the upcast copy and the derivative together
+        fit `max_workspace_bytes` (and the CPU's budget)."""
         upcast_buffer = upcast and hidden.dtype != torch.float32
         work_dtype = torch.float32 if upcast_buffer else hidden.dtype
-        entry_bytes = hidden.dtype.itemsize + work_dtype.itemsize * (int(upcast_buffer) + int(softcap is not None))
-        n_tokens = hidden.shape[0]
+        per_logit, device = logit_bytes(hidden.dtype, upcast, softcap), hidden.device
+        n_tokens, width = hidden.shape
         if slices:
-            rows = slice_rows(chunk_size, n_tokens, vocab, entry_bytes, hidden.device)
+            rows = slice_rows(
+                n_tokens=n_tokens,
+                vocab=vocab,
+                bytes_per_logit=per_logit,
+                max_workspace_bytes=max_workspace_bytes,
+                device=device,
+            )
             shape = (n_tokens, min(rows, vocab))
         else:
-            rows = chunk_rows(chunk_size, n_tokens, vocab, entry_bytes, hidden.device)
+            rows = chunk_rows(
+                n_tokens=n_tokens,
+                vocab=vocab,
+                hidden=width,
+                bytes_per_logit=per_logit,
+                max_workspace_bytes=max_workspace_bytes,
+                device=device,
+            )
             shape = (min(rows, n_tokens), vocab)
         work_buf = hidden.new_empty(shape, dtype=work_dtype) if upcast_buffer else None
         derivative_buf = hidden.new_empty(shape, dtype=work_dtype) if softcap is not None else None
@@ -259,18 +297,34 @@ SliceGrad = Callable[[torch.Tensor, slice], None]
 """`(z, vocabulary rows)`: overwrites the slice's linear output z [T, rows] with d(loss)/dz in its own dtype."""
 
 
-def _accumulate_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b, the matmul on the inputs' dtype (no fp32 copy of either).
+def _grad_dtype(param: torch.Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the gradient of `param` is written in: its own (None), or fp32 on request."""
+    if grad_dtype is None or grad_dtype == param.dtype:
+        return param.dtype
+    if grad_dtype != torch.float32:
+        raise ValueError(
+            f"grad_dtype must be None (the weight's own dtype, {param.dtype}) or torch.float32, got {grad_dtype}"
+        )
+    return grad_dtype
 
-    CUDA (and meta, for shape checks) accumulate in fp32 inside the matmul (`out_dtype`); the CPU has
-    no such kernel, so there the product is rounded to the input dtype once before the add.
+
+def _write_grad_(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
+    """grad = a @ b when `first`, else grad += a @ b: one matmul on the operands' dtype (no fp32 copy of either)
+    that writes straight into grad, `addmm` with beta 0 then 1, so no accumulator is read and written besides.
+
+    An fp32 grad of low-precision operands: CUDA (and meta, for shape checks) accumulate in fp32 inside the matmul
+    (`out_dtype`); the CPU has no such kernel, so there the product is rounded to the operands' dtype once before
+    the add.
     """
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif acc.device.type in ("cuda", "meta"):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    beta = 0 if first else 1
+    if a.dtype == grad.dtype:
+        grad.addmm_(a, b, beta=beta)
+    elif grad.device.type in ("cuda", "meta"):
+        torch.addmm(grad, a, b, beta=beta, out_dtype=grad.dtype, out=grad)
+    elif first:
+        grad.copy_(a @ b)
     else:
-        acc += a @ b
+        grad += a @ b
 
 
 def _linear_into(z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -320,27 +374,32 @@ def run_chunks(
     upcast: bool,
     chunk_size: int,
     chunk_grad: ChunkGrad,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The chunk loop the implementations share: logits of `chunk_size` tokens at a time, turned into
-    their gradient by `chunk_grad`, then grad_hidden, and grad_weight/grad_bias accumulated in fp32.
+    their gradient by `chunk_grad`, then grad_hidden of the chunk's rows, and grad_weight written by one matmul
+    per chunk into the gradient returned, in `_grad_dtype(weight, grad_dtype)` (grad_bias, [V], sums in fp32).
     Every matmul runs on the inputs' dtype; the loss stays on the device (no host sync)."""
+    dtype = _grad_dtype(weight, grad_dtype)
     grad_hidden = torch.empty_like(hidden)
-    grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32)
+    grad_weight = weight.new_empty(weight.shape, dtype=dtype)
     grad_bias = None if bias is None else bias.new_zeros(weight.shape[0], dtype=torch.float32)
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    if hidden.shape[0] == 0:
+        grad_weight.zero_()
 
     for rows_of, h, dlogits in _chunk_outputs(hidden, weight, bias, chunk_size):
         loss_sum += chunk_grad(dlogits, rows_of)
         torch.matmul(dlogits, weight, out=grad_hidden[rows_of])
-        _accumulate_fp32_(grad_weight, dlogits.t(), h)
+        _write_grad_(grad_weight, dlogits.t(), h, first=rows_of.start == 0)
         if grad_bias is not None:
             grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
 
     return (
         _reduced_loss(loss_sum, target != ignore_index, reduction, upcast, hidden.dtype),
         grad_hidden,
-        grad_weight.to(weight.dtype),
-        None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
+        grad_weight,
+        None if grad_bias is None else grad_bias.to(dtype),
     )
 
 
@@ -355,19 +414,23 @@ def run_vocab_slices(
     loss_sum: torch.Tensor,
     slice_size: int,
     slice_grad: SliceGrad,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The slice loop the vocabulary-sliced implementations share, once the first walk gave the summed fp32 token
     loss `loss_sum`: logits of `slice_size` vocabulary rows for all tokens at a time, turned into their gradient by
-    `slice_grad`; then those rows of grad_weight as one matmul over all tokens, written in weight's dtype, and
-    grad_hidden summed over the slices in fp32. Every matmul runs on the inputs' dtype; no host sync."""
+    `slice_grad`; then those rows of grad_weight (and grad_bias) written once, in `_grad_dtype(weight, grad_dtype)`,
+    and grad_hidden summed over the slices in fp32. Every matmul runs on the inputs' dtype; no host sync."""
+    dtype = _grad_dtype(weight, grad_dtype)
     grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32)
-    grad_weight = weight.new_empty(weight.shape)
-    grad_bias = None if bias is None else bias.new_empty(bias.shape)
+    grad_weight = weight.new_empty(weight.shape, dtype=dtype)
+    grad_bias = None if bias is None else bias.new_empty(bias.shape, dtype=dtype)
+    if hidden.shape[0] == 0:
+        grad_weight.zero_()
 
     for cols, dlogits in _slice_outputs(hidden, weight, bias, slice_size):
         slice_grad(dlogits, cols)
-        torch.matmul(dlogits.t(), hidden, out=grad_weight[cols])
-        _accumulate_fp32_(grad_hidden, dlogits, weight[cols])
+        _write_grad_(grad_weight[cols], dlogits.t(), hidden, first=True)
+        _write_grad_(grad_hidden, dlogits, weight[cols], first=False)
         if grad_bias is not None:
             grad_bias[cols] = dlogits.sum(dim=0, dtype=torch.float32)
 
@@ -387,24 +450,27 @@ def linear_cross_entropy_chunked(
     ignore_index: int,
     reduction: str,
     upcast: bool,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float = 1.0,
     softcap: float | None = None,
+    *,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Loss of ``cross_entropy(softcap * tanh(scale * linear(hidden, weight, bias) / softcap), target)``
     (``scale * linear(...)`` when softcap is None) and its gradients.
 
     hidden [N, H], weight [V, H], bias [V] or None, target [N] int64. ``upcast`` does the logit
-    transform and softmax in fp32 (as ``logits.float()`` would); otherwise in the input dtype. A
-    softcap costs one more [chunk_size, V] buffer, for tanh's derivative. Returns
-    (loss, grad_hidden, grad_weight, grad_bias or None): the loss in fp32 if upcast else hidden's
-    dtype, the gradients of the returned loss in their inputs' dtypes. "mean" over zero valid
-    targets gives a nan loss and zero gradients, like eager ``F.cross_entropy``.
+    transform and softmax in fp32 (as ``logits.float()`` would); otherwise in the input dtype. The chunk is
+    `chunk_rows` tokens, its [chunk, V] buffers within `max_workspace_bytes` (a softcap costs one more, for
+    tanh's derivative). Returns (loss, grad_hidden, grad_weight, grad_bias or None): the loss in fp32 if upcast
+    else hidden's dtype, grad_hidden in hidden's dtype, grad_weight and grad_bias in the weight's dtype, or fp32
+    with ``grad_dtype=torch.float32``. "mean" over zero valid targets gives a nan loss and zero gradients, like
+    eager ``F.cross_entropy``.
     """
     _check_targets(target, ignore_index, weight.shape[0])
     valid = target != ignore_index
     row_weight = _row_weights(valid, reduction)
-    chunk_size, logits_work = _LogitsWork.allocate(hidden, weight.shape[0], chunk_size, upcast, scale, softcap)
+    rows, logits_work = _LogitsWork.allocate(hidden, weight.shape[0], max_workspace_bytes, upcast, scale, softcap)
 
     def chunk_grad(z: torch.Tensor, rows_of: slice) -> torch.Tensor:
         logits, derivative = logits_work.logits_and_derivative(z)
@@ -412,7 +478,7 @@ def linear_cross_entropy_chunked(
         logits_work.grad_to_z_(z, logits, derivative)
         return loss
 
-    return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)
+    return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, rows, chunk_grad, grad_dtype)
 
 
 # --- vocabulary-parallel --------------------------------------------------------------------------
@@ -441,7 +507,8 @@ def _shard_stats(
     safe_target: torch.Tensor,
     in_shard: torch.Tensor,
 ) -> _TokenStats:
-    """The first walk over the chunks: this shard's statistics, the logits discarded chunk by chunk."""
+    """The vocabulary slices' first walk, over token chunks: each token's statistics of these logits, the logits
+    discarded chunk by chunk."""
     n_tokens = hidden.shape[0]
     row_max, sum_exp, target_logit = hidden.new_empty((3, n_tokens), dtype=torch.float32)
     for rows_of, _, z in _chunk_outputs(hidden, weight, bias, chunk_size):
@@ -453,15 +520,26 @@ def _shard_stats(
     return _TokenStats(row_max, sum_exp, torch.where(in_shard, target_logit, 0.0))
 
 
+def _exp_and_shard_stats_(logits: torch.Tensor, safe_target: torch.Tensor, in_shard: torch.Tensor) -> _TokenStats:
+    """Overwrite a chunk's logits of this shard with exp(logit - the shard's max per token); return the shard's
+    statistics of the chunk."""
+    shard_max = logits.amax(dim=1, keepdim=True)
+    target_logit = torch.where(in_shard, logits.gather(1, safe_target).squeeze(1).float(), 0.0)
+    sum_exp = logits.sub_(shard_max).exp_().sum(dim=1, dtype=torch.float32)
+    return _TokenStats(shard_max.squeeze(1).float(), sum_exp, target_logit)
+
+
 def _combine_over_group(shard: _TokenStats, group: dist.ProcessGroup) -> _TokenStats:
-    """The whole vocabulary's statistics from every shard's, as Megatron combines them: an all-reduce of the
-    max, then one of the sums of exp rescaled to it together with the target logits (only their owner's is
-    non-zero)."""
-    row_max = shard.row_max.clone()
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    sums = torch.stack([shard.sum_exp * (shard.row_max - row_max).exp(), shard.target_logit])
-    dist.all_reduce(sums, group=group)
-    return _TokenStats(row_max, sums[0], sums[1])
+    """The whole vocabulary's statistics of a chunk from every shard's, with one collective: an all-gather of the
+    [3, rows] fp32 statistics; every rank then combines the same [tp, 3, rows] in the same order (the max of the
+    maxes, the sums of exp rescaled to it, the target logits of which only their owner's is non-zero), so the loss
+    is the same on every rank."""
+    mine = torch.stack([shard.row_max, shard.sum_exp, shard.target_logit])
+    every = mine.new_empty((dist.get_world_size(group), *mine.shape))
+    dist.all_gather(list(every.unbind(0)), mine, group=group)
+    row_max = every[:, 0].amax(dim=0)
+    sum_exp = (every[:, 1] * (every[:, 0] - row_max).exp()).sum(dim=0)
+    return _TokenStats(row_max, sum_exp, every[:, 2].sum(dim=0))
 
 
 def vocab_parallel_linear_cross_entropy_chunked(
@@ -472,21 +550,23 @@ def vocab_parallel_linear_cross_entropy_chunked(
     ignore_index: int,
     reduction: str,
     upcast: bool,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float,
     softcap: float | None,
     group: dist.ProcessGroup,
     vocab_start: int,
+    *,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`linear_cross_entropy_chunked` of an lm_head whose rows are split over the ranks of `group`: this
     rank holds weight (and bias) rows [vocab_start, vocab_start + V/tp) of the whole vocabulary.
 
     hidden [N, H] and target [N] (ids of the whole vocabulary) are the same on every rank. Every rank
-    calls it (it communicates twice, O(N) each). Returns the loss of the whole vocabulary (the same on
-    every rank), this rank's partial grad_hidden (the sum over the group is the gradient: the caller
-    all-reduces it, a column-parallel lm_head's input already does in backward), and the gradients
-    of this rank's weight and bias rows. Costs one matmul more than the unsplit loss: the logits are
-    recomputed for the gradients, which need the whole vocabulary's log-sum-exp.
+    calls it; the chunks depend on shapes only, so every rank walks the same ones, and each chunk costs one
+    all-gather of [3, chunk] fp32 per rank. Returns the loss of the whole vocabulary (the same on every rank),
+    this rank's partial grad_hidden (the sum over the group is the gradient: the caller all-reduces it, a
+    column-parallel lm_head's input already does in backward), and the gradients of this rank's weight and bias
+    rows. The same three matmuls per chunk as the unsplit loss: each chunk's logits are computed once.
     """
     vocab = weight.shape[0]
     _check_targets(target, ignore_index, vocab * dist.get_world_size(group))
@@ -494,23 +574,20 @@ def vocab_parallel_linear_cross_entropy_chunked(
     local_target = target - vocab_start
     in_shard = valid & (local_target >= 0) & (local_target < vocab)
     safe_target = torch.where(in_shard, local_target, 0).unsqueeze(1)
-    chunk_size, logits_work = _LogitsWork.allocate(hidden, vocab, chunk_size, upcast, scale, softcap)
-    stats = _combine_over_group(
-        _shard_stats(hidden, weight, bias, chunk_size, logits_work, safe_target, in_shard), group
-    )
-    token_loss = stats.token_loss(valid)
     row_weight = _row_weights(valid, reduction)
-    row_factor, target_weight = row_weight / stats.sum_exp, row_weight * in_shard
+    rows, logits_work = _LogitsWork.allocate(hidden, vocab, max_workspace_bytes, upcast, scale, softcap)
 
     def chunk_grad(z: torch.Tensor, rows_of: slice) -> torch.Tensor:
         logits, derivative = logits_work.logits_and_derivative(z)
-        _dlogits_from_stats_(
-            logits, stats.row_max[rows_of], row_factor[rows_of], safe_target[rows_of], target_weight[rows_of]
-        )
+        shard = _exp_and_shard_stats_(logits, safe_target[rows_of], in_shard[rows_of])
+        whole = _combine_over_group(shard, group)
+        weight_of_rows = row_weight[rows_of]
+        row_factor = weight_of_rows * (shard.row_max - whole.row_max).exp() / whole.sum_exp
+        _softmax_to_dlogits_(logits, row_factor, safe_target[rows_of], weight_of_rows * in_shard[rows_of])
         logits_work.grad_to_z_(z, logits, derivative)
-        return token_loss[rows_of].sum()
+        return whole.token_loss(valid[rows_of]).sum()
 
-    return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)
+    return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, rows, chunk_grad, grad_dtype)
 
 
 # --- vocabulary slices ----------------------------------------------------------------------------
@@ -524,27 +601,31 @@ def linear_cross_entropy_vocab_slices(
     ignore_index: int,
     reduction: str,
     upcast: bool,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float = 1.0,
     softcap: float | None = None,
+    *,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`linear_cross_entropy_chunked` without its fp32 [V, H] grad_weight buffer; same arguments and returns.
+    """`linear_cross_entropy_chunked` walked over vocabulary slices; same arguments and returns.
 
-    The first walk, over chunks of `chunk_size` tokens, keeps each token's max logit and sum of exp (fp32 [N]) and
+    The first walk, over chunks of `chunk_rows` tokens, keeps each token's max logit and sum of exp (fp32 [N]) and
     gives the loss; the second, over slices of the vocabulary (`slice_rows`), recomputes their logits for all tokens
-    and turns them into their gradient with those statistics. One matmul more than the token chunks, and an fp32
-    [N, H] grad_hidden buffer held instead of [V, H]: it pays when N < V.
+    and turns them into their gradient with those statistics, writing each slice's rows of grad_weight once. One
+    matmul more than the token chunks, and an fp32 [N, H] grad_hidden buffer.
     """
     vocab = weight.shape[0]
     _check_targets(target, ignore_index, vocab)
     valid = target != ignore_index
     safe_target = torch.where(valid, target, 0)
-    rows, chunk_work = _LogitsWork.allocate(hidden, vocab, chunk_size, upcast, scale, softcap)
+    rows, chunk_work = _LogitsWork.allocate(hidden, vocab, max_workspace_bytes, upcast, scale, softcap)
     stats = _shard_stats(hidden, weight, bias, rows, chunk_work, safe_target.unsqueeze(1), valid)
     del chunk_work  # the chunks' buffers go before the slices' come
     row_weight = _row_weights(valid, reduction)
     row_factor = row_weight / stats.sum_exp
-    slice_size, slice_work = _LogitsWork.allocate(hidden, vocab, chunk_size, upcast, scale, softcap, slices=True)
+    slice_size, slice_work = _LogitsWork.allocate(
+        hidden, vocab, max_workspace_bytes, upcast, scale, softcap, slices=True
+    )
 
     def slice_grad(z: torch.Tensor, cols: slice) -> None:
         logits, derivative = slice_work.logits_and_derivative(z)
@@ -556,5 +637,5 @@ def linear_cross_entropy_vocab_slices(
 
     loss_sum = stats.token_loss(valid).sum()
     return run_vocab_slices(
-        hidden, weight, bias, target, ignore_index, reduction, upcast, loss_sum, slice_size, slice_grad
+        hidden, weight, bias, target, ignore_index, reduction, upcast, loss_sum, slice_size, slice_grad, grad_dtype
     )

@@ -258,17 +258,20 @@ def linear_cross_entropy_chunked_triton(
     ignore_index: int,
     reduction: str,
     upcast: bool,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float = 1.0,
     softcap: float | None = None,
     z_loss_weight: float = 0.0,
+    *,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`cross_entropy_ref.linear_cross_entropy_chunked` with the softmax in the Triton kernel.
 
     Same arguments and returns, plus `z_loss_weight` (adds `z_loss_weight * lse²` per valid token).
     The logit transform and softmax are always computed in fp32, so `upcast` only picks the loss
-    dtype; the gradient of each chunk's logits overwrites them in the input dtype (no fp32 or
-    derivative [chunk, V] buffer) and grad_weight/grad_bias accumulate in fp32.
+    dtype; the gradient of each chunk's logits overwrites them in the input dtype, so the chunk's only
+    [chunk, V] buffer is its logits (no fp32 or derivative copy) and `max_workspace_bytes` holds twice the
+    rows the upcast torch reference gets. grad_weight is written by one matmul per chunk, as in the reference.
     """
     _check_targets(target, ignore_index, weight.shape[0])
     target = target.contiguous()
@@ -279,8 +282,15 @@ def linear_cross_entropy_chunked_triton(
             logits, target[rows_of], ignore_index, row_weight, z_loss_weight, scale, softcap
         ).sum()
 
-    chunk_size = chunk_rows(chunk_size, hidden.shape[0], weight.shape[0], hidden.dtype.itemsize, hidden.device)
-    return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, chunk_grad)
+    rows = chunk_rows(
+        n_tokens=hidden.shape[0],
+        vocab=weight.shape[0],
+        hidden=hidden.shape[1],
+        bytes_per_logit=hidden.dtype.itemsize,
+        max_workspace_bytes=max_workspace_bytes,
+        device=hidden.device,
+    )
+    return run_chunks(hidden, weight, bias, target, ignore_index, reduction, upcast, rows, chunk_grad, grad_dtype)
 
 
 def linear_cross_entropy_vocab_slices_triton(
@@ -291,14 +301,16 @@ def linear_cross_entropy_vocab_slices_triton(
     ignore_index: int,
     reduction: str,
     upcast: bool,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float = 1.0,
     softcap: float | None = None,
     z_loss_weight: float = 0.0,
+    *,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`cross_entropy_ref.linear_cross_entropy_vocab_slices` with the softmax in the Triton kernels.
 
-    Same arguments and returns as `linear_cross_entropy_chunked_triton` (`z_loss_weight` too): the first walk
+    Same arguments and returns as `linear_cross_entropy_chunked_triton` (`z_loss_weight`, `grad_dtype` too): the first walk
     keeps each token's log-sum-exp (fp32 [N]), the second overwrites each slice's logits with their gradient in
     the input dtype (no fp32 or derivative buffer, so the slices are as wide as the logits alone allow).
     """
@@ -308,7 +320,8 @@ def linear_cross_entropy_vocab_slices_triton(
     row_weight = _row_weight(target, ignore_index, reduction)
     transform = _transform_args(scale, softcap)
     lse, token_loss = hidden.new_empty((2, n_tokens), dtype=torch.float32)
-    rows = chunk_rows(chunk_size, n_tokens, vocab, hidden.dtype.itemsize, hidden.device)
+    budget = {"bytes_per_logit": hidden.dtype.itemsize, "max_workspace_bytes": max_workspace_bytes}
+    rows = chunk_rows(n_tokens=n_tokens, vocab=vocab, hidden=hidden.shape[1], device=hidden.device, **budget)
     for rows_of, _, z in _chunk_outputs(hidden, weight, bias, rows):
         _lse_kernel[(z.shape[0],)](
             z,
@@ -346,7 +359,8 @@ def linear_cross_entropy_vocab_slices_triton(
             SOFTCAP=softcap is not None,
         )
 
-    slice_size = slice_rows(chunk_size, n_tokens, vocab, hidden.dtype.itemsize, hidden.device)
+    slice_size = slice_rows(n_tokens=n_tokens, vocab=vocab, device=hidden.device, **budget)
+    loss_sum = token_loss.sum()
     return run_vocab_slices(
-        hidden, weight, bias, target, ignore_index, reduction, upcast, token_loss.sum(), slice_size, slice_grad
+        hidden, weight, bias, target, ignore_index, reduction, upcast, loss_sum, slice_size, slice_grad, grad_dtype
     )

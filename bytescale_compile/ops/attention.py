@@ -13,6 +13,11 @@ When the context's group has several ranks, the row holds this rank's zigzag tok
 the packed ring (`runtime/dist_attn.py`), with the context's Ulysses degree beside it
 (`runtime/ulysses.py`); a group of one stays local.
 
+`backend` (`Config.attention_backend`, set on the op when the graph compiles) names the attention backend
+of `kernels.dispatch`'s table that every call, local segments and ring blocks alike, must run on; None
+leaves the choice to the table and `BYTESCALE_KERNELS`. A single row (a packed micro-batch) is returned
+as the kernels give it; only several rows are gathered into one tensor.
+
 Under `torch.autocast` q, k and v may arrive in different dtypes (RoPE promotes q and k back to
 fp32); like SDPA, the op then runs in the autocast dtype (`ops/autocast.py`).
 
@@ -37,6 +42,7 @@ from bytescale_compile.kernels.attention_ref import (
     layout_like,
 )
 from bytescale_compile.kernels.dispatch import (
+    attention_backend,
     causal_attention_bwd,
     causal_attention_fwd,
     segment_causal_attention_bwd,
@@ -112,6 +118,9 @@ def _restarts(position_ids: Tensor, batch: int, tokens: int) -> list[Tensor] | N
     return bounds
 
 
+_BACKEND_SOURCE = "Config.attention_backend"
+
+
 def _check_args(q: Tensor, k: Tensor, v: Tensor, window: int | None, softcap: float | None) -> None:
     """Raise ValueError for shapes, a window or a soft-cap the op cannot take (also at trace time)."""
     check_attention_shapes(q, k, v)
@@ -127,15 +136,29 @@ def attention(
     position_ids: Optional[Tensor] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal (or segment-causal over packed sequences) GQA attention, optionally sliding-window and soft-capped.
 
     q `[B, Hq, T, D]`, k `[B, Hkv, T, D]`, v `[B, Hkv, T, Dv]`, any strides. Returns out
     `[B, Hq, T, Dv]`, laid out in `torch.empty_like(q)`'s dimension order, and lse, contiguous float32
     `[B, Hq, T]`. Packing comes from the context's cu_seqlens, else from restarts of `position_ids`
-    (see `_row_packing`).
+    (see `_row_packing`); `backend` as in the module docstring.
     """
     _check_args(q, k, v, window, softcap)
+    with attention_backend(backend, source=_BACKEND_SOURCE):
+        return _attention(q, k, v, scale, position_ids, window, softcap)
+
+
+def _attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    position_ids: Tensor | None,
+    window: int | None,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
     ring = _ring_context(q)
     if ring is not None:
         assert ring.layout is not None and ring.group is not None  # a ring context has both
@@ -157,6 +180,8 @@ def attention(
     packing = _row_packing(q, position_ids)
     if packing is None:
         return causal_attention_fwd(q, k, v, scale, window=window, softcap=softcap)
+    if len(packing) == 1:
+        return segment_causal_attention_fwd(q, k, v, packing[0], scale, window=window, softcap=softcap)
     out, lse = empty_attention_out(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
     for b, cu in enumerate(packing):
         rows = slice(b, b + 1)
@@ -175,6 +200,7 @@ def _attention_fake(
     position_ids: Optional[Tensor] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> tuple[Tensor, Tensor]:
     _check_args(q, k, v, window, softcap)
     return empty_attention_out(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -192,6 +218,7 @@ def attention_backward(
     position_ids: Optional[Tensor] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of `bytescale::attention`, reading the context when it runs.
 
@@ -199,6 +226,22 @@ def attention_backward(
     the order they need, so copying it here would only add a copy.
     """
     _check_args(q, k, v, window, softcap)
+    with attention_backend(backend, source=_BACKEND_SOURCE):
+        return _attention_backward(grad_out, q, k, v, out, lse, scale, position_ids, window, softcap)
+
+
+def _attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    position_ids: Tensor | None,
+    window: int | None,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     ring = _ring_context(q)
     if ring is not None:
         assert ring.layout is not None and ring.group is not None  # a ring context has both
@@ -221,6 +264,10 @@ def attention_backward(
     packing = _row_packing(q, position_ids)
     if packing is None:
         return causal_attention_bwd(grad_out, q, k, v, out, lse, scale, window=window, softcap=softcap)
+    if len(packing) == 1:
+        return segment_causal_attention_bwd(
+            grad_out, q, k, v, out, lse, packing[0], scale, window=window, softcap=softcap
+        )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for b, cu in enumerate(packing):
         rows = slice(b, b + 1)
@@ -242,16 +289,17 @@ def _attention_backward_fake(
     position_ids: Optional[Tensor] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_args(q, k, v, window, softcap)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, scale, position_ids, window, softcap = inputs
+    q, k, v, scale, position_ids, window, softcap, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, position_ids)
-    ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
+    ctx.scale, ctx.window, ctx.softcap, ctx.backend = scale, window, softcap, backend
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -259,9 +307,9 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tens
     del grad_lse
     q, k, v, out, lse, position_ids = ctx.saved_tensors
     dq, dk, dv = torch.ops.bytescale.attention_backward(
-        grad_out, q, k, v, out, lse, ctx.scale, position_ids, ctx.window, ctx.softcap
+        grad_out, q, k, v, out, lse, ctx.scale, position_ids, ctx.window, ctx.softcap, ctx.backend
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

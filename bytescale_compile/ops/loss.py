@@ -3,13 +3,14 @@
 The loss pass replaces ``F.linear`` (+ optional ``.float()``, logit scale and final soft-cap) +
 ``F.cross_entropy`` with this op so the full fp32 logits are never held, forward or backward. The op computes the gradients of hidden,
 weight and bias in its forward (three matmuls instead of four) and returns them as extra outputs;
-its autograd backward only scales them by the incoming gradient of the loss. Under `torch.autocast`
+its autograd backward only scales them, in place, by the incoming gradient of the loss. Nothing in either op
+waits for the device. Under `torch.autocast`
 the matmuls run in the autocast dtype and the softmax in fp32, as linear + cross_entropy would.
 
 ``bytescale::vocab_parallel_linear_cross_entropy`` is the same loss for a tensor-parallel lm_head split
 over the vocabulary (each rank holds V/tp rows of the weight): the ranks combine per-token statistics,
-never the logits (Megatron's vocabulary-parallel cross-entropy). It runs the torch reference kernel on
-every device.
+never the logits (Megatron's vocabulary-parallel cross-entropy): one all-gather of [3, chunk] statistics per
+chunk. It runs the torch reference kernel on every device.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
-from bytescale_compile.config import DEFAULT_CHUNK_SIZE
+from bytescale_compile.config import DEFAULT_LOSS_WORKSPACE_BYTES
 from bytescale_compile.kernels.dispatch import (
     linear_cross_entropy_chunked,
     vocab_parallel_linear_cross_entropy_chunked,
@@ -45,15 +47,15 @@ def _check_args(
     bias: Optional[Tensor],
     target: Tensor,
     reduction: str,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float,
     softcap: Optional[float],
 ) -> None:
     """Raise ValueError on arguments the op cannot handle; shapes and dtypes only (fake-safe)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if max_workspace_bytes < 1:
+        raise ValueError(f"max_workspace_bytes must be >= 1, got {max_workspace_bytes}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale}")
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
@@ -115,7 +117,7 @@ def fused_linear_cross_entropy_op(
     ignore_index: int,
     reduction: str,
     upcast: bool,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float = 1.0,
     softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -124,12 +126,14 @@ def fused_linear_cross_entropy_op(
     when softcap is None.
 
     hidden [..., H], weight [V, H], bias [V] or None, target [...] int64 with hidden's token count.
-    Returns (loss, grad_hidden, grad_weight, grad_bias). Only output [0], the loss, is
-    differentiable: callers use it and ignore the rest, which are the op's saved gradients (of the
-    loss itself, so not scaled by any outer factor). grad_bias is empty when bias is None.
+    `max_workspace_bytes` caps the [chunk, V] buffers of one chunk (the config's `loss_workspace_bytes`); the chunk
+    itself follows the data (`cross_entropy_ref.chunk_rows`). Returns (loss, grad_hidden, grad_weight, grad_bias),
+    the gradients in their inputs' dtypes. Only output [0], the loss, is differentiable: callers use it and ignore
+    the rest, which are the op's saved gradients (of the loss itself, until an eager backward scales them in place
+    by the incoming gradient). grad_bias is empty when bias is None.
     """
-    _check_args(hidden, weight, bias, target, reduction, chunk_size, scale, softcap)
-    options = (ignore_index, reduction, upcast, chunk_size, scale, softcap)
+    _check_args(hidden, weight, bias, target, reduction, max_workspace_bytes, scale, softcap)
+    options = (ignore_index, reduction, upcast, max_workspace_bytes, scale, softcap)
     return _run_kernel(linear_cross_entropy_chunked, hidden, weight, bias, target, *options)
 
 
@@ -142,7 +146,7 @@ def vocab_parallel_linear_cross_entropy_op(
     ignore_index: int,
     reduction: str,
     upcast: bool,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float,
     softcap: Optional[float],
     group_name: str,
@@ -156,9 +160,9 @@ def vocab_parallel_linear_cross_entropy_op(
     rank's rows; grad_hidden is this rank's partial gradient, left for the caller to sum over the group
     (`copy_to_tp` before the column-parallel lm_head does, in its backward).
     """
-    _check_args(hidden, weight, bias, target, reduction, chunk_size, scale, softcap)
+    _check_args(hidden, weight, bias, target, reduction, max_workspace_bytes, scale, softcap)
     _check_shard(weight, group_name, vocab_start)
-    options = (ignore_index, reduction, upcast, chunk_size, scale, softcap)
+    options = (ignore_index, reduction, upcast, max_workspace_bytes, scale, softcap)
     group = tp_group(group_name)
     return _run_kernel(
         vocab_parallel_linear_cross_entropy_chunked, hidden, weight, bias, target, *options, group, vocab_start
@@ -173,14 +177,14 @@ def _fake(
     ignore_index: int,
     reduction: str,
     upcast: bool,
-    chunk_size: int,
+    max_workspace_bytes: int,
     scale: float = 1.0,
     softcap: Optional[float] = None,
     *shard: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Both ops' shapes and dtypes (the vocabulary-parallel op passes its group_name and vocab_start as `shard`);
     the data-dependent target check runs in the real kernels."""
-    _check_args(hidden, weight, bias, target, reduction, chunk_size, scale, softcap)
+    _check_args(hidden, weight, bias, target, reduction, max_workspace_bytes, scale, softcap)
     if shard:
         _check_shard(weight, *shard)
     loss = hidden.new_empty((), dtype=torch.float32 if upcast else hidden.dtype)
@@ -198,13 +202,20 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple[Optional[Tensor], ...]:
-    """Chain rule: the saved gradients are of the loss, so scale them by d(out)/d(loss). Only hidden, weight
-    and bias (the first three inputs of both ops) get one."""
+    """Chain rule: the saved gradients are of the loss, so scale them by d(out)/d(loss). Eagerly in place (nothing
+    else reads them: the op's callers use its loss only), which saves a [V, H] buffer and its write; so the eager
+    backward runs once: a second one (``retain_graph=True``) finds them modified and autograd raises. Traced
+    (torch.compile), the graph is functional whatever is written here, and in place would make the op's other
+    outputs depend on the backward, which AOTAutograd rejects: there the product is out of place, and reusing the
+    saved buffer, which the backward frees, is Inductor's choice. Only hidden, weight and bias (the first three inputs of both ops)
+    get one."""
     grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    traced = isinstance(grad_weight, FunctionalTensor)
+    scale: Callable[[Tensor, Tensor], Tensor] = torch.mul if traced else Tensor.mul_
     return (
-        grad_hidden * grad_loss,
-        grad_weight * grad_loss,
-        grad_bias * grad_loss if ctx.has_bias else None,
+        scale(grad_hidden, grad_loss),
+        scale(grad_weight, grad_loss),
+        scale(grad_bias, grad_loss) if ctx.has_bias else None,
         *(None,) * (ctx.n_inputs - 3),
     )
 
@@ -235,7 +246,7 @@ def fused_linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     upcast: bool = True,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    max_workspace_bytes: int = DEFAULT_LOSS_WORKSPACE_BYTES,
     scale: float = 1.0,
     softcap: Optional[float] = None,
 ) -> Tensor:
@@ -243,5 +254,5 @@ def fused_linear_cross_entropy(
     ``softcap * tanh(scale * F.linear(hidden, weight, bias) / softcap)`` (``scale * F.linear(...)``
     without a cap)."""
     return fused_linear_cross_entropy_op(
-        hidden, weight, bias, target, ignore_index, reduction, upcast, chunk_size, scale, softcap
+        hidden, weight, bias, target, ignore_index, reduction, upcast, max_workspace_bytes, scale, softcap
     )[0]

@@ -152,7 +152,7 @@ def _rewrite_graph(
                 node.name,
                 str(match.op.overloadpacket),
                 source,
-                _fuse(graph, node, match, ctx.config.loss_chunk_size),
+                _fuse(graph, node, match, ctx.config.loss_workspace_bytes),
             )
         )
 
@@ -167,7 +167,7 @@ def _check_stays_inside(chain: tuple[fx.Node, ...], region: Region) -> None:
         )
 
 
-def _fuse(graph: fx.Graph, ce: fx.Node, match: _LossMatch, chunk_size: int) -> str:
+def _fuse(graph: fx.Graph, ce: fx.Node, match: _LossMatch, workspace_bytes: int) -> str:
     """Replace the cross-entropy by the fused op and the returned logits by empty tensors; the detail."""
     hidden, weight = match.linear.args[:2]
     args: tuple[Argument, ...] = (
@@ -178,7 +178,7 @@ def _fuse(graph: fx.Graph, ce: fx.Node, match: _LossMatch, chunk_size: int) -> s
         match.ignore_index,
         match.reduction,
         match.upcast,
-        chunk_size,
+        workspace_bytes,
         match.scale,
         match.softcap,
     )

@@ -113,8 +113,13 @@ class GraphReport:
     generated: list[GeneratedCode] = field(default_factory=list)
     """Inductor's code for the partitioned graphs; empty with `Config(codegen="none")`."""
     kernels: dict[str, str] = field(default_factory=dict)
-    """Our op in the graph -> "triton" or "reference": the kernels `kernels.dispatch` chose for the device of the
-    graph's example inputs when it was compiled."""
+    """Our op in the graph -> the kernels `kernels.dispatch` chose when it was compiled: "triton" or "reference"
+    for the loss (on the device of the graph's example inputs); for `bytescale::attention` the backend of its
+    table ("torch-flash", "triton", "reference") for the graph's q/k/v as packed segments (ring blocks choose
+    per block when they run), several joined by ", " when the graph's attention layers differ."""
+    kernel_notes: dict[str, str] = field(default_factory=dict)
+    """Our op -> why the backends the table prefers to the chosen one were passed over, e.g.
+    "torch-flash: has no soft-cap" (attention only)."""
 
 
 @dataclass
@@ -133,8 +138,13 @@ class CompileReport:
 
     @property
     def kernels(self) -> dict[str, str]:
-        """Our op -> "triton" or "reference" over every graph (`GraphReport.kernels`)."""
+        """Our op -> its kernels over every graph (`GraphReport.kernels`)."""
         return {op: impl for g in self.graphs for op, impl in g.kernels.items()}
+
+    @property
+    def kernel_notes(self) -> dict[str, str]:
+        """Our op -> why preferred backends were passed over, over every graph (`GraphReport.kernel_notes`)."""
+        return {op: note for g in self.graphs for op, note in g.kernel_notes.items()}
 
     def pass_results(self, name: str) -> list[PassResult]:
         return [p for g in self.graphs for p in g.passes if p.name == name]
@@ -241,13 +251,18 @@ class CompileReport:
         return self._reasons_by_module(OPAQUE_PASS)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "kernels": self.kernels}
+        return {**asdict(self), "kernels": self.kernels, "kernel_notes": self.kernel_notes}
 
     def to_markdown(self, graphs: bool = False) -> str:
         """Human-readable report; `graphs=True` appends the graphs before/after as text."""
         lines = [f"# bytescale_compile report ({len(self.graphs)} graph(s))", ""]
         if self.kernels:
-            lines += ["Kernels: " + ", ".join(f"`{op}` {impl}" for op, impl in sorted(self.kernels.items())), ""]
+            notes = self.kernel_notes
+            kernels = [
+                f"`{op}` {impl}" + (f" ({notes[op]})" if op in notes else "")
+                for op, impl in sorted(self.kernels.items())
+            ]
+            lines += ["Kernels: " + ", ".join(kernels), ""]
         if self.tensor_parallel:
             lines += ["## Tensor parallelism per layer", ""]
             lines += [

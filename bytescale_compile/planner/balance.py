@@ -104,7 +104,7 @@ def _spread_heavy(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Give sequences heavier than `longest` (the longest micro-batch a rank should run) enough ranks to
     finish within it, but no more than make them faster (the ring's P2P floor, `fastest`)."""
-    if lens.size == 0:
+    if lens.size == 0 or longest <= 0:  # no sequence costs time (a cost model of fixed costs only): none is heavy
         return ranks, ratio
     wanted = np.minimum(np.ceil(work / longest - 1e-9).astype(np.int64), fastest)
     heavy = wanted > np.maximum(ranks, 1)

@@ -7,11 +7,19 @@ Coefficients come from a model shape and a hardware description (`CostModel.anal
 presets of `CostModel.preset`) or from the profiler (`planner/profiler.py`, source "profiled"). T(s) also
 charges the tensor-parallel all-reduces of an HDP rank that is a TP group (`tp_all_reduce_time`). With
 `recompute` (gradient checkpointing) every layer's forward runs twice: T(s) and the forward's P2P grow by it.
+
+Beside the decoder layers a step runs the embedding, the LM head and its loss once per micro-batch over all its
+tokens, launches every layer once per micro-batch however many sequences it packs, and ends with one optimizer
+step. So the work of one sequence is `seq_time` = l x (T(s) - gamma) + (beta_head + beta_embed) s, a micro-batch
+adds E's constant, l x gamma + delta, once (`micro_batch_overhead`), and a step adds O = omega x P / shards + sigma
+(`optimizer_time`). The analytic models leave beta_head, beta_embed, delta, omega and
+sigma at 0 (the paper's T(s), decoder layers only); `bytescale-compile profile` measures them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
@@ -29,6 +37,7 @@ __all__ = [
     "KERNELS_PER_LAYER",
     "PRESETS",
     "RECOMPUTE_TIME",
+    "STEP_TERMS",
     "TP_ALL_REDUCES_PER_LAYER",
     "ULYSSES_ALL_TO_ALLS_PER_LAYER",
     "ULYSSES_BACKWARD_SETS",
@@ -39,6 +48,8 @@ __all__ = [
     "Topology",
     "tp_all_reduce_time",
 ]
+
+logger = logging.getLogger(__name__)
 
 BF16 = 2
 """Bytes per element of the bf16 activations, gradients and parameters the analytic model assumes."""
@@ -71,6 +82,8 @@ CEIL_RTOL = 1e-12
 
 _FORMAT = "bytescale_compile.cost_model"
 _COEFFICIENT_KEYS = ("alpha1", "beta1", "gamma", "alpha2", "beta2")
+STEP_TERMS = ("beta_head", "beta_embed", "delta", "omega", "sigma")
+"""The coefficients outside the decoder layers (E(n) and O); files written before them load with 0 for each."""
 
 
 @dataclass(frozen=True)
@@ -298,6 +311,22 @@ every device."""
 _TAU_FN = sympy.lambdify((tp_, h_, B_dev_), _TAU, "numpy")
 
 _T = alpha1_ * s_**2 + beta1_ * s_ + gamma_ + tau_ * s_
+
+# Outside the decoder layers. n: tokens of a micro-batch; P: parameter bytes the model holds; shards: the devices
+# its optimizer state is sharded over (each steps P / shards of it).
+n_, P_, shards_ = sympy.symbols("n P shards", positive=True)
+beta_head_, beta_embed_, delta_, omega_, sigma_ = sympy.symbols(
+    "beta_head beta_embed delta omega sigma", nonnegative=True
+)
+_E = (beta_head_ + beta_embed_) * n_ + l_ * gamma_ + delta_
+"""E(n): what a micro-batch of n tokens costs beyond its sequences' layer work: the LM head and loss and the
+embedding per token, every layer's launches (gamma, once per micro-batch however many sequences it packs) and
+delta, the rest of its fixed cost (input copies, loss launches, host work)."""
+_O = omega_ * P_ / shards_ + sigma_
+"""O: the optimizer step, once per step: fused AdamW, the gradient norm and clipping and the bf16 weight refresh
+over the rank's shard of the parameters (omega seconds per parameter byte), and the step's fixed cost sigma."""
+_E_FN = sympy.lambdify((n_, l_, gamma_, beta_head_, beta_embed_, delta_), _E, "numpy")
+_O_FN = sympy.lambdify((P_, shards_, omega_, sigma_), _O, "numpy")
 _ACT = alpha2_ * s_ + beta2_
 _D_FRAC = (2 * _ACT + (1 - r_) * (l_ - 2) * _ACT) / (l_ * _ACT.subs(s_, C_))
 _R_OVERLAP = sympy.solve(sympy.Eq(_T, _ACT * r_ / B_), r_)[0]
@@ -313,6 +342,8 @@ EXPRS: dict[str, sympy.Expr] = {
     "D": sympy.ceiling(_D_FRAC),
     "r_overlap": _R_OVERLAP,
     "r_low": sympy.Min(1, _R_SAVES_ONE),
+    "E": _E,
+    "O": _O,
 }
 """Eq. 2 over symbolic coefficients; `CostModel.exprs` has them with a model's numbers substituted."""
 
@@ -425,6 +456,17 @@ class CostModel:
     and the forward's ring P2P and all-to-alls are sent twice. Set by the Runtime for a checkpointed model;
     coefficients measured on one (`train/calibrate.py` refits T on the model it trains) already hold the
     recompute's time."""
+    beta_head: float = 0.0
+    """Seconds per token of the LM head and its fused loss, fwd+bwd (three GEMMs of tokens x hidden x vocab): E(n)."""
+    beta_embed: float = 0.0
+    """Seconds per token of the embedding, fwd+bwd (a gather, and its gradient's scatter-add): E(n)."""
+    delta: float = 0.0
+    """Seconds per micro-batch beside its layers' launches (gamma): input copies, the loss's launches, host work."""
+    omega: float = 0.0
+    """Seconds per byte of `param_bytes` that a rank's optimizer step takes over its shard: fused AdamW, the
+    gradient norm and clipping, the bf16 weight refresh (O)."""
+    sigma: float = 0.0
+    """Seconds per step beside the optimizer's work in proportion to its shard: its launches and host work (O)."""
 
     @property
     def _head_shards(self) -> int:
@@ -445,7 +487,7 @@ class CostModel:
         return self.layers - self.mixer_layers
 
     def __post_init__(self) -> None:
-        for name in ("alpha1", "beta1", "gamma", "alpha2", "beta2", "param_bytes", "ring_overhead"):
+        for name in ("alpha1", "beta1", "gamma", "alpha2", "beta2", "param_bytes", "ring_overhead", *STEP_TERMS):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"CostModel ({self.source}): {name} must be a finite number >= 0, got {value!r}")
@@ -543,7 +585,8 @@ class CostModel:
     def load(cls, path: str | Path) -> CostModel:
         """A model written by `save` (the profiler's output); errors name the file and a missing key. Files
         written before `device` was recorded load with device None; before `tp_comm_time`, with tau derived
-        from the hardware (0 without a topology, whose rank is one device)."""
+        from the hardware (0 without a topology, whose rank is one device); before `STEP_TERMS`, with each 0
+        (decoder layers only: a warning names them and says how to measure them)."""
         path = Path(path)
         try:
             text = path.read_text()
@@ -554,6 +597,16 @@ class CostModel:
             if data.get("format") != _FORMAT:
                 raise ValueError(f"'format' is {data.get('format')!r}, expected {_FORMAT!r}")
             coefficients = {k: data["coefficients"][k] for k in _COEFFICIENT_KEYS}
+            missing = [k for k in STEP_TERMS if k not in data["coefficients"]]
+            if missing:
+                logger.warning(
+                    "cost model file %s has no %s: it predicts the decoder layers only (no LM head, loss, "
+                    "embedding, per-micro-batch cost or optimizer step); profile again with `bytescale-compile "
+                    "profile` to measure them",
+                    path,
+                    ", ".join(missing),
+                )
+            step_terms = {k: data["coefficients"].get(k, 0.0) for k in STEP_TERMS}
             return cls(
                 **coefficients,
                 layers=data["layers"],
@@ -570,6 +623,7 @@ class CostModel:
                 heads=data.get("heads"),
                 kv_heads=data.get("kv_heads"),
                 recompute=data.get("recompute", False),
+                **step_terms,
             )
         except KeyError as e:
             raise ValueError(
@@ -584,7 +638,9 @@ class CostModel:
         data = {
             "format": _FORMAT,
             "source": self.source,
-            "coefficients": {k: getattr(self, k) for k in (*_COEFFICIENT_KEYS, "ring_overhead", "tp_comm_time")},
+            "coefficients": {
+                k: getattr(self, k) for k in (*_COEFFICIENT_KEYS, "ring_overhead", "tp_comm_time", *STEP_TERMS)
+            },
             "layers": self.layers,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "param_bytes": self.param_bytes,
@@ -644,8 +700,12 @@ class CostModel:
 
     @cached_property
     def exprs(self) -> dict[str, sympy.Expr]:
-        """EXPRS with this model's coefficients; free symbols s, r, C, l."""
-        values = dict(zip(_COEFFS, self._coeffs()))
+        """EXPRS with this model's coefficients; free symbols s, r, C, l (and n, P, shards of E and O)."""
+        values: dict[sympy.Symbol, float] = dict(zip(_COEFFS, self._coeffs()))
+        values.update(
+            {beta_head_: self.beta_head, beta_embed_: self.beta_embed, delta_: self.delta, omega_: self.omega}
+        )
+        values[sigma_] = self.sigma
         return {k: e.subs(values) for k, e in EXPRS.items()}
 
     def _coeffs(self) -> tuple[float, ...]:
@@ -670,8 +730,31 @@ class CostModel:
         return np.asarray(_ACT_FN(np.asarray(s, np.float64), 0, 0, 0, *self._coeffs()), np.float64)
 
     def seq_time(self, s) -> np.ndarray:
-        """All layers, fwd+bwd: layers x T(s)."""
-        return self.layers * self.layer_time(s)
+        """The work of one sequence in a micro-batch, fwd+bwd: layers x (T(s) - gamma), plus its tokens' share of
+        the LM head, loss and embedding. Additive over the sequences a micro-batch packs; the micro-batch's
+        fixed cost is `micro_batch_overhead`. So a micro-batch of one sequence takes layers x T(s) + E(s)'s
+        per-token part + E's constant."""
+        s = np.asarray(s, np.float64)
+        compute = RECOMPUTE_TIME if self.recompute else 1.0
+        return self.layers * (self.layer_time(s) - compute * self.gamma) + (self.beta_head + self.beta_embed) * s
+
+    @property
+    def micro_batch_overhead(self) -> float:
+        """Seconds a micro-batch costs once, whatever it packs: E(n)'s constant, every layer's launches (gamma,
+        on each rank of a shared micro-batch alike) and delta."""
+        compute = RECOMPUTE_TIME if self.recompute else 1.0
+        return float(_E_FN(0.0, self.layers, compute * self.gamma, self.beta_head, self.beta_embed, self.delta))
+
+    def micro_batch_time(self, s) -> float:
+        """E(n) plus the layers: seconds of one micro-batch packing sequences of lengths `s` on one rank."""
+        return float(self.seq_time(s).sum()) + self.micro_batch_overhead
+
+    def optimizer_time(self, shards: int) -> float:
+        """O: seconds of the optimizer step on a rank holding 1/`shards` of the parameters' state (the
+        distributed optimizer shards it over every device: HDP ranks x pipeline stages x TP)."""
+        if not (isinstance(shards, (int, np.integer)) and shards >= 1):
+            raise ValueError(f"shards must be an int >= 1, got {shards!r}")
+        return float(_O_FN(self.param_bytes, shards, self.omega, self.sigma))
 
     def flops(self, s) -> np.ndarray:
         """Model FLOPs of a sequence, fwd+bwd, all layers: the compute part of T (gamma, the launch

@@ -1,13 +1,16 @@
 """What one rank holds in device memory, and the token capacity C that fits a budget (paper §4.2, Eq. 2).
 
-A rank's peak is its static bytes (weights, gradients, main weights and optimizer moments, gradient buckets:
-fixed once the model and the parallel layout are) plus the activations of the micro-batches it holds at once
-plus a workspace (buffers no micro-batch length changes: the fused loss's, the allocator's slack). Activations
-are linear in the tokens: one layer's saved tensors cost `layer_bytes_per_token` per token, the tensors
-outside the layers (embedding output, final norm, loss) `other_bytes_per_token`. Offloading at ratio r keeps
-the last 2 of the rank's l layers whole and a share 1 - r of the others, the numerator of Eq. 2's D(s). Under
-gradient checkpointing a layer saves only its inputs, and the backward rebuilds one layer's activations at a
-time: `recomputed_bytes_per_token` more per token, once (one backward runs at a time), never offloaded.
+The peak predicted is what the caching allocator *reserves*, since that is what runs out: a rank's static
+bytes (weights, gradients, main weights and optimizer moments, gradient buckets: fixed once the model and the
+parallel layout are), plus the activations of the micro-batches it holds at once, plus the transients of the
+step (the fused loss's buffers, one layer's backward, an offloaded layer's copy in flight), all of these but
+the static bytes scaled by the allocator's fragmentation, plus a fixed workspace (headroom for what the device
+gives away outside the allocator). Activations are linear in the tokens: one layer's saved tensors cost
+`layer_bytes_per_token` per token, the tensors outside the layers (embedding output, final norm, loss)
+`other_bytes_per_token`. Offloading at ratio r keeps the last 2 of the rank's l layers whole and a share 1 - r
+of the others, the numerator of Eq. 2's D(s). Under gradient checkpointing a layer saves only its inputs, and
+the backward rebuilds one layer's activations at a time: `recomputed_bytes_per_token` more per token, once (one
+backward runs at a time), never offloaded.
 
 Pure arithmetic on numbers: the figures come from a compile report (`train/memory.py`) or from hand, so the
 planner can solve C without torch.
@@ -18,10 +21,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config import loss_chunk_tokens
+
 __all__ = [
-    "ALLOCATOR_SLACK",
     "BUCKET_BYTES",
+    "DEVICE_HEADROOM",
     "DTYPES",
+    "FRAGMENTATION",
+    "SEGMENT_GRANULES_BYTES",
+    "LossWorkspace",
     "MemoryBudgetError",
     "MemoryModel",
     "StaticBytes",
@@ -33,10 +41,29 @@ BUCKET_BYTES = 25 * 2**20
 by its last parameter). Large enough for the reduction to run near the network's bandwidth, small enough that
 the first bucket is reduced early in the backward and that its flat copy is no burden."""
 
-ALLOCATOR_SLACK = 0.05
-"""Share of a device's memory the workspace sets aside for what the model above does not count: the caching
-allocator's rounding and fragmentation, the CUDA context and the communication library's buffers, short-lived
-temporaries of the backward."""
+DEVICE_HEADROOM = 0.01
+"""Share of the budget the workspace sets aside for device memory taken outside torch's allocator after the
+budget is read (the budget is the free memory, so the CUDA context and the first communicator are already out of
+it): the kernel images of graphs compiled later, communicators created on first use (the gradient buckets'
+process group), host-pinned staging the driver maps. An allowance, not a measurement: 1.4 GiB of an H200."""
+
+FRAGMENTATION = {True: 0.05, False: 0.20}
+"""Reserved over allocated bytes, as a share of what changes with the micro-batches (activations and transients),
+by whether the allocator runs with expandable segments. With them, a segment grows and shrinks by mapping pages
+at its end, and an allocation that finds no free block maps new pages after unmapping every free page: the waste
+is the partial pages around free blocks and the 2 MiB rounding of each large tensor, under 1% for tensors of
+hundreds of MiB (a [T, H] activation of 64K tokens is 512 MiB). The 5% also covers what the terms above miss: on
+an H200 one 64K-token micro-batch of the LLaMA-3-8B shape (8 layers) peaked 2.9 GiB above them, 3.8% of its
+activations and transients. Without expandable segments a freed block serves only requests that fit it, and a
+segment returns to the device only when wholly free: a micro-batch longer than the one before strands that one's
+blocks wherever a longer-lived tensor shares their segment. The same H200 ran out of memory on two such
+micro-batches with 12.3 GiB, 16% of their activations and transients, free above the allocated peak of one:
+20% covers that case (the trainer sets expandable segments by default)."""
+
+SEGMENT_GRANULES_BYTES = (20 + 2) * 2**20
+"""The allocator maps memory per stream in 20 MiB granules for large tensors and 2 MiB for small ones, and can
+leave one of each partly used. The step allocates on the compute stream alone (offloading's copy streams only
+read and write tensors allocated there)."""
 
 DTYPES = ("fp32", "bf16")
 """fp32: fp32 weights, gradients and Adam moments on every rank (moments sharded with `zero`). bf16: the
@@ -59,6 +86,65 @@ def format_bytes(n: float) -> str:
 
 class MemoryBudgetError(ValueError):
     """The budget cannot hold the rank's static bytes and workspace, or not one token besides."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossWorkspace:
+    """What the fused linear cross-entropy holds beside the saved activations while it runs on `tokens` tokens.
+
+    The loss computes its gradients in the forward, a chunk of tokens at a time: the chunk's [chunk, V] logits
+    (in the hidden states' dtype, plus an fp32 copy when they are upcast), d(loss)/d(hidden) [T, H] for all
+    tokens, kept until the backward takes it, and lm_head's gradient unless the loss writes it straight into the
+    rank's gradient buffer. The chunk follows the data: about T·H/V tokens (the chunk's logits then take about as
+    much as the hidden states), rounded up to a power of two, at least `config.LOSS_MIN_CHUNK`, and no more than
+    `max_buffer_bytes` holds (`config.loss_chunk_tokens`, the kernels' rule).
+    """
+
+    vocab: int
+    hidden: int
+    hidden_bytes: int
+    """Bytes of an element of the hidden states, of their gradient and of the logits (the compute dtype)."""
+    logit_bytes: int
+    """Bytes per entry of a chunk's buffers together: the logits, plus 4 for an fp32 upcast copy."""
+    head_grad_bytes: int = 0
+    """lm_head's gradient while the loss holds it, beside the gradient buffer: the one the op returns and its
+    scaled copy in the compiled backward (2·V·H in the weight's dtype)."""
+    max_buffer_bytes: int | None = None
+    """The most bytes a chunk's [chunk, V/tp] buffers may take (`Config.loss_workspace_bytes`); None: no cap."""
+    tp: int = 1
+    """A vocabulary-parallel loss: each rank holds V/tp columns of every chunk."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "hidden_bytes", "logit_bytes", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LossWorkspace.{name} must be an int >= 1, got {value!r}")
+        if self.head_grad_bytes < 0 or (self.max_buffer_bytes is not None and self.max_buffer_bytes < 1):
+            raise ValueError(
+                f"LossWorkspace: head_grad_bytes must be >= 0 and max_buffer_bytes None or >= 1, got "
+                f"{self.head_grad_bytes!r} and {self.max_buffer_bytes!r}"
+            )
+
+    def chunk(self, tokens: float) -> int:
+        """Tokens per chunk for a micro-batch of `tokens`: the kernels' rule (`config.loss_chunk_tokens`) over this
+        rank's V/tp columns, within `max_buffer_bytes` (without a cap, as many as the rule wants)."""
+        t = math.ceil(tokens)
+        if t <= 0:
+            return 0
+        budget = self.max_buffer_bytes if self.max_buffer_bytes is not None else t * self._columns * self.logit_bytes
+        return loss_chunk_tokens(
+            n_tokens=t, vocab=self._columns, hidden=self.hidden, bytes_per_logit=self.logit_bytes, budget_bytes=budget
+        )
+
+    @property
+    def _columns(self) -> int:
+        """Vocabulary columns of a chunk on one rank."""
+        return math.ceil(self.vocab / self.tp)
+
+    def bytes(self, tokens: float) -> float:
+        """The chunk's buffers, d(loss)/d(hidden) and lm_head's gradient outside the buffer, for `tokens`."""
+        chunk_buffers = self.chunk(tokens) * self._columns * self.logit_bytes
+        return chunk_buffers + tokens * self.hidden * self.hidden_bytes + self.head_grad_bytes / self.tp
 
 
 @dataclass(frozen=True)
@@ -123,9 +209,17 @@ class MemoryModel:
     """Gradient checkpointing: one layer's activations per token that its backward recomputes and holds at
     once (0 without checkpointing, where `layer_bytes_per_token` holds them all along)."""
     workspace_bytes: int = 0
+    """Bytes no micro-batch changes beyond the static ones: headroom for memory taken outside the allocator."""
     in_flight: int = 1
     """Micro-batches whose activations the rank holds at its peak: 1 without pipeline stages; pp under 1F1B,
     whose first stage runs pp forwards before its first backward."""
+    backward_bytes_per_token: float = 0.0
+    """The largest transient of one layer's backward per token, held once (one backward runs at a time): the MLP's
+    intermediate gradients beside the gradient coming in and going out of the layer."""
+    loss: LossWorkspace | None = None
+    """The fused loss's transients (None: no fused loss, whose logits are then saved activations)."""
+    fragmentation: float = 0.0
+    """Reserved over allocated bytes as a share of the activations and transients (`FRAGMENTATION`)."""
 
     def __post_init__(self) -> None:
         for name in ("params", "hdp_size", "layers", "bucket_bytes", "in_flight"):
@@ -136,7 +230,13 @@ class MemoryModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"MemoryModel.{name} must be an int >= 0, got {value!r}")
-        for name in ("layer_bytes_per_token", "other_bytes_per_token", "recomputed_bytes_per_token"):
+        for name in (
+            "layer_bytes_per_token",
+            "other_bytes_per_token",
+            "recomputed_bytes_per_token",
+            "backward_bytes_per_token",
+            "fragmentation",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"MemoryModel.{name} must be a finite number >= 0, got {value!r}")
@@ -203,12 +303,23 @@ class MemoryModel:
         per_token = resident_layers * self.layer_bytes_per_token + self.other_bytes_per_token
         return (self.in_flight * per_token + self.recomputed_bytes_per_token) * tokens
 
+    def transient_bytes(self, tokens: float, offload_ratio: float = 0.0) -> float:
+        """What a micro-batch of `tokens` allocates beside its saved activations, at its largest: the fused
+        loss's buffers (at the end of the forward) or one layer's backward, whichever is larger (they never run
+        at once), plus, when offloading (l > 2, r > 0), the offloaded share of one layer on the device while its
+        copy is in flight: in the forward the source storage until the copy to the host ends, in the backward
+        the prefetched layer's reloaded storage beside its device part and the layer being differentiated."""
+        loss = self.loss.bytes(tokens) if self.loss is not None else 0.0
+        in_flight_copy = offload_ratio * self.layer_bytes_per_token * tokens if self.layers > 2 else 0.0
+        return max(loss, self.backward_bytes_per_token * tokens) + in_flight_copy
+
     def peak(self, tokens: float, offload_ratio: float = 0.0) -> float:
-        """Predicted peak bytes: static + activations + workspace."""
-        return self.static.total + self.activation_bytes(tokens, offload_ratio) + self.workspace_bytes
+        """Predicted reserved peak bytes: static + (activations + transients) x (1 + fragmentation) + workspace."""
+        varying = self.activation_bytes(tokens, offload_ratio) + self.transient_bytes(tokens, offload_ratio)
+        return self.static.total + varying * (1.0 + self.fragmentation) + self.workspace_bytes
 
     def available(self, budget: int) -> int:
-        """Bytes of `budget` left for activations; MemoryBudgetError when nothing is."""
+        """Bytes of `budget` left for activations and transients; MemoryBudgetError when nothing is."""
         left = budget - self.static.total - self.workspace_bytes
         if left <= 0:
             raise MemoryBudgetError(
@@ -220,9 +331,9 @@ class MemoryModel:
         return left
 
     def _per_token(self, offload: bool) -> float:
-        """Bytes C costs per token: l layers plus the outside tensors of up to max(1, l/2) x C tokens. With
-        offloading the planner puts a rank's share of up to l x C / 2 tokens on it (D(s) at r = 1 counts only
-        layer activations, in units of l x Act(C)), and what lies outside the layers stays."""
+        """Bytes C costs per token without transients: l layers plus the outside tensors of up to max(1, l/2) x C
+        tokens. With offloading the planner puts a rank's share of up to l x C / 2 tokens on it (D(s) at r = 1
+        counts only layer activations, in units of l x Act(C)), and what lies outside the layers stays."""
         l = self.layers
         outside = max(1.0, l / 2) if offload and l > 2 else 1.0
         per_token = self.in_flight * (l * self.layer_bytes_per_token + outside * self.other_bytes_per_token)
@@ -230,24 +341,28 @@ class MemoryModel:
 
     def capacity(self, budget: int, offload: bool) -> int:
         """The largest C whose every plan fits `budget`: without offload a micro-batch puts at most C tokens on
-        a rank, with offload up to l x C / 2 at r = 1 (and, at any r, no more than l layers' worth of C tokens)."""
+        a rank, with offload up to l x C / 2 at r = 1 (and, at any r, no more than l layers' worth of C tokens).
+        The peak grows with C but not linearly (the loss's chunk doubles in steps), so C is found by bisection
+        below the linear bound that leaves the transients out."""
         avail = self.available(budget)
         if self._per_token(offload) <= 0:
             raise ValueError("MemoryModel without activation figures (both per-token figures are 0) has no capacity")
-        c = math.floor(avail / self._per_token(offload))
-        # Guard the float division both ways, so peak(C) <= budget < peak(C + 1) holds exactly.
-        while self._worst(c + 1, offload) <= budget:
-            c += 1
-        while c > 0 and self._worst(c, offload) > budget:
-            c -= 1
-        if c < 1:
+        hi = math.floor(avail / self._per_token(offload)) + 1
+        while self._worst(hi, offload) <= budget:  # guard the float division: hi must not fit
+            hi *= 2
+        lo = 0  # peak(lo) <= budget < peak(hi), lo = 0 taken as fitting
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._worst(mid, offload) <= budget else (lo, mid)
+        if lo < 1:
+            one = self._worst(1, offload) - self.static.total - self.workspace_bytes
             raise MemoryBudgetError(
                 f"the budget of {format_bytes(budget)} ({budget} bytes) leaves {format_bytes(avail)} for activations "
                 f"after static bytes {format_bytes(self.static.total)} ({self.static.summary()}) and workspace "
-                f"{format_bytes(self.workspace_bytes)}: less than one token ({format_bytes(self._per_token(offload))}"
-                f"); {self._remedies()}"
+                f"{format_bytes(self.workspace_bytes)}: less than one token ({format_bytes(one)} with its "
+                f"transients); {self._remedies()}"
             )
-        return c
+        return lo
 
     def _worst(self, capacity: int, offload: bool) -> float:
         """The peak of the largest micro-batch share a plan of C = `capacity` may give this rank."""
@@ -298,13 +413,23 @@ class MemoryModel:
                 if self.recomputed_bytes_per_token
                 else ""
             ),
+            f"transients: {self.backward_bytes_per_token:,.0f} bytes/token of one layer's backward"
+            + (
+                f", the fused loss's {format_bytes(self.loss.bytes(8192))} at 8K tokens "
+                f"(chunk of {self.loss.chunk(8192):,} tokens)"
+                if self.loss is not None
+                else ""
+            ),
+            f"fragmentation: {self.fragmentation:.0%} of activations and transients (reserved over allocated)",
             f"workspace: {format_bytes(self.workspace_bytes)}",
         ]
         if budget is not None:
             lines.append(f"budget: {format_bytes(budget)}")
             for offload in (False, True):
+                c = self.capacity(budget, offload)
                 lines.append(
-                    f"  C {'with' if offload else 'without'} offload: {self.capacity(budget, offload):,} tokens"
+                    f"  C {'with' if offload else 'without'} offload: {c:,} tokens "
+                    f"(predicted reserved peak {format_bytes(self._worst(c, offload))})"
                 )
             lines.append(f"  longest per rank (offload r = 1): {self.longest_per_rank(budget):,} tokens")
         return "\n".join(lines)

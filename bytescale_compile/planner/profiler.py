@@ -1,8 +1,13 @@
 """Fit the cost model's coefficients by measurement (paper §4.2: "coefficients we profiled").
 
-One transformer layer runs forward+backward at several lengths on the current device; its time gives
-T(s) = alpha1 s^2 + beta1 s + gamma and the bytes of the tensors autograd saves for backward give
-Act(s) = alpha2 s + beta2, both by least squares. Every layer of a decoder is alike, so one stands for all.
+The bytes of the tensors autograd saves for backward in one transformer layer, at several lengths, give
+Act(s) = alpha2 s + beta2 by least squares; every layer of a decoder is alike, so one stands for all.
+
+Time comes from whole training steps of the compiled model cut to 1 and 2 layers (`train/profiling.py`
+measures them, `bytescale-compile profile` runs it): `fit_step_terms` separates T(s)'s alpha1, beta1 and gamma,
+the LM head, loss and embedding per token, the micro-batch's and the step's fixed costs and the optimizer's
+seconds per parameter byte (`StepPoint`). `profile_layer` / `profile_model` time one eager layer alone instead
+(T(s) only): what `ranks_per_device` > 1 measures, ranks sharing a CPU.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -26,9 +31,20 @@ from .cost_model import CostModel, Hardware
 __all__ = [
     "LayerInputs",
     "ModelSource",
+    "OptimizerPoint",
     "ProfileResult",
+    "StepFit",
+    "StepPoint",
+    "StepProfile",
+    "build_model",
+    "decoder_layers",
+    "device_label",
     "fit_cost_model",
+    "fit_step_profile",
+    "fit_step_terms",
     "fit_time",
+    "layer_act_bytes",
+    "model_cost",
     "profile_layer",
     "profile_model",
 ]
@@ -165,10 +181,10 @@ def profile_layer(
             samples.append(time.perf_counter() - start)
         times.append(statistics.median(samples))
 
-    return _fit(lengths, times, act_bytes, _device_label(device))
+    return _fit(lengths, times, act_bytes, device_label(device))
 
 
-def _device_label(device: torch.device) -> str:
+def device_label(device: torch.device) -> str:
     """ "cpu", or a CUDA device with its name ("cuda:0 (NVIDIA H100 80GB HBM3)"): which GPU a profile
     measured matters when reading it, "cuda" alone does not say."""
     if device.type != "cuda":
@@ -202,8 +218,198 @@ def _fit(lengths: Sequence[int], times: Sequence[float], act_bytes: Sequence[int
     )
 
 
+@dataclass(frozen=True)
+class StepPoint:
+    """One timed training step of a model cut to `layers` decoder layers: `micro_batches` micro-batches, each
+    packing `sequences` sequences of `seq_len` tokens into one row."""
+
+    layers: int
+    seq_len: int
+    sequences: int
+    micro_batches: int
+    seconds: float
+    """Median seconds of the step, the optimizer's share excluded (`OptimizerPoint` times that)."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch."""
+        return self.seq_len * self.sequences
+
+
+@dataclass(frozen=True)
+class OptimizerPoint:
+    """The optimizer step (clipping, fused AdamW, the bf16 weight refresh) of a model holding `param_bytes`."""
+
+    param_bytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """The coefficients of `CostModel`'s T(s), E(n) and O fitted to timed steps (`fit_step_terms`): per layer
+    alpha1, beta1, gamma; per token beta_out (LM head, loss and embedding together); per micro-batch delta;
+    per parameter byte omega; per step the fixed costs of the step's other work and of the optimizer."""
+
+    alpha1: float
+    beta1: float
+    gamma: float
+    beta_out: float
+    delta: float
+    omega: float
+    step_constant: float
+    """Seconds per step outside the micro-batches and the optimizer (the steps' fit)."""
+    optimizer_constant: float
+    """Seconds per optimizer step that do not grow with the parameters (the optimizer's fit)."""
+
+    @property
+    def sigma(self) -> float:
+        """The step's fixed cost, `CostModel.sigma`."""
+        return self.step_constant + self.optimizer_constant
+
+    def step_seconds(self, point: StepPoint) -> float:
+        """What the fit predicts for `point` (its optimizer excluded, as measured)."""
+        n, k, m, layers = point.seq_len, point.sequences, point.micro_batches, point.layers
+        per_micro_batch = layers * (k * (self.alpha1 * n * n + self.beta1 * n) + self.gamma)
+        return m * (per_micro_batch + self.beta_out * k * n + self.delta) + self.step_constant
+
+    def optimizer_seconds(self, param_bytes: float) -> float:
+        """What the fit predicts for an optimizer step over `param_bytes`."""
+        return self.omega * param_bytes + self.optimizer_constant
+
+
+def fit_step_terms(points: Sequence[StepPoint], optimizer: Sequence[OptimizerPoint]) -> StepFit:
+    """Non-negative least squares over steps of models of 1 and 2 (or more) layers: a step of m micro-batches,
+    each k sequences of s tokens, on a model of L layers takes
+    m x (L x (k (alpha1 s^2 + beta1 s) + gamma) + beta_out k s + delta) + sigma_step,
+    so the depths separate the layers' work and launches (alpha1, beta1, gamma) from what runs once per micro-batch
+    (beta_out, delta), and the micro-batch counts the micro-batch from the step. The optimizer's
+    O = omega x P + its fixed cost comes from its own timings at two parameter sizes (or more)."""
+    depths = {p.layers for p in points}
+    counts = {p.micro_batches for p in points}
+    lengths = {p.seq_len for p in points}
+    sizes = {o.param_bytes for o in optimizer}
+    if len(depths) < 2 or len(counts) < 2 or len(lengths) < 3 or len(sizes) < 2:
+        raise ValueError(
+            f"fitting the step needs at least 2 model depths ({sorted(depths)}), 2 micro-batch counts "
+            f"({sorted(counts)}), 3 sequence lengths ({sorted(lengths)}) and optimizer steps at 2 parameter sizes "
+            f"({sorted(sizes)})"
+        )
+    s = np.array([p.seq_len for p in points], np.float64)
+    k = np.array([p.sequences for p in points], np.float64)
+    m = np.array([p.micro_batches for p in points], np.float64)
+    layers = np.array([p.layers for p in points], np.float64)
+    x = np.stack([m * layers * k * s * s, m * layers * k * s, m * layers, m * k * s, m, np.ones_like(s)], 1)
+    alpha1, beta1, gamma, beta_out, delta, step_constant = _nonnegative_lstsq(
+        x, np.array([p.seconds for p in points], np.float64)
+    )
+    size = np.array([o.param_bytes for o in optimizer], np.float64)
+    omega, optimizer_constant = _nonnegative_lstsq(
+        np.stack([size, np.ones_like(size)], 1), np.array([o.seconds for o in optimizer], np.float64)
+    )
+    return StepFit(
+        float(alpha1),
+        float(beta1),
+        float(gamma),
+        float(beta_out),
+        float(delta),
+        float(omega),
+        float(step_constant),
+        float(optimizer_constant),
+    )
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Timed steps of the compiled model at 1 and 2 layers, its optimizer steps, the embedding alone and one
+    layer's saved activations, and the coefficients fitted to them (`fit_step_profile`)."""
+
+    points: tuple[StepPoint, ...]
+    optimizer: tuple[OptimizerPoint, ...]
+    embed_tokens: tuple[int, ...]
+    embed_times: tuple[float, ...]
+    """Median seconds of the embedding's fwd+bwd alone over `embed_tokens` tokens: what of beta_out is not the head."""
+    act_lengths: tuple[int, ...]
+    act_bytes: tuple[int, ...]
+    fit: StepFit
+    beta_embed: float
+    alpha2: float
+    beta2: float
+    device: str
+
+    @property
+    def alpha1(self) -> float:
+        return self.fit.alpha1
+
+    @property
+    def beta1(self) -> float:
+        return self.fit.beta1
+
+    @property
+    def gamma(self) -> float:
+        return self.fit.gamma
+
+    @property
+    def beta_head(self) -> float:
+        """Seconds per token of the LM head and loss: the per-token cost outside the layers less the embedding's."""
+        return max(self.fit.beta_out - self.beta_embed, 0.0)
+
+    def summary(self) -> str:
+        """Each timed step against the fit, then the coefficients."""
+        f = self.fit
+        lines = [
+            f"training steps of the compiled model on {self.device} (optimizer step timed apart)",
+            f"{'layers':>6} {'tokens':>8} {'x seqs':>6} {'x mbs':>5} {'step ms':>10} {'fit ms':>10}",
+        ]
+        lines += [
+            f"{p.layers:>6} {p.seq_len:>8} {p.sequences:>6} {p.micro_batches:>5} {p.seconds * 1e3:>10.3f} "
+            f"{f.step_seconds(p) * 1e3:>10.3f}"
+            for p in self.points
+        ]
+        lines += [
+            f"optimizer over {o.param_bytes / 1e6:.1f} MB of parameters: {o.seconds * 1e3:.3f} ms "
+            f"(fit {f.optimizer_seconds(o.param_bytes) * 1e3:.3f})"
+            for o in self.optimizer
+        ]
+        lines += [
+            f"T(s)   = {f.alpha1:.4g} s^2 + {f.beta1:.4g} s + {f.gamma:.4g}  [s, one layer]",
+            f"E(n)   = ({self.beta_head:.4g} head+loss + {self.beta_embed:.4g} embedding) n + l x gamma + {f.delta:.4g}"
+            "  [s, one micro-batch]",
+            f"O      = {f.omega:.4g} x parameter bytes / shards + {f.sigma:.4g}  [s, one step]",
+            f"Act(s) = {self.alpha2:.4g} s + {self.beta2:.4g}  [bytes, one layer]",
+        ]
+        return "\n".join(lines)
+
+
+def fit_step_profile(
+    points: Sequence[StepPoint],
+    optimizer: Sequence[OptimizerPoint],
+    embed: tuple[Sequence[int], Sequence[float]],
+    act: tuple[Sequence[int], Sequence[int]],
+    device: str,
+) -> StepProfile:
+    """The fits of a step profile: `fit_step_terms`; the embedding's seconds per token, the slope of its timings
+    (`embed`: tokens, seconds); Act(s) from one layer's saved bytes (`act`: lengths, bytes)."""
+    tokens, seconds = (np.asarray(v, np.float64) for v in embed)
+    beta_embed, _ = _nonnegative_lstsq(np.stack([tokens, np.ones_like(tokens)], 1), seconds)
+    lengths, saved = (np.asarray(v, np.float64) for v in act)
+    alpha2, beta2 = _nonnegative_lstsq(np.stack([lengths, np.ones_like(lengths)], 1), saved)
+    return StepProfile(
+        tuple(points),
+        tuple(optimizer),
+        tuple(int(n) for n in embed[0]),
+        tuple(float(x) for x in embed[1]),
+        tuple(int(n) for n in act[0]),
+        tuple(int(b) for b in act[1]),
+        fit_step_terms(points, optimizer),
+        float(beta_embed),
+        float(alpha2),
+        float(beta2),
+        device,
+    )
+
+
 def fit_cost_model(
-    result: ProfileResult,
+    result: ProfileResult | StepProfile,
     layers: int,
     kv_bytes_per_token: int,
     param_bytes: float,
@@ -215,26 +421,35 @@ def fit_cost_model(
     """The profiled coefficients as a CostModel (source "profiled", `device` where they were measured);
     bandwidths and latency come from `hardware`, which the layer profile cannot see. Without one, the
     default links are named after the measured device, not the default's "h100". `heads` and `kv_heads`
-    (the attention's) let the planner cost Ulysses splits."""
+    (the attention's) let the planner cost Ulysses splits. A `StepProfile` also gives the terms outside the
+    layers (LM head, loss, embedding, the micro-batch's and the step's fixed costs, the optimizer); a
+    `ProfileResult` (one eager layer) leaves them 0."""
+    step = result if isinstance(result, StepProfile) else None
     return CostModel(
-        result.alpha1,
-        result.beta1,
-        result.gamma,
-        result.alpha2,
-        result.beta2,
-        layers,
-        kv_bytes_per_token,
-        param_bytes,
-        hardware or Hardware(name=result.device),
+        alpha1=result.alpha1,
+        beta1=result.beta1,
+        gamma=result.gamma,
+        alpha2=result.alpha2,
+        beta2=result.beta2,
+        layers=layers,
+        kv_bytes_per_token=kv_bytes_per_token,
+        param_bytes=param_bytes,
+        hardware=hardware or Hardware(name=result.device),
         source="profiled",
         device=result.device,
         boundary_bytes_per_token=boundary_bytes_per_token,
         heads=heads,
         kv_heads=kv_heads,
+        beta_head=step.beta_head if step is not None else 0.0,
+        beta_embed=step.beta_embed if step is not None else 0.0,
+        delta=step.fit.delta if step is not None else 0.0,
+        omega=step.fit.omega if step is not None else 0.0,
+        sigma=step.fit.sigma if step is not None else 0.0,
     )
 
 
-def _build(spec: ModelSource) -> nn.Module:
+def build_model(spec: ModelSource) -> nn.Module:
+    """The model `spec` names: `module:factory`, or a builder."""
     if callable(spec):
         return spec()
     module_name, sep, factory = spec.partition(":")
@@ -243,7 +458,8 @@ def _build(spec: ModelSource) -> nn.Module:
     return getattr(importlib.import_module(module_name), factory)()
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's ModuleList of layers: `model.layers` or `model.model.layers` (Hugging Face)."""
     for owner in (model, getattr(model, "model", None)):
         layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList):
@@ -295,16 +511,11 @@ def profile_model(
     """
     if ranks_per_device < 1:
         raise ValueError(f"ranks_per_device must be >= 1, got {ranks_per_device}")
-    model = _build(spec)
+    model = build_model(spec)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if ranks_per_device > 1 and device.type != "cpu":
         raise ValueError(f"ranks_per_device applies to CPU profiling (ranks sharing its cores), not {device.type}")
     model.to(device=device, dtype=dtype)
-    cfg: Any = model.config
-    heads = getattr(cfg, "num_attention_heads", None) or cfg.num_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    param = next(model.parameters())
     if ranks_per_device == 1:
         result = _profile_first_layer(model, lengths, device, repeats)
     else:
@@ -315,26 +526,45 @@ def profile_model(
         result = _fit(
             results[0].lengths, times, results[0].act_bytes, f"cpu, {ranks_per_device} processes x {threads} thread(s)"
         )
-    elem = param.element_size()
-    param_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    fit_cost_model(
+    model_cost(model, result, hardware).save(out_path)
+    return result
+
+
+def model_cost(model: nn.Module, result: ProfileResult | StepProfile, hardware: Hardware | None = None) -> CostModel:
+    """`fit_cost_model` of `result` with what `model` itself says: its decoder layers, heads, and K/V, parameter
+    and hidden-state bytes at its own element size."""
+    cfg: Any = model.config
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.num_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    elem = next(model.parameters()).element_size()
+    return fit_cost_model(
         result,
-        len(_decoder_layers(model)),
+        len(decoder_layers(model)),
         2 * kv_heads * head_dim * elem,
-        param_bytes,
+        float(sum(p.numel() * p.element_size() for p in model.parameters())),
         hardware,
         float(cfg.hidden_size * elem),
         heads=int(heads),
         kv_heads=int(kv_heads),
-    ).save(out_path)
-    return result
+    )
+
+
+def layer_act_bytes(model: nn.Module, lengths: Sequence[int]) -> list[int]:
+    """Bytes autograd saves in one forward of `model`'s first decoder layer (eager, where its parameters are) at
+    each length: Act(s)'s measurements."""
+    param = next(model.parameters())
+    hidden = cast(Any, model).config.hidden_size
+    make_inputs = _input_maker(model, hidden, param.device, param.dtype)
+    layer = decoder_layers(model)[0]
+    return [_saved_bytes(layer, make_inputs(int(s))) for s in lengths]
 
 
 def _profile_first_layer(model: nn.Module, lengths: Sequence[int], device: torch.device, repeats: int) -> ProfileResult:
     param = next(model.parameters())
     config: Any = model.config
     return profile_layer(
-        _decoder_layers(model)[0],
+        decoder_layers(model)[0],
         config.hidden_size,
         lengths,
         device,
@@ -348,5 +578,5 @@ def _profile_worker(
 ) -> ProfileResult:
     """One of `ranks_per_device` concurrent CPU profiles."""
     torch.set_num_threads(threads)
-    model = _build(spec).to(dtype=dtype)
+    model = build_model(spec).to(dtype=dtype)
     return _profile_first_layer(model, lengths, torch.device("cpu"), repeats)

@@ -10,7 +10,12 @@ bandwidths until it settles (`CONTENTION_ROUNDS` at most). With pp_size > 1 each
 of pp stages: its micro-batches occupy it for time/pp each, and it ends with the fill and drain of its
 1F1B run stage by stage (`sim/pipeline.py`), each stage-to-stage send charged on the link between the
 two stages (`pipeline_sends`; `sends=False` leaves them out). The step ends with one gradient all-reduce
-over all ranks.
+over all ranks, then the optimizer step (`CostModel.optimizer_time`, each device stepping its shard).
+
+Every micro-batch costs its sequences' work (`CostModel.seq_time`, the planner's `est_time`) plus, once on each
+of its ranks, `CostModel.micro_batch_overhead`: every layer's launches and the micro-batch's fixed cost, however
+many sequences it packs. So one rank running one micro-batch takes `CostModel.micro_batch_time` of its
+sequences, then the all-reduce (several ranks) and `optimizer_time`.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ __all__ = [
     "pipeline_bubbles",
     "busy_times",
     "lower_bound",
+    "optimizer_shards",
     "p2p_bytes",
     "ulysses_bytes",
     "throughput",
@@ -133,7 +139,8 @@ def _settle_links(plan: Plan, cost_model: CostModel) -> tuple[dict[int, float], 
     """Every micro-batch's duration and start, link bandwidths shared among overlapping rings."""
     topology = cost_model.hardware.topology
     if topology is None:
-        duration = {m.id: m.est_time for m in plan.micro_batches}
+        overhead = cost_model.micro_batch_overhead
+        duration = {m.id: m.est_time + overhead for m in plan.micro_batches}
         return duration, _starts(plan, duration)
     flows = {m.id: _ring_flows(topology, m) for m in plan.micro_batches if m.shared}
     flows = {i: f for i, f in flows.items() if f}  # a split all Ulysses (r = 1) has no ring
@@ -160,21 +167,24 @@ def _ring_flows(topology: Topology, m: MicroBatch) -> Counter[Link]:
 
 
 def _durations(plan: Plan, cost_model: CostModel, bandwidth: dict[int, float]) -> dict[int, float]:
-    """Seconds of each micro-batch; a shared one's ring at its own bandwidth (bytes/s per rank), a u × r split
-    by `split_time` (its all-to-alls at their links' bandwidth, uncontended)."""
+    """Seconds of each micro-batch, `CostModel.micro_batch_overhead` included; a shared one's ring at its own
+    bandwidth (bytes/s per rank), a u × r split by `split_time` (its all-to-alls at their links' bandwidth,
+    uncontended)."""
     lens = np.asarray(plan.sequences)
     seq_time = cost_model.seq_time(lens)
+    overhead = cost_model.micro_batch_overhead
     out = {}
     for m in plan.micro_batches:
         if not m.shared:
-            out[m.id] = m.est_time
+            out[m.id] = m.est_time + overhead
         elif m.ulysses > 1:
             ids = list(m.sequences)
             ring_bw = bandwidth.get(m.id, math.inf)
             work = float(seq_time[ids].sum())
-            out[m.id] = split_time(cost_model, lens[ids], m.ranks, m.offload_ratio, m.ulysses, work, ring_bw)
+            seconds = split_time(cost_model, lens[ids], m.ranks, m.offload_ratio, m.ulysses, work, ring_bw)
+            out[m.id] = seconds + overhead
         else:
-            out[m.id] = _shared_time(m, cost_model, seq_time, lens, bandwidth[m.id])
+            out[m.id] = _shared_time(m, cost_model, seq_time, lens, bandwidth[m.id]) + overhead
     return out
 
 
@@ -311,25 +321,37 @@ def _pipeline_runs(plan: Plan, cost_model: CostModel, duration: dict[int, float]
     return runs
 
 
+def optimizer_shards(plan: Plan, cost_model: CostModel) -> int:
+    """Devices the optimizer state is sharded over: every HDP rank's pipeline stages and TP devices, as the
+    distributed optimizer (bf16) and ZeRO-1 shard it. An fp32 AdamW without ZeRO steps its stage's whole copy on
+    every HDP rank, so its step is predicted hdp times too short."""
+    return plan.world_size * plan.pp_size * cost_model.hardware.tp_size
+
+
+def _sync_time(plan: Plan, cost_model: CostModel) -> float:
+    """The gradient all-reduce over all ranks (none on one)."""
+    return cost_model.allreduce_time() if plan.world_size > 1 else 0.0
+
+
 def _step_end(
     plan: Plan, cost_model: CostModel, duration: dict[int, float], clock: list[float], runs: list[PipelineRun]
 ) -> float:
     """With pp > 1 each rank's pipeline adds its 1F1B fill and drain (`runs`, `_pipeline_runs`); then the
-    gradient all-reduce over all ranks."""
+    gradient all-reduce over all ranks and the optimizer step."""
     if runs:
         # each pipeline's 1F1B run adds its fill and drain to its micro-batches' time / pp
         clock = [
             c + run.makespan - sum(duration[i] for i in ids) / plan.pp_size
             for c, run, ids in zip(clock, runs, plan.schedule)
         ]
-    sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
-    return max(clock, default=0.0) + sync
+    optimizer = cost_model.optimizer_time(optimizer_shards(plan, cost_model))
+    return max(clock, default=0.0) + _sync_time(plan, cost_model) + optimizer
 
 
 def _timeline(
     plan: Plan, cost_model: CostModel, duration: dict[int, float], start: dict[int, float], sends: bool
 ) -> Timeline:
-    """The spans of every micro-batch on every rank, then the all-reduce."""
+    """The spans of every micro-batch on every rank, then the all-reduce and the optimizer step."""
     spans: list[Span] = []
     for m in plan.micro_batches:
         end = start[m.id] + duration[m.id] / plan.pp_size
@@ -337,8 +359,12 @@ def _timeline(
         spans.extend(Span(r, start[m.id], end, m.id, kind, m.tokens_per_rank, len(m.ranks)) for r in m.ranks)
     runs = _pipeline_runs(plan, cost_model, duration, sends)
     end = _step_end(plan, cost_model, duration, _rank_ends(plan, duration, start), runs)
-    sync = cost_model.allreduce_time() if plan.world_size > 1 else 0.0
-    spans.extend(Span(r, end - sync, end, -1, "allreduce") for r in range(plan.world_size))
+    optimizer = cost_model.optimizer_time(optimizer_shards(plan, cost_model))
+    sync_end = end - optimizer
+    sync = _sync_time(plan, cost_model)
+    spans.extend(Span(r, sync_end - sync, sync_end, -1, "allreduce") for r in range(plan.world_size))
+    if optimizer:
+        spans.extend(Span(r, sync_end, end, -1, "optimizer") for r in range(plan.world_size))
     return Timeline(plan.strategy, plan.world_size, spans, [run.bubble_rate for run in runs] if runs else None)
 
 
@@ -375,8 +401,9 @@ def lower_bound(lens: np.ndarray, world_size: int, capacity: int, cost_model: Co
     """No plan is faster than max(total work / ranks, heaviest sequence's share).
 
     The share is the least time the heaviest sequences can take on any group size from D(s) up: its
-    compute split d ways, but no less than the ring's P2P at that d (which grows with d). Plus the
-    gradient all-reduce, which every plan pays after its last micro-batch.
+    compute split d ways, but no less than the ring's P2P at that d (which grows with d). Plus one
+    micro-batch's fixed cost (a rank with work runs at least one), the gradient all-reduce and the optimizer
+    step, which every plan pays after its last micro-batch (unpipelined: pp 1, TP as the hardware's).
     """
     if lens.size == 0:
         return 0.0
@@ -385,7 +412,8 @@ def lower_bound(lens: np.ndarray, world_size: int, capacity: int, cost_model: Co
     min_ranks, _ = cost_model.ranks_and_ratio(lens[heaviest], capacity)
     share = float(fastest_time(cost_model, lens[heaviest], work[heaviest], world_size, min_ranks).max())
     sync = cost_model.allreduce_time() if world_size > 1 else 0.0
-    return max(float(work.sum()) / world_size, share) + sync
+    optimizer = cost_model.optimizer_time(world_size * cost_model.hardware.tp_size)
+    return max(float(work.sum()) / world_size, share) + cost_model.micro_batch_overhead + sync + optimizer
 
 
 DIRECT_EXCHANGE_SHARE = 0.75

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 K = 1024
 M = 1024 * K
 
-KIND_COLOURS = {"packed": "tab:orange", "allreduce": "0.45", "idle": "0.92"}
+KIND_COLOURS = {"packed": "tab:orange", "allreduce": "0.45", "optimizer": "0.7", "idle": "0.92"}
 SHARED_CMAP = "viridis"
 STEP_COLOUR = "tab:red"
 
@@ -36,7 +36,7 @@ class Span:
     start: float
     end: float
     micro_batch: int
-    kind: str  # "packed" (1 rank), "shared" (ring over several ranks), "idle", "allreduce"
+    kind: str  # "packed" (1 rank), "shared" (ring over several ranks), "idle", "allreduce", "optimizer"
     tokens: int = 0
     group_size: int = 1
 

@@ -8,6 +8,10 @@ naive, static and auto from the same weights on the same batches, compares them,
 projection of the same model and data at 512 ranks. Without torchrun it runs as one process. gloo on CPU,
 NCCL on GPU.
 
+Unless PYTORCH_ALLOC_CONF (or the older PYTORCH_CUDA_ALLOC_CONF) is set, the trainer sets
+PYTORCH_ALLOC_CONF=expandable_segments:True before torch touches CUDA (ranks it starts inherit it), so
+micro-batches of different sizes do not strand each other's cached blocks (docs/memory.md).
+
 Everything that can be known before step 1 is checked first, on every rank alike: a bad setting prints one
 `error: ...` line (from rank 0) and exits 2. SIGTERM or Ctrl-C stops after the current step with a
 checkpoint (exit 0 for SIGTERM, 130 for Ctrl-C); in one process, a second Ctrl-C stops at once. A checkpoint that
@@ -18,10 +22,11 @@ line naming the rank, the step and the cause, and exits 3.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, cast
 
@@ -43,6 +48,11 @@ _CHOICES = {
     "loader": LOADERS,
 }
 USAGE_EXIT = 2
+ALLOC_CONF = "PYTORCH_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+"""The allocator setting the trainer runs with unless the user set one (`ALLOC_CONF` or its older name)."""
+
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +132,18 @@ def _error(message: str, rank0_only: bool = True) -> None:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
 
 
+def allocator_defaults(environ: MutableMapping[str, str]) -> str | None:
+    """Set `ALLOC_CONF` to `EXPANDABLE_SEGMENTS` in `environ` unless it or PYTORCH_CUDA_ALLOC_CONF is set; return
+    what was set (None: the user's setting stands). Call it before torch initialises CUDA, which reads it once."""
+    if any(environ.get(name) for name in (ALLOC_CONF, "PYTORCH_CUDA_ALLOC_CONF")):
+        return None
+    environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
+    logger.info("set %s=%s (the user set no allocator settings)", ALLOC_CONF, EXPANDABLE_SEGMENTS)
+    return EXPANDABLE_SEGMENTS
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    allocator_defaults(os.environ)  # before anything imports torch; ranks started below inherit it
     argv = list(sys.argv[1:] if argv is None else argv)
     args = vars(build_parser().parse_args(argv))
     if (nproc := args.pop("nproc_per_node")) is not None:

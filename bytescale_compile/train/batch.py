@@ -8,14 +8,21 @@ read one token past every chunk, so a label that lives on another rank's chunk i
 batch, so every rank's summed loss is already token-level (paper §4.1, Eq. 2 = Eq. 1).
 
 Also here, shared by the HDP `Runtime` and the pipeline executor: what a global batch must offer
-(`BatchLike`, `ListBatch`), what one rank's micro-batches of a step did (`RankWork`), and the errors of the
-model protocol and of a bad batch. Every token a micro-batch reads is checked against the vocabulary while it is
-still on the host (`ids_checked`): an id past the embedding names its dataset and sequence instead of failing as an
-`IndexError` inside the compiled forward.
+(`BatchLike`, `ListBatch`), what one rank's micro-batches of a step did (`RankWork`, timed by a `Stopwatch`), and
+the errors of the model protocol and of a bad batch. Every token a micro-batch reads is checked against the
+vocabulary while it is still on the host (`ids_checked`): an id past the embedding names its dataset and sequence
+instead of failing as an `IndexError` inside the compiled forward.
+
+Nothing between a step's micro-batches waits for the device: every micro-batch's inputs are built on the host and
+copied at the start of the step (`device_inputs`: pinned and non-blocking on CUDA, where a pageable copy
+synchronizes), the loss is summed on the device, and busy time comes from CUDA events read once the step's work is
+done.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +31,7 @@ import numpy as np
 import torch
 
 from ..data import GlobalBatch, MixedDataset
+from ..kernels.transfer import to_device
 from ..planner.plan import MicroBatch
 from ..runtime.context import MicroBatchContext
 from ..runtime.layout import UlyssesLayout, zigzag_layout
@@ -35,8 +43,10 @@ __all__ = [
     "MicroBatchInputs",
     "ModelProtocolError",
     "RankWork",
+    "Stopwatch",
     "TokenReader",
     "build_micro_batch",
+    "device_inputs",
     "ids_checked",
     "num_targets",
 ]
@@ -63,13 +73,69 @@ class BatchLike(Protocol):
     def tokens(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor: ...
 
 
+class Stopwatch:
+    """Seconds of a rank's device work between marks, and its busy spans: CUDA events on the current stream on CUDA,
+    `perf_counter` elsewhere (where the host's time is the device's).
+
+    Recording an event waits for nothing; its time is read only once the device has passed it (`wait`, or any
+    later host read of the stream's work), so timing adds no host sync between micro-batches."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._marks: list[float | torch.cuda.Event] = []
+        self._spans: list[tuple[int, int]] = []
+        self._open: int | None = None
+
+    def mark(self) -> int:
+        """Note this point of the device's work; its index for `seconds`."""
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+        return len(self._marks) - 1
+
+    def start(self) -> None:
+        """Open a busy span (`stop` closes it)."""
+        if self._open is not None:
+            raise RuntimeError("Stopwatch.start() called twice without stop(): busy spans do not nest")
+        self._open = self.mark()
+
+    def stop(self) -> None:
+        if self._open is None:
+            raise RuntimeError("Stopwatch.stop() called without start()")
+        self._spans.append((self._open, self.mark()))
+        self._open = None
+
+    def wait(self) -> None:
+        """Block the host until the device has done all the work queued so far (on CUDA; elsewhere it has)."""
+        if self._cuda:
+            self._marks[self.mark()].synchronize()  # type: ignore[union-attr]
+
+    def seconds(self, start: int, end: int) -> float:
+        """Seconds from mark `start` to mark `end`; on CUDA only once the device has passed `end`."""
+        first, last = self._marks[start], self._marks[end]
+        if isinstance(first, torch.cuda.Event) and isinstance(last, torch.cuda.Event):
+            return first.elapsed_time(last) / 1000.0
+        return float(last) - float(first)  # type: ignore[arg-type]
+
+    @property
+    def busy(self) -> float:
+        """Seconds in the closed busy spans."""
+        return sum(self.seconds(start, end) for start, end in self._spans)
+
+
 @dataclass(frozen=True)
 class RankWork:
-    """What one rank's micro-batches of a step did (`Runtime.forward_backward`), before any reduction."""
+    """What one rank's micro-batches of a step did (`Runtime.forward_backward`), before any reduction; read on the
+    host only when the step's figures are gathered."""
 
-    loss: float
-    busy: float
-    """Seconds in its micro-batches."""
+    loss: torch.Tensor
+    """This rank's summed loss: a 0-dim tensor on the device, not yet read."""
+    busy: Stopwatch
+    """Its busy spans: seconds in its micro-batches (`Stopwatch.busy`), readable once the device has done them."""
     micro_batches: int
     p2p_bytes: int
     offloaded_bytes: int
@@ -164,17 +230,32 @@ class MicroBatchInputs:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def model_kwargs(self, device: torch.device | None = None, labels: bool = False) -> dict[str, torch.Tensor]:
-        """The model protocol's kwargs on `device`; `labels` adds `labels` = `shift_labels` (what a Hugging Face
-        forward reads its targets from)."""
+    def to(self, device: torch.device) -> MicroBatchInputs:
+        """These inputs on `device` (`to_device`); the context's tables stay on the host, where the ops read them."""
+        return dataclasses.replace(
+            self,
+            input_ids=to_device(self.input_ids, device),
+            position_ids=to_device(self.position_ids, device),
+            shift_labels=to_device(self.shift_labels, device),
+            num_items_in_batch=to_device(self.num_items_in_batch, device),
+        )
+
+    def model_kwargs(self, labels: bool = False) -> dict[str, torch.Tensor]:
+        """The model protocol's kwargs; `labels` adds `labels` = `shift_labels` (what a Hugging Face forward reads
+        its targets from)."""
         kwargs = {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "shift_labels": self.shift_labels,
             "num_items_in_batch": self.num_items_in_batch,
         }
-        kwargs = {name: t.to(device) for name, t in kwargs.items()} if device is not None else kwargs
         return {**kwargs, "labels": kwargs["shift_labels"]} if labels else kwargs
+
+
+def device_inputs(inputs: list[MicroBatchInputs], device: torch.device) -> list[MicroBatchInputs]:
+    """Every micro-batch's host-built `inputs` on `device`, their copies issued together at the start of a step so
+    that none waits for the device between micro-batches."""
+    return [i.to(device) for i in inputs]
 
 
 def num_targets(lengths: np.ndarray) -> int:

@@ -6,8 +6,10 @@ load of that moment, and gloo's P2P on a CPU is no 25 GB/s link: predictions mis
 35-60% either way (issue 15). Here every rank of the job, at once, runs the model it will train on
 sequences of a few lengths, through `Runtime.forward_backward`, then exchanges a ring step of bytes with
 its neighbours and all-reduces a gradient's worth; T(s) is refitted so that `layers x T(s)` is the whole
-model's time, and the bandwidths and latency become the measured ones. Act(s) and everything else keep
-the given cost model's values. Nothing is trained: gradients are zeroed after, and no optimizer step runs.
+model's time (the embedding, LM head and loss, and the micro-batch's fixed cost folded into it: their own terms
+become 0), and the bandwidths and latency become the measured ones. Act(s), the optimizer step and everything
+else keep the given cost model's values. Nothing is trained: gradients are zeroed after, and no optimizer step
+runs.
 """
 
 from __future__ import annotations
@@ -72,12 +74,16 @@ class Calibration:
             + (f", {model.hardware.compute_slots:g} ranks' worth of cores" if busy > 1 else "")
         ]
         rows += [
-            f"  {s:>7} tokens {t * 1e3:>9.1f} ms (fit {float(model.seq_time(s)) * busy * 1e3:.1f})"
+            f"  {s:>7} tokens {t * 1e3:>9.1f} ms (fit {model.micro_batch_time([s]) * busy * 1e3:.1f})"
             for s, t in zip(self.lengths, self.times)
         ]
         if self.shared_seconds is not None:
             held = local_tokens([self.shared_length], world)
-            fit = float(model.seq_time(self.shared_length)) / world + float(model.ring_compute_time(held, world))
+            fit = (
+                float(model.seq_time(self.shared_length)) / world
+                + float(model.ring_compute_time(held, world))
+                + model.micro_batch_overhead
+            )
             rows.append(
                 f"  {self.shared_length:>7} tokens split over all ranks {self.shared_seconds * 1e3:>9.1f} ms "
                 f"(fit {fit * busy * 1e3:.1f}: ring overhead {model.ring_overhead * 1e9:.0f} ns per token, "
@@ -172,7 +178,7 @@ def _with_ring_overhead(model: CostModel, length: int, seconds: float, world: in
     `seconds`: what the ring costs beyond the split compute, per token held, layer and ring step (none if it
     costs nothing: the ring's bytes then hide under the compute, as the simulator assumes)."""
     held = local_tokens([length], world)
-    extra = seconds - float(model.seq_time(length)) / world
+    extra = seconds - float(model.seq_time(length)) / world - model.micro_batch_overhead
     overhead = max(extra, 0.0) / (max(model.ring_layers, 1) * (world - 1) * held)
     return dataclasses.replace(model, ring_overhead=overhead)
 
@@ -233,8 +239,9 @@ def _refit(
     world: int,
     slots: float | None,
 ) -> CostModel:
-    """`base` with T(s) = whole-model time / layers, and (with several ranks) the measured ring bandwidth and
-    latency, which `allreduce_time` uses too (it comes out about half the measured all-reduce on gloo)."""
+    """`base` with T(s) = whole-model time / layers (beta_head, beta_embed and delta 0: the measurement holds
+    them), and (with several ranks) the measured ring bandwidth and latency, which `allreduce_time` uses too (it
+    comes out about half the measured all-reduce on gloo)."""
     # the measured model recomputes its forward when `base.recompute`, which T(s) charges again itself
     per_layer = base.layers * (RECOMPUTE_TIME if base.recompute else 1.0)
     alpha1, beta1, gamma = (c / per_layer for c in fit_time(lengths, times))
@@ -254,6 +261,9 @@ def _refit(
         alpha1=alpha1,
         beta1=beta1,
         gamma=gamma,
+        beta_head=0.0,
+        beta_embed=0.0,
+        delta=0.0,
         hardware=hardware,
         source=f"{base.source}, calibrated",
         device=base.device or "calibrated in the job",

@@ -88,6 +88,7 @@ from .checkpoint_files import (
 )
 from .dist_optim import DistributedOptimizer
 from .mesh import tp_size_of
+from .optim import keeping_implementation
 from .stages import full_model_name, stage_spec
 
 __all__ = [
@@ -272,7 +273,7 @@ class _AppState(Stateful):
             self.sharded.load_state_dict({"optim": optim_state})
             return
         assert isinstance(self.local, torch.optim.Optimizer)
-        with _named_groups_only(self.local):
+        with _named_groups_only(self.local), keeping_implementation(self.local):
             set_state_dict(
                 self.model, self.local, model_state_dict=model_state, optim_state_dict=optim_state, options=_OPTIONS
             )

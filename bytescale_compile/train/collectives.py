@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..kernels.transfer import to_device
 from ..planner.memory import BUCKET_BYTES
 
 __all__ = [
@@ -74,26 +75,31 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def grad_square_sum(params: list[nn.Parameter], count_replicated: bool = True) -> float:
-    """Σ g² over this rank's gradients; a gradient replicated over its TP group (a plain one or a Replicate
-    DTensor) only when `count_replicated`, so that summing over the group counts it once."""
-    total = 0.0
-    for p in params:
-        if p.grad is None:
-            continue
-        sharded = isinstance(p.grad, DTensor) and not all(isinstance(pl, Replicate) for pl in p.grad.placements)
-        if sharded or count_replicated:
-            total += float(local(p.grad).double().pow(2).sum())
-    return total
+def grad_square_sum(params: list[nn.Parameter], count_replicated: bool = True) -> torch.Tensor:
+    """Σ g² over this rank's gradients as a 0-dim fp32 tensor on their device (nothing waits for the host); a
+    gradient replicated over its TP group (a plain one or a Replicate DTensor) only when `count_replicated`, so
+    that summing over the group counts it once. One fp32 `_foreach_norm` over them: no fp64 copies."""
+    grads = [local(p.grad) for p in params if p.grad is not None and (count_replicated or _sharded(p.grad))]
+    if not grads:
+        device = local(params[0]).device if params else torch.device("cpu")
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([g.float() for g in grads])
+    return torch.linalg.vector_norm(torch.stack(norms)).square()
 
 
-def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
+def _sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and not all(isinstance(pl, Replicate) for pl in t.placements)
+
+
+def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
     """Scale the gradients by min(1, max_norm / (norm + 1e-6)): `torch.nn.utils.clip_grads_with_norm_`'s
-    factor, applied to local shards."""
+    factor, applied to local shards, on the device. A non-finite `norm` leaves them as they are (that step is
+    skipped)."""
     grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:
-        coef = max_norm / (torch.tensor(norm, device=grads[0].device) + 1e-6)  # in torch's dtype and order
-        torch._foreach_mul_(grads, torch.clamp(coef, max=1.0))
+        coef = max_norm / (norm.to(grads[0].device) + 1e-6)  # in torch's dtype and order
+        coef = torch.where(torch.isfinite(coef), torch.clamp(coef, max=1.0), torch.ones_like(coef))
+        torch._foreach_mul_(grads, coef)
 
 
 def _all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> int:
@@ -107,13 +113,31 @@ def _all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> 
     return flat.numel() * flat.element_size()
 
 
-def gather(values: list[float], rank: int, world_size: int, device: torch.device) -> np.ndarray:
-    """Every rank's `values` as a [world_size, len(values)] array (one small all-reduce)."""
+def gather(values: Sequence[float | torch.Tensor], rank: int, world_size: int, device: torch.device) -> np.ndarray:
+    """Every rank's `values` as a [world_size, len(values)] float64 array: one all-reduce of one tensor and one host
+    read. A value may be a 0-dim tensor on the device (a step's loss, its gradient norm), read only here with the
+    rest; the host numbers go over in one pinned, non-blocking copy, so the read is the only wait."""
     table = torch.zeros(world_size, len(values), dtype=torch.float64, device=device)
-    table[rank] = torch.tensor(values, dtype=torch.float64)
+    table[rank] = _row(values, device)
     if world_size > 1:
         dist.all_reduce(table)
     return table.cpu().numpy()
+
+
+def _row(values: Sequence[float | torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`values` as one float64 row on `device`: host numbers (host tensors too) copied together, device tensors
+    placed without leaving the device."""
+    on_device = [isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in values]
+    host = [0.0 if there else float(v) for v, there in zip(values, on_device)]
+    row = to_device(torch.tensor(host, dtype=torch.float64), device)
+    if not any(on_device):
+        return row
+    return torch.stack(
+        [
+            cast(torch.Tensor, v).detach().reshape(()).to(device, torch.float64) if there else row[i]
+            for i, (v, there) in enumerate(zip(values, on_device))
+        ]
+    )
 
 
 def check_replica_gradients(

@@ -5,8 +5,12 @@ What one rank holds per parameter, with N ranks sharing the parameters (the HDP 
 8 bytes of Adam moments: 6 + 12/N in all, against 16 (or 8 + 8/N with ZeRO-1) when fp32 weights are their own
 master. Weights and gradients share one layout of buckets (`grad_buffer.bucket_layout`); rank i owns the i-th
 slice of every bucket, and its main weights are the fragments of parameters that fall in its slices. Torch's
-own AdamW updates those fragments (weight decay by the group of the parameter a fragment comes from), the
-fragments are rounded into the rank's slice of the bf16 weights, and each bucket of weights is all-gathered.
+fused AdamW updates those fragments (weight decay by the group of the parameter a fragment comes from; step
+counters on the device, as the kernel needs), the fragments are rounded into the rank's slice of the bf16 weights,
+and each bucket of weights is all-gathered.
+
+Nothing in a step waits for the host: the gradient norm is one fp32 norm over the rank's slices and one all-reduce,
+and the clipping and the skip on a non-finite norm or loss reach the fused kernel as device tensors (`StepGuard`).
 
 Checkpoints hold the fp32 main weights under the parameters' names and global shapes, and the moments under the
 names torch's flattened optimizer state dict uses (`state.<param>.exp_avg`), as `ShardedTensor`s whose local
@@ -37,13 +41,17 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as TPShard
 
 from .collectives import BUCKET_BYTES, local
-from .grad_buffer import GradBuffer, all_gather_single, bucket_layout
+from .grad_buffer import Bucket, GradBuffer, all_gather_single, bucket_layout
 from .mesh import replica_group
-from .optim import param_groups
+from .optim import IMPLEMENTATION_FLAGS, StepGuard, fused_supported, guarded_step, param_groups
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError", "restore_fp32_"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+_NOT_LOADED = ("params", *IMPLEMENTATION_FLAGS)
+"""Group keys a checkpoint does not set: the parameters, and the implementation (a checkpoint of the foreach
+AdamW must not turn the fused one back)."""
 
 warnings.filterwarnings(
     "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
@@ -74,7 +82,8 @@ class DistributedOptimizer:
     defaults to the ranks holding the same parameters (`mesh.replica_group`: all, or the HDP ranks of this TP
     index); a pipeline stage without tensor parallelism passes its `stage_group`.
     Each step: `start(micro_batches)` before the backward passes, `finish()` after them (the gradients then
-    summed over the group, each rank holding its slice), `grad_norm()`, `clip_(coef)`, `step()`.
+    summed over the group, each rank holding its slice), `grad_norm()`, then `step(guard)` with the `StepGuard`
+    of that norm (clipping and the skip, on the device).
     """
 
     def __init__(
@@ -150,16 +159,31 @@ class DistributedOptimizer:
                 "weight_decay": 0.0,
             },
         ]
-        self.inner = torch.optim.AdamW(groups_of_fragments, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.inner = torch.optim.AdamW(
+            groups_of_fragments,
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            fused=fused_supported([self.main]),
+        )
         for view, fragment in zip(self._main_views, self.fragments):
             lo, hi = self._buffer_range(fragment)
             view.grad = self.grads.data[lo:hi]
             self.inner.state[view] = {
-                "step": torch.tensor(0.0),
+                "step": self._step_tensor(0.0),
                 **{m: self._view(self.moments[m], fragment) for m in _MOMENTS},
             }
         self.param_groups = self.inner.param_groups
         """AdamW's groups of fragments: what a schedule sets `lr` on."""
+        self._norm_runs = [
+            self.grads.data[lo:hi]
+            for lo, hi in _merged([self._buffer_range(f) for f in self.fragments if self._tp.counted(f.param)])
+        ]
+        """This rank's slices of the summed gradient whose squares enter the norm, contiguous runs merged."""
+        self._weight_runs = _weight_runs(
+            self.weights, self.main, self.buckets, self._shard_starts, self.rank, self.size
+        )
+        """(bf16 destination, fp32 source) of the weight refresh, one pair per contiguous run."""
 
     def _fragment(self, i: int, rank: int) -> _Fragment | None:
         """Group rank `rank`'s part of parameter `i`: where the param meets that rank's slice of its bucket."""
@@ -196,35 +220,44 @@ class DistributedOptimizer:
         """The share of this step's buckets reduce-scattered while the backward still ran."""
         return self.grads.launched_in_backward / len(self.buckets)
 
-    def grad_norm(self) -> float:
-        """The 2-norm of the whole model's summed gradient: every rank's slices, over every rank (with
-        pipelines, each stage's ranks hold disjoint slices of disjoint parameters; with tensor parallelism each TP
-        index its shards, and a replicated parameter is counted at TP index 0 only)."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.main.device)
-        for view, fragment in zip(self._main_views, self.fragments):
-            if self._tp.counted(fragment.param):
-                squares += cast(torch.Tensor, view.grad).double().pow(2).sum()
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's summed gradient, a 0-dim fp32 tensor on the device: every rank's slices,
+        over every rank (with pipelines, each stage's ranks hold disjoint slices of disjoint parameters; with tensor
+        parallelism each TP index its shards, and a replicated parameter is counted at TP index 0 only). One fp32
+        norm over this rank's runs of slices (a bucket's padding is zero), one all-reduce of its square."""
+        runs = self._norm_runs
+        if not runs:
+            squares = torch.zeros((), dtype=torch.float32, device=self.main.device)
+        elif len(runs) == 1:
+            squares = torch.linalg.vector_norm(runs[0]).square()
+        else:
+            squares = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(runs))).square()
         if dist.is_initialized():
             dist.all_reduce(squares)
-        return math.sqrt(float(squares))
-
-    def clip_(self, max_norm: float, total_norm: float) -> None:
-        """Scale the gradients as `clip_grads_with_norm_` would, on this rank's slices."""
-        torch.nn.utils.clip_grads_with_norm_(
-            self._main_views, max_norm, torch.tensor(total_norm, device=self.main.device)
-        )
+        return squares.sqrt()
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on this rank's fp32 fragments, then every rank's bf16 weights all-gathered."""
-        self.inner.step()
+    def step(self, guard: StepGuard | None = None) -> None:
+        """AdamW on this rank's fp32 fragments, clipped and skipped as `guard` says (None: neither), then every
+        rank's bf16 weights all-gathered (unchanged ones after a skip: every rank issues the same collectives)."""
+        if guard is None:
+            self.inner.step()
+        else:
+            guarded_step(self.inner, guard, cast(list[nn.Parameter], self._main_views))
         self._gather_weights()
 
     def _gather_weights(self) -> None:
-        for bucket, shard in zip(self.buckets, self._shard_starts):
-            lo, hi = bucket.shard(self.rank, self.size)
-            self.weights[lo:hi].copy_(self.main[shard : shard + hi - lo])
-            if self.size > 1:
+        """Round the main weights into this rank's slices of the bf16 weights (one copy per contiguous run), then
+        all-gather each bucket."""
+        destinations, sources = self._weight_runs
+        if len(destinations) == 1:
+            destinations[0].copy_(sources[0])
+        else:
+            torch._foreach_copy_(destinations, sources)
+        if self.size > 1:
+            for bucket in self.buckets:
+                lo, hi = bucket.shard(self.rank, self.size)
                 all_gather_single(self.weights[bucket.start : bucket.end], self.weights[lo:hi], group=self.group)
 
     def remove_hooks(self) -> None:
@@ -236,7 +269,8 @@ class DistributedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The main weights under the parameters' names, and the optimizer state under torch's flattened names
         (`state.<param>.<exp_avg|exp_avg_sq|step>`, `param_groups.<param>.<hyperparameter>`), tensors as
-        ShardedTensors of this rank's pieces."""
+        ShardedTensors of this rank's pieces; the step count a 0-dim fp32 CPU tensor, as checkpoints have always
+        held it."""
         model = {name: self._sharded(self.main, i) for i, name in enumerate(self.names)}
         step = self._step_count()
         optim: dict[str, Any] = {}
@@ -251,24 +285,31 @@ class DistributedOptimizer:
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """After DCP has read into `state_dict()`'s tensors (this rank's pieces, in place): the step counts and
-        hyperparameters taken over, and the bf16 weights rebuilt from the main weights."""
+        """After DCP has read into `state_dict()`'s tensors (this rank's pieces, in place): the step counts (on the
+        CPU or any device) taken over onto the main weights' device, the hyperparameters, and the bf16 weights
+        rebuilt from the main weights."""
         optim = state["optim"]
         for i, name in enumerate(self.names):
             group = self._group_of(i)
             for key in group:
-                if key != "params" and f"param_groups.{name}.{key}" in optim:
+                if key not in _NOT_LOADED and f"param_groups.{name}.{key}" in optim:
                     group[key] = optim[f"param_groups.{name}.{key}"]
-        steps = {float(optim[f"state.{name}.step"]) for name in self.names}
+        step = max(float(optim[f"state.{name}.step"]) for name in self.names)
         for view in self._main_views:
-            self.inner.state[view]["step"] = torch.tensor(max(steps))
+            self.inner.state[view]["step"] = self._step_tensor(step)  # one per fragment: the kernel adds to each
         with torch.no_grad():
             self._gather_weights()
 
+    def _step_tensor(self, value: float) -> torch.Tensor:
+        """A fragment's step counter: fp32 beside the main weights, where the fused kernel reads it."""
+        return torch.full((), value, dtype=torch.float32, device=self.main.device)
+
     def _step_count(self) -> torch.Tensor:
-        """Adam's step count (the same for every fragment; 0 before the first step)."""
-        counts = [float(self.inner.state[v]["step"]) for v in self._main_views]
-        return torch.tensor(max(counts, default=0.0))
+        """Adam's step count on the CPU (the same for every fragment; 0 before the first step): one device read."""
+        counts = [self.inner.state[v]["step"] for v in self._main_views]
+        if not counts:
+            return torch.tensor(0.0)
+        return torch.stack(counts).max().cpu()
 
     def _group_of(self, i: int) -> dict[str, Any]:
         """AdamW's group of parameter `i`'s fragments: decayed (matrices, embeddings) or not."""
@@ -401,6 +442,32 @@ def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> Iterator[tuple[tuple[int
     if head_end < tail_start:
         yield from _boxes(shape, head_end, tail_start)
     yield from _boxes(shape, tail_start, hi)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` [lo, hi) sorted, those that touch joined."""
+    runs: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if runs and runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], hi)
+        else:
+            runs.append((lo, hi))
+    return runs
+
+
+def _weight_runs(
+    weights: torch.Tensor, main: torch.Tensor, buckets: list[Bucket], shard_starts: list[int], rank: int, size: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's slice of each bucket of `weights` beside its place in the `main` shard, joined where both run
+    on (one rank: the whole buffer is one run)."""
+    runs: list[tuple[int, int, int]] = []  # weights [lo, hi) from main[start]
+    for bucket, start in zip(buckets, shard_starts):
+        lo, hi = bucket.shard(rank, size)
+        if runs and runs[-1][1] == lo and runs[-1][2] + runs[-1][1] - runs[-1][0] == start:
+            runs[-1] = (runs[-1][0], hi, runs[-1][2])
+        else:
+            runs.append((lo, hi, start))
+    return [weights[lo:hi] for lo, hi, _ in runs], [main[start : start + hi - lo] for lo, hi, start in runs]
 
 
 def _reduce_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -51,12 +51,13 @@ from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, check_sp,
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
-from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork, ids_checked
-from .collectives import check_replica_gradients, clip_grads_, gather, sync_gradients
+from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork, Stopwatch, ids_checked
+from .collectives import check_replica_gradients, gather, sync_gradients
 from .dist_optim import DistributedOptimizer
 from .executor import Executor, WholeModelExecutor
 from .memory import checkpointed
 from .mesh import tp_group
+from .optim import StepGuard, guarded_step
 from .pipeline import PipelineExecutor
 from .routing import RouterTraining
 from .stages import stage_spec
@@ -141,6 +142,8 @@ class StepStats:
     """Per HDP rank: the memory model's peak over its micro-batches of the plan (None without a memory model)."""
     measured_peak_bytes: list[int] | None = None
     """Per global rank on CUDA: `torch.cuda.max_memory_allocated` during the step (None elsewhere)."""
+    measured_reserved_peak_bytes: list[int] | None = None
+    """Per global rank on CUDA: `torch.cuda.max_memory_reserved` during the step, what the model predicts."""
     aux_loss: float = 0.0
     """Of `loss`: an MoE model's load-balancing loss times its `router_aux_loss_coef`, per sequence
     (`train/routing.py`); 0 without one."""
@@ -176,8 +179,8 @@ states."""
 
 @dataclass(frozen=True)
 class RankFigures:
-    """Every rank's `RankWork` of a step and the wall seconds of its forward-backward, one entry per global rank
-    (stage-major), from one all-reduce."""
+    """Every rank's `RankWork` of a step, the seconds of its forward-backward and its step's outcome, one entry per
+    global rank (stage-major), from one all-reduce and one host read: the step's only read of the device."""
 
     loss: np.ndarray
     busy: np.ndarray
@@ -189,27 +192,41 @@ class RankFigures:
     stage_bytes: np.ndarray
     forward_backward_time: np.ndarray
     measured_peak_bytes: np.ndarray
+    measured_reserved_peak_bytes: np.ndarray
+    grad_norm: np.ndarray
+    """The summed gradient's norm before clipping (the same on every rank)."""
+    skipped: np.ndarray
+    """1 where the optimizer step was skipped (the same on every rank)."""
 
     @classmethod
     def gather(
         cls,
         work: RankWork,
+        guard: StepGuard,
+        *,
         forward_backward_time: float,
         measured_peak_bytes: int,
+        reserved_peak_bytes: int = 0,
         rank: int,
         world_size: int,
         device: torch.device,
         tp_size: int = 1,
     ) -> RankFigures:
         """Rows of the global ranks that lead their TP group (every rank of a group ran the same micro-batches),
-        but the bytes each rank sent for its own shard of the heads or channels summed over its group."""
-        mine = {
-            **dataclasses.asdict(work),
+        but the bytes each rank sent for its own shard of the heads or channels summed over its group. The loss and
+        the guard's norm and skip flag are device tensors, read here with the rest; `work.busy` is read too, so the
+        device must have done the step's work (`Stopwatch.wait`)."""
+        mine: dict[str, float | torch.Tensor] = {f.name: getattr(work, f.name) for f in dataclasses.fields(work)}
+        mine |= {
+            "busy": work.busy.busy,
             "forward_backward_time": forward_backward_time,
             "measured_peak_bytes": measured_peak_bytes,
+            "measured_reserved_peak_bytes": reserved_peak_bytes,
+            "grad_norm": guard.norm,
+            "skipped": guard.skip,
         }
         names = [f.name for f in dataclasses.fields(cls)]
-        table = gather([float(mine[name]) for name in names], rank, world_size, device)
+        table = gather([mine[name] for name in names], rank, world_size, device)
         rows = table[::tp_size].copy()
         for name in _SHARDED_BYTES:
             column = names.index(name)
@@ -481,27 +498,37 @@ class Runtime:
         sharded = self.optimizer if isinstance(self.optimizer, DistributedOptimizer) else None
         if sharded is not None:
             sharded.start(len(step_plan.micro_batches_of(self.rank)))
-        began = time.perf_counter()
+        clock = Stopwatch(self.device)
+        began = clock.mark()
         with self.routing.tally() as tally:
             work = self.executor.forward_backward(step_plan, batch)
-        forward_backward_time = time.perf_counter() - began
+        backward_done = clock.mark()
         if sharded is not None:
             reduced_bytes = sharded.finish()
         else:
             reduced_bytes = sync_gradients(self.params, self.world_size, self.executor.sync_group)
-        reduce_time = time.perf_counter() - began - forward_backward_time
+        reduced = clock.mark()
         routed = self.routing.reduce(tally, self.device, self.tp_size)  # read after the figures' gather
         if self._replicas_unchecked:
             self._check_replicas(sharded)
         measured = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        reserved = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+        guard = self._clip_and_step(work.loss)
+        clock.wait()  # the step's one wait for the device, once the optimizer step is issued: the clocks are read
+        reduce_time = clock.seconds(backward_done, reduced)
         ranks = RankFigures.gather(
-            work, forward_backward_time, measured, self.global_rank, self.global_world_size, self.device, self.tp_size
+            work,
+            guard,
+            forward_backward_time=clock.seconds(began, backward_done),
+            measured_peak_bytes=measured,
+            reserved_peak_bytes=reserved,
+            rank=self.global_rank,
+            world_size=self.global_world_size,
+            device=self.device,
+            tp_size=self.tp_size,
         )
-        loss = float(ranks.loss.sum())
-        grad_norm = self._clip_gradients()
-        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
-        if not skipped:
-            self.optimizer.step()
+        mine = self.global_rank // self.tp_size  # this rank's TP group's row
+        loss, grad_norm, skipped = float(ranks.loss.sum()), float(ranks.grad_norm[mine]), bool(ranks.skipped[mine])
         self.steps += 1
         self._count_skip(skipped, loss, grad_norm)
         router = self.routing.finish(routed, update=not skipped)
@@ -532,6 +559,9 @@ class Runtime:
             reduce_overlap=sharded.launched_in_backward if sharded is not None else 0.0,
             predicted_peak_bytes=peaks,
             measured_peak_bytes=ranks.measured_peak_bytes.astype(int).tolist() if self.device.type == "cuda" else None,
+            measured_reserved_peak_bytes=(
+                ranks.measured_reserved_peak_bytes.astype(int).tolist() if self.device.type == "cuda" else None
+            ),
             aux_loss=router.aux_loss if router is not None else 0.0,
             expert_load=router.expert_load if router is not None else None,
         )
@@ -540,8 +570,11 @@ class Runtime:
 
     def forward_backward(self, step_plan: Plan, batch: BatchLike) -> RankWork:
         """Forward and backward of this rank's micro-batches of `step_plan`, gradients accumulated into `.grad`
-        and not yet summed over ranks: a step without its gradient sync and optimizer update."""
-        return self.executor.forward_backward(step_plan, batch)
+        and not yet summed over ranks: a step without its gradient sync and optimizer update. Returns once the
+        device has done them, so that a caller timing it on the host (calibration) times the work, not its launch."""
+        work = self.executor.forward_backward(step_plan, batch)
+        work.busy.wait()
+        return work
 
     def _compare_with_prediction(self, stats: StepStats) -> None:
         """Warn once, on rank 0, when this Runtime's steps `_COMPARED_CALLS` together took more than
@@ -564,11 +597,12 @@ class Runtime:
         without gradients, so nothing is offloaded and no parameter or optimizer state changes."""
         batch = _as_batch(batch, self.vocab_size)
         loss = self.executor.evaluate(self.plan(np.asarray(batch.lengths)), batch)
-        return float(self.gather([loss]).sum())
+        return float(self.gather([loss]).sum())  # the one read of the device
 
-    def gather(self, values: list[float]) -> np.ndarray:
-        """Every HDP rank's `values` as a [pp × HDP ranks, len(values)] array (stage-major; a TP group's once:
-        its ranks did the same work), from one all-reduce over the world."""
+    def gather(self, values: Sequence[float | torch.Tensor]) -> np.ndarray:
+        """Every HDP rank's `values` (host numbers, or 0-dim tensors on the device) as a [pp × HDP ranks,
+        len(values)] array (stage-major; a TP group's once: its ranks did the same work), from one all-reduce over
+        the world and one host read."""
         return gather(values, self.global_rank, self.global_world_size, self.device)[:: self.tp_size]
 
     def _count_skip(self, skipped: bool, loss: float, grad_norm: float) -> None:
@@ -581,18 +615,30 @@ class Runtime:
                 f"no target gives 0/0) and the learning rate, or resume from a checkpoint"
             )
 
-    def _clip_gradients(self) -> float:
-        """Clip the summed gradients to `max_grad_norm` over the whole model (every stage); their norm before.
-        A non-finite norm skips the step, so its gradients are left as they are."""
+    def _clip_and_step(self, loss: torch.Tensor | float) -> StepGuard:
+        """Clip the summed gradients to `max_grad_norm` over the whole model (every stage) and take the optimizer
+        step, skipped on every rank when their norm or some rank's `loss` (this rank's) is not finite. Decided on
+        the device: the distributed optimizer and fused AdamW take the guard without a host sync. The guard holds
+        the norm before clipping and the skip flag, for the host to read after the step."""
         if isinstance(self.optimizer, DistributedOptimizer):
-            norm = self.optimizer.grad_norm()
-            if self.max_grad_norm is not None and math.isfinite(norm):
-                self.optimizer.clip_(self.max_grad_norm, norm)
-            return norm
+            guard = StepGuard.of(self.optimizer.grad_norm(), self.max_grad_norm, bad_loss=self._nonfinite(loss))
+            self.optimizer.step(guard)
+            return guard
         norm = self.executor.grad_norm(self.params)
-        if self.max_grad_norm is not None and math.isfinite(norm):
-            clip_grads_(self.params, self.max_grad_norm, norm)
-        return norm
+        guard = StepGuard.of(norm, self.max_grad_norm, bad_loss=self._nonfinite(loss))
+        guarded_step(self.optimizer, guard, self.params)
+        return guard
+
+    def _nonfinite(self, loss: torch.Tensor | float) -> torch.Tensor:
+        """1.0 on every rank where some rank's `loss` is not finite, else 0.0: a 0-dim device tensor, summed over the
+        world by one small all-reduce that the host does not wait for."""
+        if isinstance(loss, torch.Tensor):
+            flag = (~torch.isfinite(loss.detach().to(self.device, torch.float32))).float()
+        else:  # a host float: filled on the device, no copy to wait for
+            flag = torch.full((), float(not math.isfinite(loss)), dtype=torch.float32, device=self.device)
+        if self.global_world_size > 1:
+            dist.all_reduce(flag)
+        return flag.clamp_(max=1.0)
 
 
 def _as_batch(batch: BatchLike | Sequence[torch.Tensor], vocab_size: int | None) -> BatchLike:

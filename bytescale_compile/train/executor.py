@@ -6,6 +6,10 @@ micro-batches (forward and backward, or forwards alone to evaluate), the gradien
 the group gradients are summed over, the bubbles, what a compile probe passes, and the shard blockers every
 rank plans with. `WholeModelExecutor` (here) runs HDP without pipelines; `PipelineExecutor`
 (`train/pipeline.py`) runs one stage of 1F1B pipelines.
+
+Neither waits for the device between micro-batches: their inputs go to the device together at the start
+(`device_inputs`), the loss is summed there, and busy time is a `Stopwatch`'s, all read once by the Runtime at the
+end of the step.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -27,7 +30,16 @@ from ..planner.plan import MicroBatch, Plan
 from ..runtime.context import micro_batch
 from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
-from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
+from .batch import (
+    BatchLike,
+    MicroBatchInputs,
+    ModelProtocolError,
+    RankWork,
+    Stopwatch,
+    build_micro_batch,
+    device_inputs,
+    num_targets,
+)
 from .collectives import grad_square_sum
 from .mesh import TrainMesh, replica_group
 from .stages import is_hf_model
@@ -61,15 +73,17 @@ class Executor(ABC):
     @abstractmethod
     def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
         """Forward and backward of this rank's micro-batches of `plan`, gradients accumulated into `.grad` and
-        not yet summed over ranks."""
+        not yet summed over ranks; queued on the device, nothing read back."""
 
     @abstractmethod
-    def evaluate(self, plan: Plan, batch: BatchLike) -> float:
-        """This rank's part of the loss of `plan`, in eval mode without gradients (the ranks' parts sum to it)."""
+    def evaluate(self, plan: Plan, batch: BatchLike) -> torch.Tensor:
+        """This rank's part of the loss of `plan`, in eval mode without gradients (the ranks' parts sum to it): a
+        0-dim float64 tensor on the device, not yet read."""
 
     @abstractmethod
-    def grad_norm(self, params: list[nn.Parameter]) -> float:
-        """The 2-norm of the whole model's gradient, once `sync_group` has summed `params`' gradients."""
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient, once `sync_group` has summed `params`' gradients: a 0-dim
+        device tensor, so that clipping and the skip decision need no host sync."""
 
     @abstractmethod
     def shard_blockers(self) -> list[str]:
@@ -110,13 +124,21 @@ class Executor(ABC):
         )
         return dataclasses.replace(inputs, context=context)
 
+    def device_inputs(self, mine: list[MicroBatch], batch: BatchLike) -> list[MicroBatchInputs]:
+        """The inputs of this rank's micro-batches `mine`, built on the host (`in_mesh`, which reads their target
+        count there) and copied to the device together (`batch.device_inputs`), before the first one runs."""
+        num_items = num_targets(batch.lengths)
+        rank = self.mesh.hdp_rank
+        built = [self.in_mesh(build_micro_batch(mb, rank, batch.lengths, batch.tokens, num_items)) for mb in mine]
+        return device_inputs(built, self.device)
+
     def act_ctx(self, mine: list[MicroBatch]) -> ActivationContext:
         """The step's act_ctx over this rank's micro-batches, each offloading its `offload_ratio`."""
         return get_act_ctx(len(mine), [self.offload_ratio(mb) for mb in mine])
 
 
 def rank_work(
-    act_ctx: ActivationContext, *, loss: float, busy: float, ring: RingStats, stage_bytes: int = 0
+    act_ctx: ActivationContext, *, loss: torch.Tensor, busy: Stopwatch, ring: RingStats, stage_bytes: int = 0
 ) -> RankWork:
     """What a step's micro-batches under `act_ctx` did, with its offloading figures."""
     return RankWork(
@@ -143,47 +165,43 @@ class WholeModelExecutor(Executor):
         self.rank = self.mesh.hdp_rank
 
     def forward_backward(self, plan: Plan, batch: BatchLike) -> RankWork:
-        num_items = num_targets(batch.lengths)
         self.model.train()
-        loss, busy, ring = torch.zeros((), device=self.device), 0.0, RingStats()
         mine = plan.micro_batches_of(self.rank)
         act_ctx = self.act_ctx(mine)
-        for i, mb in enumerate(mine):
-            began = time.perf_counter()
-            inputs = self.in_mesh(build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items))
+        loss, busy, ring = torch.zeros((), device=self.device), Stopwatch(self.device), RingStats()
+        for i, inputs in enumerate(self.device_inputs(mine, batch)):
+            busy.start()
             act_ctx.update_micro_batch_id(i)
             with micro_batch(ctx=inputs.context), act_ctx:
                 mb_loss = self._loss(inputs).float()
                 mb_loss.backward()
             loss += mb_loss.detach()
-            busy += time.perf_counter() - began
+            busy.stop()
             ring.bytes_sent += inputs.context.ring_stats.bytes_sent
             ring.mixer_bytes_sent += inputs.context.ring_stats.mixer_bytes_sent
-        return rank_work(act_ctx, loss=loss.item(), busy=busy, ring=ring)
+        return rank_work(act_ctx, loss=loss, busy=busy, ring=ring)
 
-    def evaluate(self, plan: Plan, batch: BatchLike) -> float:
-        num_items = num_targets(batch.lengths)
-        loss = torch.zeros((), dtype=torch.float64)
+    def evaluate(self, plan: Plan, batch: BatchLike) -> torch.Tensor:
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.model.eval()
         try:
             with torch.no_grad():
-                for mb in plan.micro_batches_of(self.rank):
-                    inputs = self.in_mesh(build_micro_batch(mb, self.rank, batch.lengths, batch.tokens, num_items))
+                for inputs in self.device_inputs(plan.micro_batches_of(self.rank), batch):
                     with micro_batch(ctx=inputs.context):
-                        loss += self._loss(inputs).double().cpu()
+                        loss += self._loss(inputs).double()
         finally:
             self.model.train()
-        return loss.item()
+        return loss
 
-    def grad_norm(self, params: list[nn.Parameter]) -> float:
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """Every TP group holds the whole summed gradient: its own norm is the model's (a TP shard's squares
-        summed over the group, a replicated gradient's counted once)."""
+        summed over the group, a replicated gradient's counted once). A 0-dim device tensor: no host sync."""
         layout = self.model.tp_layout
         if layout is None:
-            return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-        squares = torch.tensor(grad_square_sum(params, count_replicated=self.mesh.tp_rank == 0), dtype=torch.float64)
+            return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        squares = grad_square_sum(params, count_replicated=self.mesh.tp_rank == 0)
         dist.all_reduce(squares, group=layout.mesh.get_group())
-        return float(squares.sqrt())
+        return squares.sqrt()
 
     def shard_blockers(self) -> list[str]:
         return self.model.shard_blockers()
@@ -197,7 +215,7 @@ class WholeModelExecutor(Executor):
     def _loss(self, inputs: MicroBatchInputs) -> torch.Tensor:
         """The model's loss of one micro-batch, its forward under autocast."""
         with self.autocast():
-            output: Any = self.model(**inputs.model_kwargs(self.device, self.hf_labels))
+            output: Any = self.model(**inputs.model_kwargs(self.hf_labels))
         loss = getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor):
             model = type(self.model.original_module).__name__

@@ -19,6 +19,10 @@ Approximations, each erring towards more memory:
 - Gradient checkpointing: the report's table then lists each layer's inputs only, and the backward rebuilds one
   layer's activations at a time. Their bytes are not in the report; they are read from the table of a 2-layer
   copy of the model's config compiled on meta without checkpointing (same partitioner), its larger layer.
+- Transients (not in the table, which lists what the forward saves): one layer's backward from the model's shape
+  (`layer_backward_bytes_per_token`), the fused loss from lm_head's (`loss_workspace`).
+- Reserved over allocated: the caching allocator's fragmentation (`FRAGMENTATION`, by whether expandable segments
+  are on) and granules; none for a model on the CPU, whose allocator caches nothing.
 """
 
 from __future__ import annotations
@@ -27,17 +31,28 @@ import copy
 import inspect
 import logging
 import math
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..config import DEFAULT_CHUNK_SIZE, Config
+from ..config import Config
+from ..kernels.cross_entropy_ref import logit_bytes
+from ..kernels.dispatch import choose
 from ..passes.report import CompileReport, SavedActivation
-from ..planner.memory import ALLOCATOR_SLACK, BUCKET_BYTES, MemoryModel
+from ..planner.cost_model import ModelShape
+from ..planner.memory import (
+    BUCKET_BYTES,
+    DEVICE_HEADROOM,
+    FRAGMENTATION,
+    SEGMENT_GRANULES_BYTES,
+    LossWorkspace,
+    MemoryModel,
+)
 from ..planner.model_shape import LAYERS, ModelConfigError, model_shape
 from .collectives import local
 from .stages import stage_specs
@@ -46,17 +61,21 @@ if TYPE_CHECKING:
     from ..api import OptimizedModule
 
 __all__ = [
-    "LOSS_BUFFERS",
+    "ALLOC_CONF_VARIABLES",
+    "MLP_BACKWARD_BUFFERS",
     "TORCH_DTYPES",
     "ParamCounts",
     "checkpointed",
     "compile_on_meta",
     "device_memory",
-    "loss_workspace_bytes",
+    "expandable_segments",
+    "layer_backward_bytes_per_token",
+    "loss_workspace",
     "memory_model",
     "meta_model",
     "param_counts",
     "parse_memory",
+    "trainer_expandable_segments",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,8 +83,13 @@ logger = logging.getLogger(__name__)
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The training dtype's name -> the dtype the model's weights (and so its activations) are built in."""
 
-LOSS_BUFFERS = 2
-"""[chunk, vocab] fp32 buffers the fused loss holds per chunk: the logits and their gradient."""
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""Where torch reads its allocator's settings, the first one set winning (the second is the older name)."""
+
+MLP_BACKWARD_BUFFERS = 4
+"""[T, intermediate] tensors a SwiGLU MLP's backward holds at once: the gradient of the down projection's input,
+the gradients of gate and up that one fused pointwise kernel writes from it, and the product silu(gate)·up that
+the partitioner recomputes rather than saves, for the down projection's weight gradient. A GELU MLP needs fewer."""
 
 _LOSS_PASS = "fused_loss"
 _PROBE_TOKENS = 32
@@ -89,14 +113,35 @@ def parse_memory(text: str) -> int:
 
 
 def device_memory(device: torch.device | str) -> int:
-    """Total memory of a CUDA device; anything else has no fixed budget to read, so the caller must give one."""
+    """The bytes this process may have its allocator reserve on a CUDA device: the device's free memory plus what
+    the allocator already reserves (weights moved there, cached blocks), so the figure is the same before and
+    after the model is on the device; what the CUDA context and other processes hold is out of it. Anything
+    other than CUDA has no budget to read, so the caller must give one."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(
             f"device {device} has no memory size to plan with: pass the per-device budget explicitly "
             f"(--memory-budget SIZE, e.g. 80G)"
         )
-    return int(torch.cuda.get_device_properties(device).total_memory)
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free) + int(torch.cuda.memory_reserved(device))
+
+
+def expandable_segments(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torch's CUDA allocator runs with expandable segments, as its settings variable says (read from
+    `environ`, default the process's): the first of `ALLOC_CONF_VARIABLES` that is set, `expandable_segments:True`
+    among its comma-separated options."""
+    env = os.environ if environ is None else environ
+    conf = next((env[name] for name in ALLOC_CONF_VARIABLES if env.get(name)), "")
+    options = dict(item.split(":", 1) for item in conf.replace(" ", "").split(",") if ":" in item)
+    return options.get("expandable_segments", "").lower() == "true"
+
+
+def trainer_expandable_segments(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the trainer would run with expandable segments under `environ` (default the process's): as its
+    allocator settings say, or, with none set, yes (the trainer's default); what a plan for a trainer's run uses."""
+    env = os.environ if environ is None else environ
+    return expandable_segments(env) or not any(env.get(name) for name in ALLOC_CONF_VARIABLES)
 
 
 @dataclass(frozen=True)
@@ -173,15 +218,40 @@ def _module(model: nn.Module, getter: str, attr: str) -> nn.Module:
     return module if isinstance(module, nn.Module) else nn.Module()
 
 
-def loss_workspace_bytes(
-    vocab: int, hidden: int, weight_bytes: int, tp: int = 1, chunk: int = DEFAULT_CHUNK_SIZE
-) -> int:
-    """What the fused loss holds besides the saved activations, at the end of the forward when they all are
-    live: lm_head's gradient accumulated in fp32 and its copy in the weight's dtype (kept for the backward), and
-    the fp32 logits of one chunk with their gradient. Divided by tp (a vocab-parallel loss)."""
-    head_grads = vocab * hidden * (4 + weight_bytes)
-    chunk_buffers = LOSS_BUFFERS * chunk * vocab * 4
-    return math.ceil((head_grads + chunk_buffers) / tp)
+def loss_workspace(
+    vocab: int,
+    hidden: int,
+    *,
+    compute_bytes: int,
+    logit_bytes: int | None = None,
+    head_grad_bytes: int = 0,
+    tp: int = 1,
+    max_buffer_bytes: int | None = None,
+) -> LossWorkspace:
+    """The fused loss's transients (`LossWorkspace`) for an lm_head of `vocab` x `hidden`, hidden states of
+    `compute_bytes` per element, `logit_bytes` per entry of a chunk's buffers (default: the torch reference's,
+    which keeps an fp32 copy of low-precision logits for the softmax; the Triton kernel holds the logits alone),
+    lm_head's gradient of `head_grad_bytes` outside the gradient buffer, and chunks capped at `max_buffer_bytes`
+    (the config's `loss_workspace_bytes`)."""
+    if logit_bytes is None:
+        logit_bytes = compute_bytes + (4 if compute_bytes < 4 else 0)
+    return LossWorkspace(
+        vocab=vocab,
+        hidden=hidden,
+        hidden_bytes=compute_bytes,
+        logit_bytes=logit_bytes,
+        head_grad_bytes=head_grad_bytes,
+        tp=tp,
+        max_buffer_bytes=max_buffer_bytes,
+    )
+
+
+def layer_backward_bytes_per_token(shape: ModelShape, *, compute_bytes: int, tp: int = 1) -> float:
+    """Bytes per token of one layer's largest backward transient: the MLP's `MLP_BACKWARD_BUFFERS` [T, ffn] tensors
+    (ffn x top_k for an MoE's routed tokens, split by tp) beside the gradient coming into the layer and the one it
+    sends down ([T, hidden] each). The attention's dq, dk, dv are [T, hidden] or narrower, so the MLP's are the
+    largest wherever ffn > hidden / 2."""
+    return float((MLP_BACKWARD_BUFFERS * shape.ffn * shape.top_k / tp + 2 * shape.hidden) * compute_bytes)
 
 
 def memory_model(
@@ -199,17 +269,20 @@ def memory_model(
     params: int | None = None,
     bucket_bytes: int = BUCKET_BYTES,
     activations: bool = True,
+    expandable: bool | None = None,
 ) -> MemoryModel:
     """The `MemoryModel` of one rank training `model` (compiled in training mode) as a model of `total_layers`
     decoder layers over pp stages, tp shards and `hdp` HDP ranks. Every graph in `model.compiled_graphs` counts
     (the pieces of a graph break add up), so call it after one training compilation: a recompilation's graphs
-    would count twice.
+    would count twice. Its peak is the allocator's reserved peak (`planner/memory.py`).
 
     `params`: parameters per rank when known better than counted (default: the model's, its mean layer scaled
-    to `total_layers`, split by pp and tp). `workspace_bytes` default: the fused loss's buffers
-    (`loss_workspace_bytes`) plus `ALLOCATOR_SLACK` of `budget` (no slack without a budget).
-    `activations=False`: the static part alone, from a model not compiled yet (the fused loss assumed), to
-    check a budget before paying for a compilation.
+    to `total_layers`, split by pp and tp). `workspace_bytes` default: `DEVICE_HEADROOM` of `budget` (none
+    without a budget) plus the allocator's `SEGMENT_GRANULES_BYTES`. `expandable`: whether the CUDA allocator
+    runs with expandable segments, which sets the fragmentation (default: as the environment says,
+    `expandable_segments`). A model on the CPU gets neither granules nor fragmentation: its allocator caches
+    nothing. `activations=False`: the static part alone, from a model not compiled yet (the fused loss assumed),
+    to check a budget before paying for a compilation.
     Raises ValueError for a model never compiled, compiled without a backward, saving [T, T] tensors, or a tp
     that does not divide its heads.
     """
@@ -229,10 +302,20 @@ def memory_model(
         if checkpointed(model):
             recomputed = _recomputed_layer(model, dtype=dtype, share=share)
     counts = param_counts(model)
+    caching = _device_type(model) != "cpu"
     if workspace_bytes is None:
-        workspace_bytes = (_loss_workspace(model, tp) if fused else 0) + (
-            round(ALLOCATOR_SLACK * budget) if budget else 0
+        workspace_bytes = (round(DEVICE_HEADROOM * budget) if budget else 0) + (
+            SEGMENT_GRANULES_BYTES if caching else 0
         )
+    if expandable is None:
+        expandable = expandable_segments()
+    if caching:
+        logger.info(
+            "memory model: the allocator's reserved peak with expandable segments %s (%.0f%% fragmentation)",
+            "on" if expandable else "off",
+            100 * FRAGMENTATION[expandable],
+        )
+    compute_bytes = TORCH_DTYPES[dtype].itemsize
     return MemoryModel(
         params=params if params is not None else counts.per_rank(total_layers, pp, tp),
         hdp_size=hdp,
@@ -247,7 +330,27 @@ def memory_model(
         recomputed_bytes_per_token=recomputed,
         workspace_bytes=workspace_bytes,
         in_flight=pp,
+        backward_bytes_per_token=_layer_backward(model, compute_bytes=compute_bytes, tp=tp) if activations else 0.0,
+        loss=_loss_workspace(model, dtype=dtype, tp=tp) if activations and fused else None,
+        fragmentation=FRAGMENTATION[expandable] if caching else 0.0,
     )
+
+
+def _device_type(model: nn.Module) -> str:
+    """Where `model`'s parameters live ("meta" for a model planned without weights: planned as for CUDA)."""
+    inner = getattr(model, "original_module", model)
+    first = next(inner.parameters(), None)
+    return first.device.type if first is not None else "cpu"
+
+
+def _layer_backward(model: nn.Module, *, compute_bytes: int, tp: int) -> float:
+    """`layer_backward_bytes_per_token` of the model's shape; 0, with a warning, for a model without one."""
+    try:
+        shape = model_shape(model)
+    except ModelConfigError as e:
+        logger.warning("a layer's backward transients are not counted: %s", e)
+        return 0.0
+    return layer_backward_bytes_per_token(shape, compute_bytes=compute_bytes, tp=tp)
 
 
 def checkpointed(model: nn.Module) -> bool:
@@ -347,17 +450,30 @@ def _tp_share(model: nn.Module, tp: int) -> Callable[[SavedActivation], float]:
     return share
 
 
-def _loss_workspace(model: nn.Module, tp: int) -> int:
-    """`loss_workspace_bytes` of the model's lm_head, for a model whose loss the fused-loss pass rewrote (unfused
-    logits are [T, vocab] activations, in the saved-activation table)."""
+def _loss_workspace(model: nn.Module, *, dtype: str, tp: int) -> LossWorkspace | None:
+    """`loss_workspace` of the model's lm_head, for a model whose loss the fused-loss pass rewrote (unfused logits
+    are [T, vocab] activations, in the saved-activation table). The loss returns lm_head's gradient in the weight's
+    dtype, and its backward scales it out of place in the compiled graph: two [V, H] tensors until the gradient
+    reaches the optimizer's buffer. On CUDA (and for a meta model, planned as for CUDA) the Triton kernel's chunk
+    holds its logits alone."""
     weight = getattr(
         _module(getattr(model, "original_module", model), "get_output_embeddings", "lm_head"), "weight", None
     )
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         logger.warning("fused loss found but no lm_head weight: its workspace is not counted")
-        return 0
+        return None
     vocab, hidden = weight.shape
-    return loss_workspace_bytes(vocab, hidden, weight.element_size(), tp)
+    compute = TORCH_DTYPES[dtype]
+    triton = _device_type(model) != "cpu" and choose(torch.device("cuda")) == "triton"
+    return loss_workspace(
+        vocab,
+        hidden,
+        compute_bytes=compute.itemsize,
+        logit_bytes=compute.itemsize if triton else logit_bytes(compute, upcast=True, softcap=None),
+        head_grad_bytes=2 * vocab * hidden * compute.itemsize,
+        tp=tp,
+        max_buffer_bytes=getattr(model, "compile_config", Config()).loss_workspace_bytes,
+    )
 
 
 def meta_model(config: Any, dtype: str, layers: int = 2) -> tuple[nn.Module, int]:

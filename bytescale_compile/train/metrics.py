@@ -61,6 +61,7 @@ _OPTIONAL = (
     "dataset_tokens",
     "predicted_peak_bytes",
     "measured_peak_bytes",
+    "measured_reserved_peak_bytes",
     "splits",
     "ce_loss",
     "aux_loss",
@@ -120,9 +121,13 @@ class StepRecord:
     reduce_overlap: float = 0.0
     """bf16 runs: the share of rank 0's gradient buckets reduce-scattered during its backward."""
     predicted_peak_bytes: int | None = None
-    """The memory model's peak over the ranks for this step's plan."""
+    """The memory model's peak over the ranks for this step's plan: what the allocator reserves at most
+    (`planner/memory.py`), to compare with `measured_reserved_peak_bytes`."""
     measured_peak_bytes: int | None = None
     """CUDA: the largest `max_memory_allocated` over the ranks during the step."""
+    measured_reserved_peak_bytes: int | None = None
+    """CUDA: the largest `max_memory_reserved` over the ranks during the step (the allocator's cache included, so
+    after the first step it holds at least what earlier steps reserved)."""
     splits: dict[str, int] | None = None
     """Shared micro-batches per u × r split of the step's plan (`Plan.splits`: "1x4" a ring of 4, "2x2" Ulysses
     in pairs with a ring of 2 between them)."""
@@ -197,6 +202,9 @@ class StepRecord:
             reduce_overlap=stats.reduce_overlap,
             predicted_peak_bytes=max(stats.predicted_peak_bytes) if stats.predicted_peak_bytes else None,
             measured_peak_bytes=max(stats.measured_peak_bytes) if stats.measured_peak_bytes else None,
+            measured_reserved_peak_bytes=(
+                max(stats.measured_reserved_peak_bytes) if stats.measured_reserved_peak_bytes else None
+            ),
             splits=stats.plan.splits() or None,
             ce_loss=stats.ce_loss if routed else None,
             aux_loss=stats.aux_loss if routed else None,
@@ -238,8 +246,13 @@ class StepRecord:
             line += f", MFU {self.mfu:.1%}"
         if self.predicted_peak_bytes is not None:
             line += f", peak memory {format_bytes(self.predicted_peak_bytes)} predicted"
-            if self.measured_peak_bytes is not None:
-                line += f" ({format_bytes(self.measured_peak_bytes)} measured)"
+            if self.measured_reserved_peak_bytes is not None:
+                line += f" ({format_bytes(self.measured_reserved_peak_bytes)} reserved"
+                if self.measured_peak_bytes is not None:
+                    line += f", {format_bytes(self.measured_peak_bytes)} allocated"
+                line += ")"
+            elif self.measured_peak_bytes is not None:
+                line += f" ({format_bytes(self.measured_peak_bytes)} allocated)"
         if self.dataset_tokens:
             line += ", tokens by dataset " + ", ".join(f"{name} {n}" for name, n in self.dataset_tokens.items())
         if self.bubbles is not None and self.predicted_bubbles is not None:

@@ -9,13 +9,17 @@ The job has `hdp * pp` processes, stage-major: global rank `g` runs stage `g // 
 the micro-batches of `plan.schedule[i]` in `stage_order` — the one order `Plan.validate()` proves
 deadlock-free, also the simulator's — with blocking receives and non-blocking sends:
 
-- F(k): build the micro-batch's inputs; a stage after the first receives the previous stage's hidden states
+- F(k): a stage after the first receives the previous stage's hidden states
   `[1, tokens this rank holds, hidden]` (a small header first, so a wrong micro-batch or shape is an error,
   not a hang or garbage), runs its stage under the micro-batch's context, the act_ctx and autocast, and sends
-  the output on; the last stage keeps the loss.
+  the output on; the last stage adds its loss to the step's, on the device.
 - B(k): the last stage back-propagates its loss, the others the gradient received from the next stage, both
   under the same contexts again (ring attention's backward reads the micro-batch's, the offloaded
   activations come back through the act_ctx); a stage after the first sends its input's gradient back.
+
+Every micro-batch's inputs are built and copied to the device at the start of the step (`Executor.device_inputs`),
+and a stage rank is busy from the end of an op's receive to the end of its compute (a `Stopwatch`'s spans): nothing
+but the receives' headers waits for the device between micro-batches.
 
 A micro-batch shared by several pipelines runs ring attention among the stage's global ranks of those
 pipelines. Each stage offloads the plan's share r of its own micro-batches' saved activations (several are
@@ -32,8 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -49,7 +51,7 @@ from ..planner.plan import MicroBatch, Plan, PlanError
 from ..runtime.context import MicroBatchContext, micro_batch
 from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
-from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, build_micro_batch, num_targets
+from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, Stopwatch
 from .collectives import grad_square_sum
 from .executor import Executor, rank_work
 from .mesh import TrainMesh, hdp_group, tp_size_of
@@ -94,8 +96,9 @@ class _InFlight:
 class _Tally:
     """This stage rank's running figures of a step."""
 
-    loss: float = 0.0
-    busy: float = 0.0
+    loss: torch.Tensor
+    """The last stage's summed loss, float64 on the device (0 on the other stages)."""
+    busy: Stopwatch
     stage_bytes: int = 0
     ring: RingStats = field(default_factory=RingStats)
     """Ring and mixer bytes this stage rank sent."""
@@ -259,7 +262,7 @@ class PipelineExecutor(Executor):
         tally = self._run(order, mine, batch, act_ctx)
         return rank_work(act_ctx, loss=tally.loss, busy=tally.busy, ring=tally.ring, stage_bytes=tally.stage_bytes)
 
-    def evaluate(self, plan: Plan, batch: BatchLike) -> float:
+    def evaluate(self, plan: Plan, batch: BatchLike) -> torch.Tensor:
         """This rank's summed loss of `plan`'s micro-batches (0 before the last stage): the forwards of
         `stage_order` alone, without gradients (dropping the backwards keeps the order deadlock-free)."""
         self.check(plan, batch)
@@ -272,14 +275,16 @@ class PipelineExecutor(Executor):
         finally:
             self.model.train()
 
-    def grad_norm(self, params: list[nn.Parameter]) -> float:
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The 2-norm of the whole model's gradient, over every stage, once each stage's gradients are summed
         over its HDP ranks (its ranks then hold equal ones: the first of them counts the stage; of a TP group,
-        every rank its shards and the first the replicated gradients)."""
-        squares = grad_square_sum(params, count_replicated=self.mesh.tp_rank == 0) if self.hdp_rank == 0 else 0.0
-        total = torch.tensor(squares, dtype=torch.float64, device=self.device)
+        every rank its shards and the first the replicated gradients). A 0-dim device tensor: no host sync."""
+        if self.hdp_rank == 0:
+            total = grad_square_sum(params, count_replicated=self.mesh.tp_rank == 0).to(self.device)
+        else:
+            total = torch.zeros((), device=self.device)
         dist.all_reduce(total)
-        return math.sqrt(float(total))
+        return total.sqrt()
 
     def shard_blockers(self) -> list[str]:
         """Stages hold different layers: the first call gathers every stage's reasons (a collective), so every
@@ -310,61 +315,57 @@ class PipelineExecutor(Executor):
         )
 
     def _run(self, order: list[Op], mine: list[MicroBatch], batch: BatchLike, act_ctx: ActivationContext) -> _Tally:
-        num_items = num_targets(batch.lengths)
-        tally, in_flight = _Tally(), {}
+        inputs = self.device_inputs(mine, batch)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        tally, in_flight = _Tally(loss=zero, busy=Stopwatch(self.device)), {}
         sends: _Sends = []
         for kind, k in order:
-            began = time.perf_counter()
             act_ctx.update_micro_batch_id(k)
             if kind == "F":
-                inputs = build_micro_batch(mine[k], self.hdp_rank, batch.lengths, batch.tokens, num_items)
-                in_flight[k], waited = self._forward(inputs, act_ctx, sends, tally)
+                in_flight[k] = self._forward(inputs[k], act_ctx, sends, tally)
             else:
-                waited = self._backward(mine[k], in_flight.pop(k), act_ctx, sends, tally)
-            tally.busy += time.perf_counter() - began - waited
+                self._backward(mine[k], in_flight.pop(k), act_ctx, sends, tally)
             sends = [(request, t) for request, t in sends if not request.is_completed()]
         for request, _ in sends:
             request.wait()
         return tally
 
-    def _forward(
-        self, inputs: MicroBatchInputs, act_ctx: ActivationContext, sends: _Sends, tally: _Tally
-    ) -> tuple[_InFlight, float]:
-        """F: receive (after the first stage), run the stage, send on (before the last); the seconds waited."""
-        mb, waited, received = inputs.micro_batch, 0.0, None
+    def _forward(self, inputs: MicroBatchInputs, act_ctx: ActivationContext, sends: _Sends, tally: _Tally) -> _InFlight:
+        """F: receive (after the first stage), run the stage, send on (before the last)."""
+        mb, received = inputs.micro_batch, None
         if not self.spec.is_first:
             shape = (1, inputs.num_tokens, self.hidden_size)
-            received, waited = self._receive(self.rank - self.stride, mb, "hidden states", shape)
+            received = self._receive(self.rank - self.stride, mb, "hidden states", shape)
             received.requires_grad_(torch.is_grad_enabled())
-        context = self.in_mesh(inputs).context
-        kwargs = stage_inputs(self.spec, inputs.model_kwargs(self.device, self.hf_labels), received)
-        with micro_batch(ctx=context), act_ctx, self.autocast():
+        tally.busy.start()
+        kwargs = stage_inputs(self.spec, inputs.model_kwargs(self.hf_labels), received)
+        with micro_batch(ctx=inputs.context), act_ctx, self.autocast():
             out = self.model(**kwargs)
         if self.spec.is_last:
             out = self._loss(out).float()
-            tally.loss += float(out.detach())
+            tally.loss += out.detach().double()  # float64 on the device: the sum of every micro-batch's fp32 loss
         else:
             tally.stage_bytes += self._send(out, self.rank + self.stride, mb, sends)
-        tally.count(context.ring_stats, RingStats())
-        return _InFlight(context, received, out), waited
+        tally.busy.stop()
+        tally.count(inputs.context.ring_stats, RingStats())
+        return _InFlight(inputs.context, received, out)
 
     def _backward(
         self, mb: MicroBatch, state: _InFlight, act_ctx: ActivationContext, sends: _Sends, tally: _Tally
-    ) -> float:
-        """B: back-propagate the loss or the next stage's gradient, send the input's gradient back; the seconds
-        waited."""
-        waited, before = 0.0, dataclasses.replace(state.context.ring_stats)
+    ) -> None:
+        """B: back-propagate the loss or the next stage's gradient, send the input's gradient back."""
+        before = dataclasses.replace(state.context.ring_stats)
         with micro_batch(ctx=state.context), act_ctx:
-            if self.spec.is_last:
-                state.output.backward()
-            else:
-                grad, waited = self._receive(self.rank + self.stride, mb, "gradient", tuple(state.output.shape))
-                torch.autograd.backward(state.output, grad)
+            grad = None
+            if not self.spec.is_last:
+                grad = self._receive(self.rank + self.stride, mb, "gradient", tuple(state.output.shape))
+            tally.busy.start()
+            torch.autograd.backward(state.output, grad)
         if state.received is not None:
             input_grad = cast(torch.Tensor, state.received.grad)  # the backward above reached the stage's input
             tally.stage_bytes += self._send(input_grad, self.rank - self.stride, mb, sends)
+        tally.busy.stop()
         tally.count(state.context.ring_stats, before)
-        return waited
 
     def _loss(self, output: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)
@@ -385,9 +386,9 @@ class PipelineExecutor(Executor):
         sends += [(dist.isend(header, peer), header), (dist.isend(payload, peer), payload)]
         return payload.numel() * payload.element_size()
 
-    def _receive(self, peer: int, mb: MicroBatch, what: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, float]:
-        """The tensor `peer` sends for micro-batch `mb`, checked against its header; the seconds waited."""
-        began = time.perf_counter()
+    def _receive(self, peer: int, mb: MicroBatch, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor `peer` sends for micro-batch `mb`, checked against its header (the one host read of a micro-batch
+        on a stage after the first or before the last: a wrong micro-batch or shape is an error, not a hang)."""
         header = torch.empty(2 + len(shape), dtype=torch.int64, device=self.device)
         dist.recv(header, src=peer)
         got_id, *got_shape, dtype = header.tolist()
@@ -399,4 +400,4 @@ class PipelineExecutor(Executor):
             )
         tensor = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
         dist.recv(tensor, src=peer)
-        return tensor, time.perf_counter() - began
+        return tensor

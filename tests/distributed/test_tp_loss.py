@@ -1,9 +1,11 @@
 """The vocabulary-parallel fused loss: the op on 2 gloo ranks equals linear + cross-entropy over the whole
-vocabulary, and `optimize()` of a tensor-parallel HF Llama with a gathered lm_head uses it and equals the eager
+vocabulary with one collective per chunk, and `optimize()` of a tensor-parallel HF Llama with a gathered lm_head uses it and equals the eager
 DTensor model (a replicated lm_head keeps the unsplit fused op)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 import bytescale_compile as bsc
+from bytescale_compile.kernels import cross_entropy_ref
 from bytescale_compile.ops.loss import vocab_parallel_linear_cross_entropy_op
 from bytescale_compile.testing import run_distributed
 from tests.helpers import hf_llama, protocol_batch, rel_err
@@ -25,6 +28,7 @@ H, V = 16, 38
 TOKENS = 13
 TOL = 1e-5
 CHUNK = 4
+"""Tokens per chunk: 4 chunks of the 13 tokens."""
 
 
 @dataclass(frozen=True)
@@ -78,12 +82,35 @@ def _shard(rank: int) -> slice:
 
 
 def _op_args(rank: int, case: Case, group_name: str) -> tuple:
-    """The op's arguments on `rank`: leaf hidden, weight and bias shards, CHUNK tokens per chunk."""
+    """The op's arguments on `rank`: leaf hidden, weight and bias shards, a workspace of CHUNK tokens per chunk."""
     hidden, weight, bias, target = _inputs(case)
     rows = _shard(rank)
     leaves = _leaves(hidden, weight[rows], None if bias is None else bias[rows])
-    options = (case.ignore_index, case.reduction, True, CHUNK, case.scale, case.softcap)
+    cap = CHUNK * (V // WORLD) * cross_entropy_ref.logit_bytes(torch.float32, True, case.softcap)
+    options = (case.ignore_index, case.reduction, True, cap, case.scale, case.softcap)
     return (*leaves, target, *options, group_name, rows.start)
+
+
+@contextlib.contextmanager
+def _counted_collectives() -> Iterator[list[str]]:
+    """The names of the collectives called inside the block, in order."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor", "all_gather")}
+
+    def counting(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return run
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def _check_case(rank: int, case: Case, group_name: str) -> None:
@@ -93,7 +120,9 @@ def _check_case(rank: int, case: Case, group_name: str) -> None:
     ref_loss.backward()
 
     args = _op_args(rank, case, group_name)
-    loss = vocab_parallel_linear_cross_entropy_op(*args)[0]
+    with _counted_collectives() as calls:
+        loss = vocab_parallel_linear_cross_entropy_op(*args)[0]
+    assert calls == ["all_gather"] * -(-TOKENS // CHUNK), calls  # one small collective per chunk
     loss.backward()
     grad_hidden = args[0].grad.clone()
     dist.all_reduce(grad_hidden)  # the shards' partial gradients: copy_to_tp's job in a model

@@ -25,7 +25,7 @@ from bytescale_compile.train.checkpoint import load_checkpoint, load_model_weigh
 from bytescale_compile.train.collectives import local, sync_gradients
 from bytescale_compile.train.dist_optim import DistributedOptimizer
 from bytescale_compile.train.mesh import ReplicaGroupError, TrainMesh, hdp_group
-from bytescale_compile.train.optim import LocalZeroRedundancyOptimizer, build_optimizer
+from bytescale_compile.train.optim import LocalZeroRedundancyOptimizer, StepGuard, build_optimizer
 from tests.helpers import hf_llama, reference_step, rel_err
 
 LR, BETAS, DECAY = 3e-3, (0.9, 0.95), 0.1
@@ -113,9 +113,8 @@ def _sharded_step(model: torch.nn.Module, optimizer: Optimizer, step: int) -> fl
     _loss(model, x.to(optimizer.dtype)).float().backward()
     optimizer.finish()
     norm = optimizer.grad_norm()
-    optimizer.clip_(MAX_NORM, norm)
-    optimizer.step()
-    return norm
+    optimizer.step(StepGuard.of(norm, MAX_NORM))
+    return float(norm)
 
 
 def _resumes(

@@ -3,6 +3,8 @@ ranks sharing one machine's cores, and the compute a ring adds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, pla
 from bytescale_compile.planner.common import micro_batch_time
 from bytescale_compile.sim.simulator import simulate, step_time
 from bytescale_compile.testing import run_distributed
-from bytescale_compile.train.calibrate import calibrate, calibration_lengths
+from bytescale_compile.train.calibrate import _refit, calibrate, calibration_lengths
 from tests.helpers import hf_llama
 
 LENGTHS = (16, 32, 64)
@@ -66,6 +68,18 @@ def test_compute_slots_and_ring_overhead_survive_save_and_load(tmp_path):
         Hardware(compute_slots=0.0)
 
 
+def test_the_refit_folds_the_head_loss_and_micro_batch_cost_into_the_layers_and_keeps_the_optimizer():
+    """The calibration times whole micro-batches: what ran outside the layers is in the fit, and no optimizer ran."""
+    base = dataclasses.replace(_model(), beta_head=1e-3, beta_embed=1e-4, delta=0.2, omega=1e-9, sigma=0.3)
+    lengths = [16, 32, 64]
+    times = [2.0 * s + 0.5 for s in lengths]  # one layer: beta1 2 s per token, gamma 0.5 s
+    fitted = _refit(base, lengths, times, float("inf"), 0.0, 1, None)
+    assert (fitted.beta_head, fitted.beta_embed, fitted.delta) == (0.0, 0.0, 0.0)
+    assert (fitted.omega, fitted.sigma) == (1e-9, 0.3)
+    for s, t in zip(lengths, times):
+        assert fitted.micro_batch_time([s]) == pytest.approx(t)
+
+
 def test_calibration_lengths_span_the_capacity():
     assert calibration_lengths(2048) == (256, 512, 1024, 2048)
     assert calibration_lengths(8) == (16, 32, 64)
@@ -87,8 +101,8 @@ def test_calibration_fits_the_whole_model_and_trains_nothing():
         runtime.cost_model.layers,
         runtime.cost_model.kv_bytes_per_token,
     )
-    assert fitted.seq_time(64) >= fitted.seq_time(16) > 0
-    assert fitted.seq_time(64) == pytest.approx(result.times[-1], rel=0.5)
+    assert fitted.micro_batch_time([64]) >= fitted.micro_batch_time([16]) > 0
+    assert fitted.micro_batch_time([64]) == pytest.approx(result.times[-1], rel=0.5)
     assert "calibrated" in fitted.source and "64 tokens" in result.summary()
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), f"calibration changed {name}"

@@ -16,7 +16,7 @@ from bytescale_compile.train import grad_buffer
 from bytescale_compile.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from bytescale_compile.train.collectives import sync_gradients
 from bytescale_compile.train.dist_optim import DistributedOptimizer
-from bytescale_compile.train.optim import build_optimizer, param_groups
+from bytescale_compile.train.optim import StepGuard, build_optimizer, param_groups
 from tests.helpers import hf_llama, rel_err
 
 LENGTHS = [90, 60, 10, 12, 7, 20, 3, 5]  # with C = 32: sequences over 3 and 2 ranks, packed short ones
@@ -228,8 +228,7 @@ def _unequal_worker(rank: int, world: int) -> None:
             if rank:
                 assert optimizer.launched_in_backward == 1.0  # every bucket left before the step's end
             optimizer.finish()
-            optimizer.clip_(1.0, optimizer.grad_norm())
-            optimizer.step()
+            optimizer.step(StepGuard.of(optimizer.grad_norm(), 1.0))
             for x in inputs:
                 plain(x).pow(2).sum().backward()
             torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)

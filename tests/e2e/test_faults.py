@@ -411,6 +411,7 @@ def one_line_error(capsys, prog: str) -> str:
         (["inspect", "no_such_module:factory"], ("'no_such_module'",)),
         (["profile", "bytescale_compile.models.llama:tiny", "--repeats", "0"], ("--repeats", "0")),
         (["profile", "bytescale_compile.models.llama:tiny", "--lengths", ""], ("--lengths",)),
+        (["profile", "bytescale_compile.models.llama:tiny", "--min-time", "-1"], ("--min-time", "-1")),
         (
             ["tokenizer", "train", "--input", "x", "--vocab-size", "300", "--out", "o", "--min-frequency", "0"],
             ("--min-frequency", "0"),
@@ -515,8 +516,8 @@ def test_profile_records_the_device(tmp_path, capsys):
                 "bytescale_compile.models.llama:tiny",
                 "--lengths",
                 "32,64,128",
-                "--repeats",
-                "1",
+                "--min-time",
+                "0",
                 "--out",
                 str(out),
             ]
@@ -552,11 +553,11 @@ def test_profile_target_neither_a_directory_nor_a_factory_names_both(tmp_path, c
 
 
 def test_a_cuda_profile_is_labelled_with_the_gpu_name(monkeypatch):
-    from bytescale_compile.planner.profiler import _device_label
+    from bytescale_compile.planner.profiler import device_label
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
-    assert _device_label(torch.device("cuda:0")) == "cuda:0 (NVIDIA Test GPU)"
-    assert _device_label(torch.device("cpu")) == "cpu"
+    assert device_label(torch.device("cuda:0")) == "cuda:0 (NVIDIA Test GPU)"
+    assert device_label(torch.device("cpu")) == "cpu"
 
 
 def test_every_public_name_still_imports_from_the_package():

@@ -22,7 +22,7 @@ def test_optimize_rejects_non_modules():
     "field,value,allowed",
     [
         ("partitioner", "greedy", "default"),
-        ("loss_chunk_size", 0, ">= 1"),
+        ("loss_workspace_bytes", 0, ">= 1"),
         ("attention", "yes", "True or False"),
     ],
 )
@@ -201,8 +201,8 @@ def test_cli_profile_writes_a_loadable_cost_model(tmp_path, capsys):
                 "bytescale_compile.models.llama:tiny",
                 "--lengths",
                 "32,64,128",
-                "--repeats",
-                "1",
+                "--min-time",
+                "0",
                 "--out",
                 str(out),
             ]

@@ -3,7 +3,11 @@ activation figures it reads from the compile report, and the errors it refuses w
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
+import subprocess
+import sys
 from contextlib import redirect_stdout
 
 import pytest
@@ -11,7 +15,8 @@ import torch
 
 from bytescale_compile import cli
 from bytescale_compile.passes.report import CompileReport, GraphReport, SavedActivation
-from bytescale_compile.planner.memory import format_bytes
+from bytescale_compile.planner.cost_model import ModelShape
+from bytescale_compile.planner.memory import DEVICE_HEADROOM, FRAGMENTATION, SEGMENT_GRANULES_BYTES, format_bytes
 from bytescale_compile.train import memory
 
 pytest.importorskip("transformers")
@@ -141,11 +146,71 @@ def test_mean_layer_weighs_the_last_listed_layer_as_the_models_last():
     assert memory._mean_layer({}, 8) == 0.0
 
 
-def test_fused_loss_workspace_counts_the_head_gradient_and_one_chunk():
+def test_fused_loss_workspace_counts_one_chunk_the_hidden_gradient_and_a_head_gradient_outside_the_buffer():
     vocab, hidden = 1000, 64
-    expected = vocab * hidden * (4 + 2) + 2 * 1024 * vocab * 4
-    assert memory.loss_workspace_bytes(vocab, hidden, weight_bytes=2) == expected
-    assert memory.loss_workspace_bytes(vocab, hidden, weight_bytes=2, tp=2) == expected // 2
+    bf16 = memory.loss_workspace(vocab, hidden, compute_bytes=2)
+    # 4,096 tokens: T·H/V = 262.1, so the smallest chunk, 1,024 tokens of bf16 logits and their fp32 copy
+    assert bf16.bytes(4096) == 1024 * vocab * (2 + 4) + 4096 * hidden * 2
+    fp32 = memory.loss_workspace(vocab, hidden, compute_bytes=4, head_grad_bytes=vocab * hidden * 4, tp=2)
+    assert fp32.bytes(4096) == 1024 * (vocab // 2) * 4 + 4096 * hidden * 4 + vocab * hidden * 4 // 2
+
+
+def test_a_layers_backward_holds_four_mlp_intermediates_and_two_hidden_gradients():
+    shape = ModelShape(name="s", layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=1000)
+    assert memory.layer_backward_bytes_per_token(shape, compute_bytes=2) == (4 * 176 + 2 * 64) * 2
+    assert memory.layer_backward_bytes_per_token(shape, compute_bytes=4, tp=2) == (4 * 176 / 2 + 2 * 64) * 4
+    moe = dataclasses.replace(shape, experts=8, top_k=2)
+    assert memory.layer_backward_bytes_per_token(moe, compute_bytes=2) == (4 * 176 * 2 + 2 * 64) * 2
+
+
+def test_the_budget_is_free_memory_plus_what_the_allocator_already_reserves(monkeypatch):
+    """Read before the model is on the device, free memory (total less the context and other processes); after,
+    the allocator's reserved bytes come back into it, so both readings give the same budget."""
+    calls = []
+
+    def mem_get_info(device):
+        calls.append(device)
+        return 100 * 2**30, 140 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    assert memory.device_memory("cuda:1") == 100 * 2**30
+    assert calls == [torch.device("cuda:1")]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 40 * 2**30)
+    assert memory.device_memory("cuda:1") == 100 * 2**30
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, False),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+        (
+            {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+            False,
+        ),
+    ],
+)
+def test_expandable_segments_is_read_from_the_allocator_settings(environ, expected):
+    assert memory.expandable_segments(environ) is expected
+    # a plan for a trainer's run: the trainer sets expandable segments when nothing is set
+    assert memory.trainer_expandable_segments(environ) is (expected or not environ)
+
+
+def test_the_allocator_terms_follow_the_device_and_expandable_segments():
+    """Fragmentation and granules for a model planned for CUDA (meta), by expandable segments; none on the CPU."""
+    hidden = SavedActivation("x", "(1, s0, 64)", "float32", 256, 0, "layers.0.norm", "resident")
+    cpu = _with_graphs([GraphReport(0, saved_activations=[hidden])])
+    m = memory.memory_model(cpu, total_layers=2, hdp=1, dtype="fp32", budget=2**30)
+    assert (m.fragmentation, m.workspace_bytes) == (0.0, round(DEVICE_HEADROOM * 2**30))
+    meta = _with_graphs([GraphReport(0, saved_activations=[hidden])]).to("meta")
+    for expandable in (True, False):
+        m = memory.memory_model(meta, total_layers=2, hdp=1, dtype="fp32", budget=2**30, expandable=expandable)
+        assert m.fragmentation == FRAGMENTATION[expandable]
+        assert m.workspace_bytes == round(DEVICE_HEADROOM * 2**30) + SEGMENT_GRANULES_BYTES
 
 
 def test_models_with_quadratic_or_no_saved_activations_are_refused():
@@ -171,3 +236,34 @@ def _with_graphs(graphs: list[GraphReport]) -> torch.nn.Module:
     module = torch.nn.Linear(2, 2)
     module.compiled_graphs = graphs
     return module
+
+
+_ENTRY = """
+import logging, os
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+from bytescale_compile.train.__main__ import main
+try:
+    main(["--no-such-option"])
+except SystemExit:
+    pass
+print("PYTORCH_ALLOC_CONF=" + os.environ.get("PYTORCH_ALLOC_CONF", "-"))
+"""
+
+
+@pytest.mark.parametrize(
+    "given, expected, logged",
+    [
+        ({}, "expandable_segments:True", True),
+        ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:256"}, "max_split_size_mb:256", False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, "-", False),
+    ],
+)
+def test_the_trainer_sets_expandable_segments_unless_the_user_set_the_allocator(given, expected, logged):
+    """In a fresh process (CUDA's state in this one is irrelevant): the entry point sets the variable before torch
+    is imported, says so once at INFO, and leaves a user's setting (either name) alone."""
+    env = {k: v for k, v in os.environ.items() if k not in memory.ALLOC_CONF_VARIABLES} | given
+    done = subprocess.run([sys.executable, "-c", _ENTRY], env=env, capture_output=True, text=True, timeout=120)
+    assert f"PYTORCH_ALLOC_CONF={expected}" in done.stdout, done.stdout + done.stderr
+    said = "set PYTORCH_ALLOC_CONF=expandable_segments:True" in done.stderr
+    assert said is logged, done.stderr
+    assert memory.expandable_segments({"PYTORCH_ALLOC_CONF": expected}) is (expected == "expandable_segments:True")

@@ -2,7 +2,7 @@
 
 The torch reference runs here; the Triton version runs in the child pytest that `test_kernels_triton.py` starts
 with TRITON_INTERPRET=1 (the variable must be set when the process starts). Also: the rule that picks slices or
-token chunks, and that the slices hold no fp32 [V, H] buffer.
+token chunks, and that neither holds an fp32 [V, H] buffer for a bf16 weight.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from tests.helpers import rel_err  # noqa: E402
 IN_INTERPRETER = ce_triton.INTERPRETED
 
 T, V, H = 37, 101, 16
-CHUNK = 4
-"""4 tokens of 101 logits per chunk, so slices of 4 * 101 // 37 = 10 vocabulary rows: 11 slices, the last of 1 row."""
+CAP = 10 * T * 8
+"""The workspace cap: slices of 10 vocabulary rows of all tokens at 8 bytes per logit (fp32 with tanh's derivative),
+20 rows at 4; chunks of 2 or 7 tokens for the torch reference, 7 for Triton (fp32 logits only)."""
 TRANSFORMS = [(1.0, None), (0.5, None), (0.7, 2.0)]
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
@@ -109,8 +110,9 @@ def slice_widths(monkeypatch) -> list[int]:
 @pytest.mark.parametrize(("scale", "softcap"), TRANSFORMS)
 def test_reference_matches_eager(reduction, bias, scale, softcap, slice_widths):
     inputs = make_inputs(bias=bias)
-    got = ref.linear_cross_entropy_vocab_slices(*inputs, -100, reduction, True, CHUNK, scale, softcap)
-    assert slice_widths == [10] * 10 + [1]
+    got = ref.linear_cross_entropy_vocab_slices(*inputs, -100, reduction, True, CAP, scale, softcap)
+    width = 10 if softcap is not None else 20
+    assert slice_widths == [width] * (V // width) + [V % width]
     assert_matches(got, eager(*inputs, -100, reduction, scale, softcap), torch.float32)
 
 
@@ -118,26 +120,36 @@ def test_reference_matches_eager(reduction, bias, scale, softcap, slice_widths):
 def test_reference_in_range_ignore_index(ignore_index):
     """An ignore_index that is also a vocabulary row: rows targeting it are ignored, that row keeps its gradient."""
     inputs = make_inputs(ignore_index=ignore_index)
-    got = ref.linear_cross_entropy_vocab_slices(*inputs, ignore_index, "mean", True, CHUNK, 0.5, 3.0)
+    got = ref.linear_cross_entropy_vocab_slices(*inputs, ignore_index, "mean", True, CAP, 0.5, 3.0)
     assert_matches(got, eager(*inputs, ignore_index, "mean", 0.5, 3.0), torch.float32)
 
 
 def test_reference_slices_shrink_to_the_memory_budget(monkeypatch, slice_widths):
-    """A budget of 7 vocabulary rows of all tokens' fp32 logits and tanh's derivative gives slices of 7 rows,
-    whatever chunk_size allows."""
+    """A CPU budget of 7 vocabulary rows of all tokens' fp32 logits and tanh's derivative gives slices of 7 rows,
+    whatever the cap allows."""
     monkeypatch.setattr(ref, "CPU_CHUNK_BUDGET_BYTES", 7 * T * (4 + 4))
     inputs = make_inputs()
-    got = ref.linear_cross_entropy_vocab_slices(*inputs, -100, "sum", True, 1024, 1.0, 2.0)
+    got = ref.linear_cross_entropy_vocab_slices(*inputs, -100, "sum", True, 2**30, 1.0, 2.0)
     assert slice_widths == [7] * 14 + [3]
     assert_matches(got, eager(*inputs, -100, "sum", 1.0, 2.0), torch.float32)
 
 
 def test_slice_rows():
-    cpu = torch.device("cpu")
-    assert ref.slice_rows(CHUNK, T, V, 4, cpu) == 10  # the logits of CHUNK tokens over V
-    assert ref.slice_rows(1024, T, V, 4, cpu) == 64  # all of V fits: a multiple of 64
-    assert ref.slice_rows(1024, 4096, 128_000, 6, cpu) == 10880  # the budget caps it
-    assert ref.slice_rows(1024, 0, V, 4, cpu) == 64  # no tokens
+    def rows(n_tokens: int, vocab: int, per_logit: int, cap: int, device: str = "cpu") -> int:
+        return ref.slice_rows(
+            n_tokens=n_tokens,
+            vocab=vocab,
+            bytes_per_logit=per_logit,
+            max_workspace_bytes=cap,
+            device=torch.device(device),
+        )
+
+    assert rows(T, V, 8, CAP) == 10  # the cap
+    assert rows(T, 1000, 4, 2**30) == 1000  # all of V fits
+    assert rows(T, 1000, 4, 100 * T * 4) == 64  # fewer than V: a multiple of 64
+    assert rows(4096, 128_000, 6, 2**30) == 10880  # the CPU budget caps it, 256 MiB // (4096 * 6)
+    assert rows(4096, 128_000, 6, 2**30, "meta") == 43648  # off the CPU the cap alone
+    assert rows(0, V, 4, CAP) == V  # no tokens
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -145,7 +157,7 @@ def test_reference_all_ignored(reduction):
     """Like eager: sum gives 0, mean gives nan; the gradients are zero either way."""
     hidden, weight, bias, target = make_inputs()
     target.fill_(-100)
-    loss, *grads = ref.linear_cross_entropy_vocab_slices(hidden, weight, bias, target, -100, reduction, True, CHUNK)
+    loss, *grads = ref.linear_cross_entropy_vocab_slices(hidden, weight, bias, target, -100, reduction, True, CAP)
     assert loss.isnan() if reduction == "mean" else loss == 0
     assert all(not g.any() for g in grads)
 
@@ -155,7 +167,7 @@ def test_reference_out_of_range_target_raises(bad):
     hidden, weight, bias, target = make_inputs()
     target[2] = bad
     with pytest.raises(ValueError, match=f"{bad}.*V={V}"):
-        ref.linear_cross_entropy_vocab_slices(hidden, weight, bias, target, -100, "mean", True, CHUNK)
+        ref.linear_cross_entropy_vocab_slices(hidden, weight, bias, target, -100, "mean", True, CAP)
 
 
 class _Fp32AndMatmuls(TorchDispatchMode):
@@ -167,7 +179,7 @@ class _Fp32AndMatmuls(TorchDispatchMode):
         self.matmuls: list[tuple[torch.dtype, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
             self.matmuls.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2)[-2:])
         out = func(*args, **(kwargs or {}))
         for x in out if isinstance(out, tuple | list) else (out,):
@@ -177,45 +189,51 @@ class _Fp32AndMatmuls(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])
-def test_reference_holds_fp32_grad_hidden_not_grad_weight(softcap):
-    """bf16 inputs: no fp32 tensor of the slices is as large as the token chunks' grad_weight buffer [V, H] (which
-    guards the measure); they hold grad_hidden's [T, H] and the logits of a chunk or slice. Every matmul takes bf16
-    operands: one per chunk, then three per slice. Close to eager still."""
-    inputs = make_inputs(torch.bfloat16, n_tokens=20, vocab=300)
+def test_reference_holds_no_fp32_grad_weight_of_a_bf16_weight(softcap):
+    """bf16 inputs: neither implementation holds an fp32 tensor as large as grad_weight [V, H] unless asked for an
+    fp32 grad_weight (which guards the measure); they hold grad_hidden's [T, H] and the logits of a chunk or slice.
+    Every matmul takes bf16 operands: three per chunk; one per chunk, then three per slice. Close to eager still."""
+    vocab, n_tokens = 300, 20
+    inputs = make_inputs(torch.bfloat16, n_tokens=n_tokens, vocab=vocab)
+    cap = 4 * vocab * ref.logit_bytes(torch.bfloat16, True, softcap)  # chunks of 4 tokens, slices of 60 rows
     modes = {}
-    for name, impl in [
-        ("slices", ref.linear_cross_entropy_vocab_slices),
-        ("chunks", ref.linear_cross_entropy_chunked),
+    for name, impl, grad_dtype in [
+        ("slices", ref.linear_cross_entropy_vocab_slices, None),
+        ("chunks", ref.linear_cross_entropy_chunked, None),
+        ("chunks, fp32 grad_weight", ref.linear_cross_entropy_chunked, torch.float32),
     ]:
         with _Fp32AndMatmuls() as modes[name]:
-            got = impl(*inputs, -100, "mean", True, 4, 1.0, softcap)
+            got = impl(*inputs, -100, "mean", True, cap, 1.0, softcap, grad_dtype=grad_dtype)
         for a, b in zip(got, eager(*inputs, -100, "mean", 1.0, softcap)):
             assert rel_err(a.float(), b) <= 2e-2
+        assert [g.dtype for g in got[2:]] == [grad_dtype or torch.bfloat16] * 2
         assert set(modes[name].matmuls) == {(torch.bfloat16, torch.bfloat16)}, modes[name].matmuls
-    assert modes["slices"].largest_fp32 == max(20 * H, 4 * 300) < 300 * H == modes["chunks"].largest_fp32
-    n_chunks, n_slices = 20 // 4, 300 // (4 * 300 // 20)
+    assert modes["slices"].largest_fp32 == modes["chunks"].largest_fp32 == 4 * vocab < vocab * H
+    assert modes["chunks, fp32 grad_weight"].largest_fp32 == vocab * H
+    n_chunks, n_slices = n_tokens // 4, vocab // 60
     assert len(modes["slices"].matmuls) == n_chunks + 3 * n_slices and len(modes["chunks"].matmuls) == 3 * n_chunks
 
 
 # --- the rule -------------------------------------------------------------------------------------
 
 
-def test_rule_picks_vocab_slices_for_short_micro_batches_below_the_vocabulary():
+def test_rule_picks_vocab_slices_for_short_micro_batches_below_the_vocabulary_split_in_chunks():
     limit = dispatch.VOCAB_SLICES_MAX_TOKENS
-    assert dispatch.use_vocab_slices(limit, 128_000)
-    assert not dispatch.use_vocab_slices(limit + 1, 128_000)
-    assert dispatch.use_vocab_slices(V - 1, V)
-    assert not dispatch.use_vocab_slices(V, V)
-    assert not dispatch.use_vocab_slices(131_072, 128_000)
+    assert dispatch.use_vocab_slices(limit, 128_000, chunk=512)
+    assert not dispatch.use_vocab_slices(limit, 128_000, chunk=limit)  # one chunk of all tokens
+    assert not dispatch.use_vocab_slices(limit + 1, 128_000, chunk=512)
+    assert dispatch.use_vocab_slices(V - 1, V, chunk=4)
+    assert not dispatch.use_vocab_slices(V, V, chunk=4)
+    assert not dispatch.use_vocab_slices(131_072, 128_000, chunk=1024)
 
 
 def _dispatch_runs(monkeypatch, impls: list[str]) -> None:
     """Record in `impls` the name of each loss implementation dispatch runs, torch or Triton."""
 
     def recording(name, impl):
-        def run(*args):
+        def run(*args, **kwargs):
             impls.append(name)
-            return impl(*args)
+            return impl(*args, **kwargs)
 
         return run
 
@@ -233,7 +251,7 @@ def test_dispatch_follows_the_rule_and_matches_eager(monkeypatch, n_tokens, want
     impls: list[str] = []
     _dispatch_runs(monkeypatch, impls)
     inputs = make_inputs(n_tokens=n_tokens)
-    got = dispatch.linear_cross_entropy_chunked(*inputs, -100, "mean", True, CHUNK, 0.7, 2.0)
+    got = dispatch.linear_cross_entropy_chunked(*inputs, -100, "mean", True, CAP, 0.7, 2.0)
     assert impls == [f"linear_cross_entropy_{want}"]
     assert_matches(got, eager(*inputs, -100, "mean", 0.7, 2.0), torch.float32)
 
@@ -244,8 +262,8 @@ def test_dispatch_exports_both_implementations(monkeypatch):
     _dispatch_runs(monkeypatch, impls)
     inputs = make_inputs()
     want = eager(*inputs, -100, "sum")
-    assert_matches(dispatch.linear_cross_entropy_token_chunks(*inputs, -100, "sum", True, CHUNK), want, torch.float32)
-    assert_matches(dispatch.linear_cross_entropy_vocab_slices(*inputs, -100, "sum", True, CHUNK), want, torch.float32)
+    assert_matches(dispatch.linear_cross_entropy_token_chunks(*inputs, -100, "sum", True, CAP), want, torch.float32)
+    assert_matches(dispatch.linear_cross_entropy_vocab_slices(*inputs, -100, "sum", True, CAP), want, torch.float32)
     assert impls == ["linear_cross_entropy_chunked", "linear_cross_entropy_vocab_slices"]
 
 
@@ -257,7 +275,7 @@ def test_dispatch_exports_both_implementations(monkeypatch):
 @pytest.mark.parametrize(("scale", "softcap", "bias"), [(1.0, None, True), (0.5, None, False), (0.7, 2.0, True)])
 def test_triton_matches_eager_fp32(reduction, scale, softcap, bias):
     inputs = make_inputs(bias=bias)
-    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, reduction, True, CHUNK, scale, softcap)
+    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, reduction, True, CAP, scale, softcap)
     assert_matches(got, eager(*inputs, -100, reduction, scale, softcap), torch.float32)
 
 
@@ -268,7 +286,7 @@ def test_triton_matches_eager_fp32(reduction, scale, softcap, bias):
 def test_triton_matches_eager_fp16(scale, softcap, upcast):
     """fp16 matmuls and gradients; the softmax in fp32 either way, `upcast` picks the loss dtype."""
     inputs = make_inputs(torch.float16)
-    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, "mean", upcast, CHUNK, scale, softcap)
+    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, "mean", upcast, CAP, scale, softcap)
     want = eager(*inputs, -100, "mean", scale, softcap)
     assert_matches(got, want, torch.float16, torch.float32 if upcast else torch.float16)
 
@@ -278,15 +296,17 @@ def test_triton_wide_slices_and_tiles(monkeypatch):
     """Slices of 256 rows (more than one tile of columns) and 96 tokens (several tiles of rows)."""
     monkeypatch.setattr(ce_triton, "_SLICE_BLOCK_V", 128)
     inputs = make_inputs(n_tokens=96, vocab=300, ignore_index=5, seed=3)
-    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, 5, "mean", True, 1024, 0.5, 3.0)
-    assert ref.slice_rows(1024, 96, 300, 4, torch.device("cpu")) == 256
+    cap = 256 * 96 * 4
+    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, 5, "mean", True, cap, 0.5, 3.0)
+    budget = {"bytes_per_logit": 4, "max_workspace_bytes": cap, "device": torch.device("cpu")}
+    assert ref.slice_rows(n_tokens=96, vocab=300, **budget) == 256
     assert_matches(got, eager(*inputs, 5, "mean", 0.5, 3.0), torch.float32)
 
 
 @needs_interpreter
 def test_triton_z_loss_matches_eager():
     inputs = make_inputs(bias=False)
-    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, "mean", True, CHUNK, z_loss_weight=1e-2)
+    got = ce_triton.linear_cross_entropy_vocab_slices_triton(*inputs, -100, "mean", True, CAP, z_loss_weight=1e-2)
     assert_matches(got, eager(*inputs, -100, "mean", z_loss_weight=1e-2), torch.float32)
 
 
@@ -296,7 +316,7 @@ def test_triton_all_ignored(reduction):
     hidden, weight, bias, target = make_inputs()
     target.fill_(-100)
     loss, *grads = ce_triton.linear_cross_entropy_vocab_slices_triton(
-        hidden, weight, bias, target, -100, reduction, True, CHUNK
+        hidden, weight, bias, target, -100, reduction, True, CAP
     )
     assert loss.isnan() if reduction == "mean" else loss == 0
     assert all(not g.any() and not g.isnan().any() for g in grads)
@@ -307,7 +327,7 @@ def test_triton_out_of_range_target_raises():
     hidden, weight, bias, target = make_inputs()
     target[2] = V
     with pytest.raises(ValueError, match=f"{V}.*V={V}"):
-        ce_triton.linear_cross_entropy_vocab_slices_triton(hidden, weight, bias, target, -100, "mean", True, CHUNK)
+        ce_triton.linear_cross_entropy_vocab_slices_triton(hidden, weight, bias, target, -100, "mean", True, CAP)
 
 
 @needs_interpreter
@@ -317,6 +337,6 @@ def test_triton_dispatch_follows_the_rule_and_matches_eager(monkeypatch, n_token
     impls: list[str] = []
     _dispatch_runs(monkeypatch, impls)
     inputs = make_inputs(n_tokens=n_tokens)
-    got = dispatch.linear_cross_entropy_chunked(*inputs, -100, "sum", True, CHUNK, 0.7, 2.0)
+    got = dispatch.linear_cross_entropy_chunked(*inputs, -100, "sum", True, CAP, 0.7, 2.0)
     assert impls == [f"linear_cross_entropy_{want}"]
     assert_matches(got, eager(*inputs, -100, "sum", 0.7, 2.0), torch.float32)

@@ -9,6 +9,7 @@ are skipped, and the variable never leaks into other test modules.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -170,16 +171,18 @@ def test_cross_entropy_kernel_all_ignored_rows_are_zero():
 @needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("with_bias", "chunk"), [(False, 5), (True, 8), (True, 21)])
 @pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (0.25, None), (0.7, 2.0)])
-def test_linear_cross_entropy_matches_reference(dtype, reduction, with_bias, scale, softcap):
+def test_linear_cross_entropy_matches_reference(dtype, reduction, with_bias, chunk, scale, softcap):
+    """5 chunks of 5 tokens (the last of 1), 3 of 8, or one of all 21, with the cap holding `chunk` rows of logits
+    in the inputs' dtype (the Triton kernel's only [chunk, V] buffer)."""
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(21, 16, generator=g).to(dtype)
     weight = (torch.randn(70, 16, generator=g) * 0.5).to(dtype)
     bias = torch.randn(70, generator=g).to(dtype) if with_bias else None
     target = torch.randint(0, 70, (21,), generator=g)
     target[::4] = -100
-    args = (hidden, weight, bias, target, -100, reduction, True, 8, scale, softcap)
+    args = (hidden, weight, bias, target, -100, reduction, True, chunk * 70 * dtype.itemsize, scale, softcap)
     got = ce_triton.linear_cross_entropy_chunked_triton(*args)
     want = linear_cross_entropy_chunked(*args)
     for name, a, b in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), got, want):
@@ -196,10 +199,33 @@ def test_linear_cross_entropy_all_ignored(reduction):
     hidden, weight = torch.randn(5, 8), torch.randn(30, 8)
     target = torch.full((5,), -100)
     loss, gh, gw, _ = ce_triton.linear_cross_entropy_chunked_triton(
-        hidden, weight, None, target, -100, reduction, True, 4
+        hidden, weight, None, target, -100, reduction, True, 2 * 30 * 4
     )
     assert loss.isnan() if reduction == "mean" else loss == 0
     assert not gh.any() and not gw.any() and not gh.isnan().any()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_linear_cross_entropy_fp32_grad_weight_of_fp16_inputs(reduction):
+    """grad_dtype=torch.float32: grad_weight and grad_bias in fp32 from fp16 matmuls, over 3 chunks, equal to the
+    reference's and within fp16 rounding of the fp32 formula."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(19, 16, generator=g)
+    weight = torch.randn(60, 16, generator=g) * 0.5
+    bias = torch.randn(60, generator=g)
+    target = torch.randint(0, 60, (19,), generator=g)
+    target[::5] = -100
+    half = [x.half() for x in (hidden, weight, bias)]
+    args = (*half, target, -100, reduction, True, 8 * 60 * 2)
+    got = ce_triton.linear_cross_entropy_chunked_triton(*args, grad_dtype=torch.float32)
+    want = linear_cross_entropy_chunked(*args, grad_dtype=torch.float32)
+    assert [x.dtype for x in got] == [torch.float32, torch.float16, torch.float32, torch.float32]
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), got, want):
+        _close(a, b, 1e-5 if name == "loss" else TOL[torch.float16], name)
+    exact = [x.float().requires_grad_() for x in half]
+    F.cross_entropy(F.linear(*exact), target, reduction=reduction).backward()
+    _close(got[2], exact[1].grad, TOL[torch.float16], "grad_weight against fp32")
 
 
 @needs_interpreter
@@ -215,7 +241,7 @@ def test_linear_cross_entropy_z_loss_matches_torch():
     want = F.cross_entropy(logits, target, reduction="mean") + 1e-3 * (lse[valid] ** 2).mean()
     want.backward()
     loss, gh, gw, _ = ce_triton.linear_cross_entropy_chunked_triton(
-        hidden.detach(), weight.detach(), None, target, -100, "mean", True, 5, z_loss_weight=1e-3
+        hidden.detach(), weight.detach(), None, target, -100, "mean", True, 5 * 40 * 4, z_loss_weight=1e-3
     )
     _close(loss, want.detach(), 1e-6, "loss")
     _close(gh, hidden.grad, 1e-5, "grad_hidden")
@@ -240,7 +266,7 @@ def test_linear_cross_entropy_softcap_matches_formula(dtype, use_triton, triton_
     target = torch.randint(0, 50, (1, 11), generator=g)
     target[0, 2] = -100
     loss = fused_linear_cross_entropy(
-        *leaves[:2], target, leaves[2], reduction="mean", chunk_size=4, scale=0.6, softcap=2.5
+        *leaves[:2], target, leaves[2], reduction="mean", max_workspace_bytes=4 * 50 * 4, scale=0.6, softcap=2.5
     )
     loss.backward()
     assert triton_loads == ["cross_entropy_triton"]
@@ -268,15 +294,20 @@ def _qkv(dtype, t_q, t_k, hq=4, hkv=2, d=24, batch=1, seed=0, tokens_first=False
     return make(hq, t_q, d), make(hkv, t_k, d), make(hkv, t_k, dv or d)
 
 
+def _same_layout(a, b) -> bool:
+    """Equal strides where they matter: a dimension of size 1 may have any stride."""
+    return [s for s, n in zip(a.stride(), a.shape) if n > 1] == [s for s, n in zip(b.stride(), b.shape) if n > 1]
+
+
 def _check_attention(got_fwd, want_fwd, got_bwd, want_bwd, dtype):
     (out, lse), (want_out, want_lse) = got_fwd, want_fwd
     _close(out, want_out, TOL[dtype], "out")
-    assert out.stride() == want_out.stride()
+    assert _same_layout(out, want_out), (out.stride(), want_out.stride())
     _close(lse, want_lse, LSE_TOL[dtype], "lse")
     assert lse.is_contiguous()
     for name, a, b in zip(("dq", "dk", "dv"), got_bwd, want_bwd):
         _close(a, b, TOL[dtype], name)
-        assert a.stride() == b.stride(), name
+        assert _same_layout(a, b), (name, a.stride(), b.stride())
 
 
 @needs_interpreter
@@ -408,6 +439,110 @@ def test_kernels_never_read_blocks_outside_the_window(use_triton):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize(
+    ("cu", "window", "softcap"),
+    [([0, 1, 67, 100], None, 2.0), ([0, 80, 81, 100], 37, None), ([0, 100], 40, 3.0)],
+    ids=["causal-softcap", "window", "window-softcap"],
+)
+def test_segments_with_interior_blocks_match_reference(dtype, cu, window, softcap, use_triton):
+    """Segments long enough for unmasked interior tiles between masked boundary ones (16-wide tiles),
+    next to a lone token and a segment that is no multiple of the tile; GQA, Dv = 8 != D = 16."""
+    q, k, v = _qkv(dtype, 100, 100, hq=4, hkv=2, d=16, dv=8, tokens_first=True, seed=8)
+    opts = {"window": window, "softcap": softcap}
+    got = dispatch.segment_causal_attention_fwd(q, k, v, torch.tensor(cu), 0.3, **opts)
+    want = ref.segment_causal_attention_fwd(q, k, v, cu, 0.3, **opts)
+    grad = torch.randn_like(want[0])
+    got_bwd = dispatch.segment_causal_attention_bwd(grad, q, k, v, *got, cu, 0.3, **opts)
+    want_bwd = ref.segment_causal_attention_bwd(grad, q, k, v, *want, cu, 0.3, **opts)
+    _check_attention(got, want, got_bwd, want_bwd, dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize(
+    ("causal", "t_q", "t_k", "offset", "window"),
+    [(True, 48, 70, 22, None), (True, 64, 64, 64, 50), (False, 40, 70, 0, None)],
+    ids=["causal-offset", "causal-offset-window", "full"],
+)
+def test_ring_blocks_with_interior_tiles_match_reference(dtype, causal, t_q, t_k, offset, window, use_triton):
+    """Ring blocks (offset, window, causal or not) large enough for interior tiles, backward from the
+    lse; with the window, the last queries see no key (lse -inf)."""
+    q, k, v = _qkv(dtype, t_q, t_k, hq=4, hkv=1, d=16, dv=24, seed=9)
+    opts = {"window": window, "offset": offset}
+    got = dispatch.block_attention_fwd(q, k, v, 0.3, causal, **opts)
+    want = ref.math_causal_attention_fwd(q, k, v, 0.3, causal, **opts)
+    grad = torch.randn_like(want[0])
+    got_bwd = dispatch.block_attention_bwd(grad, q, k, v, *want, 0.3, causal, **opts)
+    want_bwd = ref.math_attention_bwd_from_lse(grad, q, k, v, *want, 0.3, causal, **opts)
+    finite = ~want[1].isinf()
+    assert torch.equal(got[1].isinf(), ~finite) and (~finite).any() == (window is not None)
+    _check_attention(
+        (got[0], got[1].where(finite, 0.0)), (want[0], want[1].where(finite, 0.0)), got_bwd, want_bwd, dtype
+    )
+
+
+@triton.jit
+def _split_probe(
+    OUT, start, q_len, k_len, offset, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, FWD: tl.constexpr
+):
+    """Store the kernels' cut (lo, mid_lo, mid_hi, end) of the blocks one program walks: the forward's
+    key blocks of query block `start` (32 x 16 tiles), or the backward's query blocks of key block `start`
+    (16 x 16)."""
+    if FWD:
+        lo, hi = attn_triton._key_range(start, k_len, offset, window, 32, 16, CAUSAL, WINDOW)
+        first, last = attn_triton._interior_keys(start, k_len, offset, window, 32, 16, CAUSAL, WINDOW)
+    else:
+        lo, hi = attn_triton._query_range(start, q_len, offset, window, 16, CAUSAL, WINDOW)
+        first, last = attn_triton._interior_queries(start, q_len, k_len, offset, window, 16, 16, CAUSAL, WINDOW)
+    mid_lo, mid_hi, end = attn_triton._split(lo, hi, first, last, 16)
+    tl.store(OUT, lo)
+    tl.store(OUT + 1, mid_lo)
+    tl.store(OUT + 2, mid_hi)
+    tl.store(OUT + 3, end)
+
+
+def _sees_all(mask, rows: range, cols: range, q_len: int | None, k_len: int) -> bool:
+    """Whether every query of `rows` sees every key of `cols`, both within the segment (rows unbounded
+    when q_len is None: the forward never stores rows past the segment)."""
+    if cols.stop > k_len or (q_len is not None and rows.stop > q_len):
+        return False
+    return bool(mask.visible(rows.stop, cols.stop)[rows.start :, cols.start :].all())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fwd", [True, False], ids=["forward", "backward"])
+def test_interior_blocks_are_exactly_the_fully_visible_ones(fwd):
+    """A block goes to the unmasked loop exactly when all its (query, key) pairs are visible and in the
+    segment (one wrongly unmasked would read past the segment or the mask, one wrongly masked costs
+    time), and the three loops together walk every block that holds a visible pair."""
+    out = torch.zeros(4, dtype=torch.int32)
+    block, step = (32, 16) if fwd else (16, 16)
+    cases = itertools.product([17, 70], [1, 70], [0, 5, 40], [None, 9, 33], [True, False])
+    for q_len, k_len, offset, window, causal in cases:
+        mask = ref.AttentionMask(causal, window, offset)
+        visible = mask.visible(q_len, k_len)
+        for start in range(0, q_len if fwd else k_len, block):
+            _split_probe[(1,)](out, start, q_len, k_len, offset, window or 0, causal, window is not None, fwd)
+            lo, mid_lo, mid_hi, end = out.tolist()
+            what = (q_len, k_len, offset, window, causal, start, (lo, mid_lo, mid_hi, end))
+            assert lo <= mid_lo <= mid_hi <= end and (end - lo) % step == 0, what
+            walked = range(lo, end, step)
+            if fwd:
+                interior = [
+                    _sees_all(mask, range(start, start + block), range(n, n + step), None, k_len) for n in walked
+                ]
+                seen = visible[start : start + block].any(0).nonzero().flatten().tolist()
+            else:
+                interior = [
+                    _sees_all(mask, range(m, m + step), range(start, start + block), q_len, k_len) for m in walked
+                ]
+                seen = visible[:, start : start + block].any(1).nonzero().flatten().tolist()
+            assert interior == [mid_lo <= x < mid_hi for x in walked], what
+            assert not seen or lo <= seen[0] and seen[-1] < end, what
+
+
+@needs_interpreter
 def test_ring_of_one_rank_runs_triton_blocks(monkeypatch, triton_loads):
     """dist_attn goes through dispatch: packed ring attention (diagonal and full blocks) on Triton = reference."""
     layout = zigzag_layout([9, 1, 14], 1)
@@ -458,18 +593,20 @@ def test_tile_origins_are_int64_past_2_to_the_31():
 
 def test_segment_table_launches_only_the_blocks_that_exist():
     """One 16K sequence plus 1,000 of 16 tokens: the flat (segment, block) grid has one program per
-    block, not one per (segment, longest segment's blocks)."""
+    block, not one per (segment, longest segment's blocks); the blocks with the most causal work come
+    first (the latest query blocks of the forward, the earliest key blocks of the backward)."""
     lengths = [16_384] + [16] * 1000
     bounds = tuple(torch.tensor([0] + lengths).cumsum(0).tolist())
-    cfg = attn_triton.TileConfig(128, 64, 64, 128, 128, "tf32")
+    cfg = attn_triton.TileConfig(128, 64, 64, 128, 128, 128, "tf32")
     table = attn_triton.segment_table(bounds, bounds, cfg, torch.device("cpu"))
-    assert table.q_fwd[0].numel() == 16_384 // 128 + 1000
-    assert table.k_bwd[0].numel() == table.q_bwd[0].numel() == 16_384 // 64 + 1000
-    for (segs, starts), block in ((table.q_fwd, 128), (table.k_bwd, 64)):
+    assert table.q_fwd[0].numel() == table.k_bwd[0].numel() == 16_384 // 128 + 1000
+    for (segs, starts), block in ((table.q_fwd, 128), (table.k_bwd, 128)):
         pairs = set(zip(segs.tolist(), starts.tolist()))
         want = {(s, start) for s, n in enumerate(lengths) for start in range(0, n, block)}
         assert pairs == want and len(pairs) == segs.numel()
         assert segs.dtype == starts.dtype == torch.int32
+    assert table.q_fwd[1].tolist() == sorted(table.q_fwd[1].tolist(), reverse=True)
+    assert table.k_bwd[1].tolist() == sorted(table.k_bwd[1].tolist())
     assert torch.equal(table.cu_q, torch.tensor(bounds, dtype=torch.int32))
 
 
@@ -493,7 +630,7 @@ def test_tile_config_fits_h100_shared_memory(dtype, head_dim, v_dim):
     assert cfg.shared_memory_bytes(dtype.itemsize) <= attn_triton.H100_SHARED_MEMORY_BYTES
     assert cfg.block_d >= head_dim and cfg.block_dv >= v_dim
     if head_dim + v_dim > 256:
-        assert cfg.bwd_block <= 32  # the dK/dV accumulators stay in registers
+        assert cfg.bwd_block_n <= 32  # the dK/dV accumulators stay in registers
 
 
 def test_tile_config_shrinks_tiles_for_wide_fp32_heads():

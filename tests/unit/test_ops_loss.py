@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bytescale_compile.kernels.cross_entropy_ref import CPU_CHUNK_BUDGET_BYTES, chunk_rows, linear_cross_entropy_chunked
+from bytescale_compile.kernels.cross_entropy_ref import (
+    CPU_CHUNK_BUDGET_BYTES,
+    chunk_rows,
+    linear_cross_entropy_chunked,
+    logit_bytes,
+)
 from bytescale_compile.ops.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_op
 from tests.helpers import rel_err
 
@@ -51,17 +56,25 @@ def eager_loss(
     return fn
 
 
+def rows_cap(rows: int, dtype: torch.dtype, upcast: bool = True, softcap: float | None = None) -> int:
+    """The workspace cap that gives the torch reference chunks of `rows` tokens over V."""
+    return rows * V * logit_bytes(dtype, upcast, softcap)
+
+
 def fused_loss(
     ignore_index: int,
     reduction: str,
-    chunk_size: int,
+    chunk_rows: int,
     upcast: bool = True,
     scale: float = 1.0,
     softcap: float | None = None,
 ):
+    """The fused loss with its workspace capped at chunks of `chunk_rows` tokens."""
+
     def fn(hidden, weight, bias, target):
+        cap = rows_cap(chunk_rows, hidden.dtype, upcast, softcap)
         return fused_linear_cross_entropy(
-            hidden, weight, target, bias, ignore_index, reduction, upcast, chunk_size, scale, softcap
+            hidden, weight, target, bias, ignore_index, reduction, upcast, cap, scale, softcap
         )
 
     return fn
@@ -130,7 +143,7 @@ def test_bf16_softcap_close_to_eager(upcast: bool, tol: float) -> None:
 def test_matches_eager_3d_hidden(reduction: str) -> None:
     inputs = make_inputs((1, 29), bias=True)
     expected = loss_and_grads(eager_loss(-100, reduction), *inputs)
-    actual = loss_and_grads(fused_loss(-100, reduction, chunk_size=8), *inputs)
+    actual = loss_and_grads(fused_loss(-100, reduction, chunk_rows=8), *inputs)
     assert actual[1].shape == (1, 29, H)
     for a, e in zip(actual, expected):
         assert rel_err(a, e) <= 1e-5
@@ -140,7 +153,7 @@ def test_matches_eager_3d_hidden(reduction: str) -> None:
 def test_bf16_upcast_close_to_eager(reduction: str) -> None:
     inputs = make_inputs((1, 29), bias=True, dtype=torch.bfloat16)
     expected = loss_and_grads(eager_loss(-100, reduction), *inputs)
-    actual = loss_and_grads(fused_loss(-100, reduction, chunk_size=8), *inputs)
+    actual = loss_and_grads(fused_loss(-100, reduction, chunk_rows=8), *inputs)
     assert actual[0].dtype == torch.float32
     assert [a.dtype for a in actual[1:]] == [torch.bfloat16] * 3
     for a, e in zip(actual, expected):
@@ -150,7 +163,7 @@ def test_bf16_upcast_close_to_eager(reduction: str) -> None:
 def test_bf16_without_upcast_stays_bf16() -> None:
     inputs = make_inputs((1, 29), bias=False, dtype=torch.bfloat16)
     expected = loss_and_grads(eager_loss(-100, "mean", upcast=False), *inputs)
-    actual = loss_and_grads(fused_loss(-100, "mean", chunk_size=8, upcast=False), *inputs)
+    actual = loss_and_grads(fused_loss(-100, "mean", chunk_rows=8, upcast=False), *inputs)
     assert all(a.dtype == torch.bfloat16 for a in actual)
     for a, e in zip(actual, expected):
         assert rel_err(a, e) <= 3e-2
@@ -159,7 +172,7 @@ def test_bf16_without_upcast_stays_bf16() -> None:
 def test_all_ignored_sum_is_zero() -> None:
     hidden, weight, b, target = make_inputs((6,), bias=True)
     target.fill_(-100)
-    loss, *grads = loss_and_grads(fused_loss(-100, "sum", chunk_size=4), hidden, weight, b, target)
+    loss, *grads = loss_and_grads(fused_loss(-100, "sum", chunk_rows=4), hidden, weight, b, target)
     assert loss.item() == 0.0
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
@@ -168,7 +181,7 @@ def test_all_ignored_mean_is_nan_like_eager() -> None:
     hidden, weight, b, target = make_inputs((6,), bias=True)
     target.fill_(-100)
     expected = loss_and_grads(eager_loss(-100, "mean"), hidden, weight, b, target)
-    loss, *grads = loss_and_grads(fused_loss(-100, "mean", chunk_size=4), hidden, weight, b, target)
+    loss, *grads = loss_and_grads(fused_loss(-100, "mean", chunk_rows=4), hidden, weight, b, target)
     assert torch.isnan(loss) and torch.isnan(expected[0])
     for g, e in zip(grads, expected[1:]):
         assert torch.equal(g, e)
@@ -186,7 +199,7 @@ def test_out_of_range_target_raises(bad: int) -> None:
     ("kwargs", "argument"),
     [
         ({"reduction": "none"}, "reduction"),
-        ({"chunk_size": 0}, "chunk_size"),
+        ({"max_workspace_bytes": 0}, "max_workspace_bytes"),
         ({"softcap": 0.0}, "softcap"),
         ({"softcap": -3.0}, "softcap"),
         ({"softcap": float("nan")}, "softcap"),
@@ -209,7 +222,10 @@ def test_mismatched_shapes_raise() -> None:
 
 def test_torch_compile_dynamic_matches_eager() -> None:
     def train_loss(hidden, weight, bias, target):
-        return fused_linear_cross_entropy(hidden, weight, target, bias, chunk_size=4) * 0.5
+        return (
+            fused_linear_cross_entropy(hidden, weight, target, bias, max_workspace_bytes=rows_cap(4, hidden.dtype))
+            * 0.5
+        )
 
     def reference(hidden, weight, bias, target):
         return eager_loss(-100, "mean")(hidden, weight, bias, target) * 0.5
@@ -227,53 +243,150 @@ def test_torch_compile_dynamic_matches_eager() -> None:
 
 
 class _MatmulDtypes(TorchDispatchMode):
-    """Records the input dtypes of every matmul that runs."""
+    """Records the input dtypes of every matmul that runs, the beta of every in-place addmm into a [V, H] tensor
+    (grad_weight), and the most elements of any fp32 tensor an op returns."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[tuple[torch.dtype, ...]] = []
+        self.grad_weight_betas: list[float] = []
+        self.largest_fp32 = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2)[-2:])
+        if func.overloadpacket is torch.ops.aten.addmm_ and tuple(args[0].shape) == (V, H):
+            self.grad_weight_betas.append(kwargs.get("beta", 1))
+        out = func(*args, **kwargs)
+        for x in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+                self.largest_fp32 = max(self.largest_fp32, x.numel())
+        return out
 
 
-def test_bf16_matmuls_run_in_bf16_with_fp32_weight_grad_accumulation() -> None:
-    """No fp32 copy of h, W or dlogits: every matmul takes bf16 operands; the result stays close to fp32."""
+def test_bf16_matmuls_run_in_bf16_and_write_grad_weight_in_place_per_chunk() -> None:
+    """No fp32 copy of h, W or dlogits and no fp32 [V, H] accumulator: every matmul takes bf16 operands, grad_weight
+    is bf16 and written by one in-place addmm per chunk (beta 0 for the first); the result stays close to fp32."""
     hidden, weight, bias, target = make_inputs((40,), bias=True, dtype=torch.bfloat16)
     with _MatmulDtypes() as mode:
         loss, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_chunked(
-            hidden.detach(), weight.detach(), bias.detach(), target, -100, "mean", True, 8
+            hidden.detach(), weight.detach(), bias.detach(), target, -100, "mean", True, rows_cap(8, torch.bfloat16)
         )
     operands = {dtype for call in mode.seen for dtype in call[-2:]}
-    assert len(mode.seen) >= 3 * 5 and operands == {torch.bfloat16}, mode.seen
+    assert len(mode.seen) == 3 * 5 and operands == {torch.bfloat16}, mode.seen
+    assert mode.grad_weight_betas == [0] + [1] * 4
+    assert mode.largest_fp32 < V * H and grad_weight.dtype == grad_bias.dtype == torch.bfloat16
     fp32 = [x.detach().float().requires_grad_() for x in (hidden, weight, bias)]
     expected = loss_and_grads(eager_loss(-100, "mean"), *fp32, target)
     for got, want in zip((loss, grad_hidden, grad_weight, grad_bias), expected):
         assert rel_err(got.float(), want) <= 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp32_grad_weight_on_request(dtype: torch.dtype) -> None:
+    """grad_dtype=torch.float32 writes grad_weight and grad_bias in fp32 (of a bf16 weight too), same values."""
+    hidden, weight, bias, target = (x.detach() if x.is_floating_point() else x for x in make_inputs((40,), True, dtype))
+    args = (hidden, weight, bias, target, -100, "sum", True, rows_cap(8, dtype))
+    own = linear_cross_entropy_chunked(*args)
+    fp32 = linear_cross_entropy_chunked(*args, grad_dtype=torch.float32)
+    assert [g.dtype for g in fp32[2:]] == [torch.float32] * 2 and fp32[1].dtype == dtype
+    for a, b in zip(fp32, own):
+        assert rel_err(a.float(), b.float()) <= (1e-2 if dtype == torch.bfloat16 else 0.0)
+    with pytest.raises(ValueError, match="grad_dtype"):
+        linear_cross_entropy_chunked(*args, grad_dtype=torch.float16)
+
+
+def test_backward_scales_the_saved_gradients_in_place_once() -> None:
+    """The op's backward multiplies its saved gradients by the incoming gradient in place (its outputs [1:] are
+    those tensors), matching eager for a scaled loss; a second backward through it raises (autograd sees them modified) instead of rescaling."""
+    inputs = make_inputs((13,), bias=True)
+    expected = loss_and_grads(lambda *a: eager_loss(-100, "sum")(*a) * 3.0, *inputs)
+    hidden, weight, bias, target = inputs
+    for p in (hidden, weight, bias):
+        p.grad = None
+    loss, saved_hidden, saved_weight, saved_bias = fused_linear_cross_entropy_op(
+        hidden, weight, bias, target, -100, "sum", True, rows_cap(4, torch.float32)
+    )
+    (loss * 3.0).backward(retain_graph=True)
+    for got, saved, want in zip(
+        (hidden.grad, weight.grad, bias.grad), (saved_hidden, saved_weight, saved_bias), expected[1:]
+    ):
+        assert rel_err(got, want) <= 1e-5 and rel_err(saved, want) <= 1e-5
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_loss_runs_without_a_host_sync_off_the_cpu() -> None:
-    """On meta tensors any `.item()`/`bool()` raises, so passing shows the loss never waits for the device."""
+    """On meta tensors any `.item()`/`bool()` raises, so passing shows the loss never waits for the device; the fp32
+    grad_weight of bf16 operands takes the matmul's fp32 output (`out_dtype`) there."""
     hidden = torch.empty(300, 64, dtype=torch.bfloat16, device="meta")
     weight = torch.empty(1000, 64, dtype=torch.bfloat16, device="meta")
     target = torch.empty(300, dtype=torch.long, device="meta")
-    loss, grad_hidden, grad_weight, _ = linear_cross_entropy_chunked(
-        hidden, weight, None, target, -100, "mean", True, 128
-    )
-    assert loss.dtype == torch.float32 and grad_hidden.shape == hidden.shape and grad_weight.dtype == torch.bfloat16
+    for grad_dtype in (None, torch.float32):
+        loss, grad_hidden, grad_weight, _ = linear_cross_entropy_chunked(
+            hidden, weight, None, target, -100, "mean", True, 128 * 1000 * 6, grad_dtype=grad_dtype
+        )
+        assert loss.dtype == torch.float32 and grad_hidden.shape == hidden.shape
+        assert grad_weight.dtype == (grad_dtype or torch.bfloat16)
+
+
+GIB = 2**30
 
 
 @pytest.mark.parametrize(
-    ("max_rows", "tokens", "vocab", "itemsize", "want"),
+    ("tokens", "vocab", "hidden", "per_logit", "cap", "device", "want"),
     [
-        (1024, 4096, 32_000, 4, 1024),  # 125 MiB fits the CPU budget
-        (8192, 8192, 128_000, 6, 320),  # bf16 logits + fp32 work: the budget caps it, to a multiple of 64
-        (1024, 37, 32_000, 4, 37),  # never more than the tokens
-        (1024, 4096, 10**9, 4, 1),  # at least one row
+        (131_072, 131_072, 4096, 2, GIB, "meta", 4096),  # T·H/V: the logits as large as hidden
+        (100_000, 128_256, 4096, 2, GIB, "meta", 4096),  # 3194 rounded up to a power of two
+        (131_072, 131_072, 4096, 2, GIB // 2, "meta", 2048),  # the cap halves it
+        (32_768, 131_072, 4096, 2, GIB, "meta", 1024),  # 1024 at least ...
+        (32_768, 131_072, 4096, 6, 100 * 131_072 * 6, "meta", 64),  # ... unless the cap allows fewer: 64 | chunk
+        (8192, 128_000, 4096, 6, GIB, "cpu", 320),  # the CPU budget caps it, to a multiple of 64
+        (1000, 32_000, 4096, 4, GIB, "cpu", 1000),  # never more than the tokens, nor a multiple of 64 then
+        (37, 32_000, 64, 4, GIB, "cpu", 37),
+        (4096, 10**9, 64, 4, GIB, "cpu", 1),  # at least one row
     ],
 )
-def test_chunk_rows_from_vocab_and_budget(max_rows, tokens, vocab, itemsize, want) -> None:
-    assert CPU_CHUNK_BUDGET_BYTES // (vocab * itemsize) >= want or want == 1
-    assert chunk_rows(max_rows, tokens, vocab, itemsize, torch.device("cpu")) == want
+def test_chunk_rows_follow_the_data_within_the_cap(tokens, vocab, hidden, per_logit, cap, device, want) -> None:
+    assert device != "cpu" or CPU_CHUNK_BUDGET_BYTES // (vocab * per_logit) >= want or want == 1
+    got = chunk_rows(
+        n_tokens=tokens,
+        vocab=vocab,
+        hidden=hidden,
+        bytes_per_logit=per_logit,
+        max_workspace_bytes=cap,
+        device=torch.device(device),
+    )
+    assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("grad_dtype", [None, torch.float32], ids=["bf16-grad", "fp32-grad"])
+def test_cuda_bf16_chunks_match_the_fp32_loss_without_a_host_sync(grad_dtype):
+    """On the GPU's kernel: eight chunks of bf16 logits, dW written into the gradient chunk by chunk, ignored
+    targets; the loss and every gradient near fp32 linear + cross_entropy, and nothing reads the device."""
+    from bytescale_compile.kernels import dispatch
+
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 8192, 1024, 32_000
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    target[::7] = -100
+    cap = 2**26  # 1,024 tokens of 32K bf16 logits: eight chunks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, grad_h, grad_w, _ = dispatch.linear_cross_entropy_chunked(
+            h, w, None, target, -100, "mean", True, cap, 1.0, None, grad_dtype=grad_dtype
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
+    ref = F.cross_entropy(F.linear(h32, w32), target)
+    ref.backward()
+    assert grad_w.dtype == (grad_dtype or torch.bfloat16)
+    assert rel_err(loss, ref.detach()) <= 1e-3
+    assert rel_err(grad_h.float(), h32.grad) <= 2e-2
+    assert rel_err(grad_w.float(), w32.grad) <= 2e-2

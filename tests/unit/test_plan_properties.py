@@ -516,7 +516,8 @@ class _Process:
 
     def step(self, order: list[tuple[str, MicroBatch]]) -> None:
         """The executor's F and B ops, then the Runtime's gradient sum (the HDP ranks of this stage and TP index),
-        figures (every process) and, with pipelines or TP, the gradient norm's all-reduce."""
+        with pipelines or TP the gradient norm's all-reduce, the flag of a non-finite loss (every process, with
+        several) and last the figures (every process)."""
         mesh, first, last = self.mesh, self.mesh.stage == 0, self.mesh.stage == self.mesh.pp - 1
         stride = mesh.hdp * mesh.tp
         for kind, mb in order:
@@ -536,12 +537,14 @@ class _Process:
             self.ops.append(Wait(tuple(self.pending_sends)))
         world = tuple(range(mesh.pp * mesh.hdp * mesh.tp))
         self.ops.append(Collective(tuple(mesh.global_rank(r) for r in range(mesh.hdp)), ("gradients",)))
-        self.ops.append(Collective(world, ("figures",)))
         if mesh.pp > 1:
             self.ops.append(Collective(world, ("gradient norm",)))
         elif mesh.tp > 1:
             first_of_group = mesh.rank - mesh.tp_rank
             self.ops.append(Collective(tuple(range(first_of_group, first_of_group + mesh.tp)), ("gradient norm",)))
+        if len(world) > 1:
+            self.ops.append(Collective(world, ("non-finite loss",)))
+        self.ops.append(Collective(world, ("figures",)))
 
 
 Order = Callable[[Plan, TrainMesh], list[tuple[str, MicroBatch]]]

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bytescale_compile.planner.memory import BUCKET_BYTES, MemoryBudgetError, MemoryModel, format_bytes
+from bytescale_compile.config import LOSS_MIN_CHUNK
+from bytescale_compile.planner.memory import (
+    BUCKET_BYTES,
+    LossWorkspace,
+    MemoryBudgetError,
+    MemoryModel,
+    format_bytes,
+)
 
 GiB = 2**30
 P = 8_030_261_248
@@ -76,7 +83,9 @@ def test_activations_keep_the_last_two_layers_and_what_lies_outside():
     assert m.activation_bytes(1000, 0.0) == (10 * 100 + 10) * 1000
     assert m.activation_bytes(1000, 1.0) == (2 * 100 + 10) * 1000
     assert m.activation_bytes(1000, 0.5) == ((2 + 0.5 * 8) * 100 + 10) * 1000
-    assert m.peak(1000, 0.5) == m.static.total + m.activation_bytes(1000, 0.5) + m.workspace_bytes
+    # offloading adds one layer's offloaded share while its copy is in flight: 0.5 x 100 bytes per token
+    assert m.peak(1000, 0.5) == m.static.total + m.activation_bytes(1000, 0.5) + 0.5 * 100 * 1000 + m.workspace_bytes
+    assert m.peak(1000, 0.0) == m.static.total + m.activation_bytes(1000, 0.0) + m.workspace_bytes
     two_stages = model(layers=10, layer_bytes_per_token=100.0, other_bytes_per_token=10.0, in_flight=2)
     assert two_stages.activation_bytes(1000, 1.0) == 2 * m.activation_bytes(1000, 1.0)
 
@@ -177,6 +186,8 @@ def test_static_only_model_checks_budgets_but_has_no_capacity():
         (dict(layer_bytes_per_token=-1.0), "layer_bytes_per_token"),
         (dict(workspace_bytes=-1), "workspace_bytes"),
         (dict(recomputed_bytes_per_token=math.inf), "recomputed_bytes_per_token"),
+        (dict(backward_bytes_per_token=-1.0), "backward_bytes_per_token"),
+        (dict(fragmentation=math.nan), "fragmentation"),
     ],
 )
 def test_bad_fields_are_refused(overrides, match):
@@ -189,3 +200,72 @@ def test_describe_lists_every_part_and_the_capacities():
     for word in ("weights", "gradients", "master", "optimizer", "buckets", "total", "bytes/param", "workspace"):
         assert word in text
     assert "C without offload" in text and "C with offload" in text and "longest per rank" in text
+
+
+def test_the_loss_chunk_follows_the_data():
+    """About T·H/V tokens per chunk, a power of two, at least 1,024, at most the cap and the tokens."""
+    loss = LossWorkspace(vocab=128_256, hidden=4096, hidden_bytes=2, logit_bytes=6)
+    assert loss.chunk(0) == 0
+    assert loss.chunk(500) == 500  # fewer tokens than the smallest chunk: one chunk of them all
+    assert loss.chunk(8192) == LOSS_MIN_CHUNK  # 8192 x 4096 / 128256 = 261.6
+    assert loss.chunk(65_536) == 4096  # 2093.1 -> 4096
+    assert loss.chunk(32_064) == 1024  # exactly 1024.0
+    assert loss.chunk(131_072) == 8192  # 4186.2 -> 8192
+    # a cap on the buffers' bytes: 2 GiB hold 2,790 rows of 128,256 logits at 6 bytes, 2,752 in whole tiles of 64
+    assert dataclasses.replace(loss, max_buffer_bytes=2 * GiB).chunk(131_072) == 2752
+    # under TP the rule reads this rank's 64,128 columns, as the kernel does: 1 GiB holds 2,790 of their rows
+    assert dataclasses.replace(loss, max_buffer_bytes=GiB, tp=2).chunk(131_072) == 2752
+    # the chunk's logits in bf16 plus their fp32 copy, d(hidden) of every token in bf16
+    assert loss.bytes(65_536) == 4096 * 128_256 * 6 + 65_536 * 4096 * 2
+    fp32_grad = dataclasses.replace(loss, head_grad_bytes=128_256 * 4096 * 4, tp=2)
+    assert fp32_grad.bytes(8192) == 1024 * 64_128 * 6 + 8192 * 4096 * 2 + 128_256 * 4096 * 2
+    with pytest.raises(ValueError, match="vocab"):
+        LossWorkspace(vocab=0, hidden=1, hidden_bytes=2, logit_bytes=2)
+
+
+def test_the_peak_adds_the_larger_transient_and_fragmentation_by_hand():
+    """Loss buffers or one layer's backward, whichever is larger, plus the in-flight copy when offloading; all that
+    changes with the tokens scaled by (1 + fragmentation); the static bytes and the workspace are not."""
+    loss = LossWorkspace(vocab=1000, hidden=64, hidden_bytes=2, logit_bytes=6)
+    m = model(
+        layers=4,
+        layer_bytes_per_token=100.0,
+        other_bytes_per_token=10.0,
+        backward_bytes_per_token=300.0,
+        loss=loss,
+        fragmentation=0.1,
+    )
+    # 10,000 tokens: chunk next_pow2(640) -> 1024; loss 1024 x 1000 x 6 + 10,000 x 64 x 2 = 7,424,000 bytes, over
+    # the backward's 300 x 10,000 = 3,000,000
+    assert m.transient_bytes(10_000) == 1024 * 1000 * 6 + 10_000 * 64 * 2
+    activations = (4 * 100 + 10) * 10_000
+    assert m.peak(10_000) == pytest.approx(
+        m.static.total + 1.1 * (activations + 7_424_000) + m.workspace_bytes, rel=1e-15
+    )
+    # 100,000 tokens: chunk next_pow2(6400) -> 8192; loss 8192 x 6000 + 12.8e6 = 61,952,000 over 30,000,000
+    assert m.transient_bytes(100_000) == 8192 * 6000 + 100_000 * 128
+    # without a loss the backward's transient counts; at r = 0.5 with 4 layers, half a layer is in flight
+    no_loss = dataclasses.replace(m, loss=None)
+    assert no_loss.transient_bytes(10_000, 0.5) == 300 * 10_000 + 0.5 * 100 * 10_000
+    assert dataclasses.replace(no_loss, layers=2).transient_bytes(10_000, 0.5) == 300 * 10_000
+
+
+def test_capacity_with_transients_is_the_largest_that_fits():
+    """The peak is not linear in C (the loss's chunk doubles in steps): C is still the largest that fits, and a
+    model with transients gets less C than one without."""
+    loss = LossWorkspace(vocab=128_256, hidden=4096, hidden_bytes=2, logit_bytes=6)
+    m = model(params=2 * 10**9, hdp_size=1, layers=8, backward_bytes_per_token=131_072.0, loss=loss, fragmentation=0.02)
+    budget = 140 * GiB
+    for offload in (False, True):
+        c = m.capacity(budget, offload)
+        assert m._worst(c, offload) <= budget < m._worst(c + 1, offload)
+        bare = dataclasses.replace(m, backward_bytes_per_token=0.0, loss=None, fragmentation=0.0)
+        assert c < bare.capacity(budget, offload)
+    # the figures the capacity leaves room for, by hand at C: static + 1.02 (8 x 140,000 + 9,000 + 131,072) C, the
+    # backward's transient above the loss's (a chunk of 4,096 tokens: 3.15 GB of logits and 0.7 GB of d(hidden))
+    c = m.capacity(budget, offload=False)
+    assert 80_000 < c < 90_000 and loss.chunk(c) == 4096
+    assert loss.bytes(c) < 131_072 * c
+    by_hand = m.static.total + 1.02 * (8 * 140_000 + 9_000 + 131_072) * c + m.workspace_bytes
+    assert m.peak(c) == pytest.approx(by_hand, rel=1e-12)
+    assert "transients: 131,072 bytes/token" in m.describe() and "fragmentation: 2%" in m.describe()

@@ -37,7 +37,8 @@ def test_tp_1_is_exactly_the_compute_only_time(hardware):
     assert cost.tp_time_per_token == 0.0
     s = LENGTHS.astype(np.float64)
     assert np.array_equal(cost.layer_time(s), _compute_only(cost, s))
-    assert np.array_equal(cost.seq_time(s), cost.layers * _compute_only(cost, s))
+    # a sequence's work leaves the launches (gamma) to its micro-batch
+    assert np.array_equal(cost.seq_time(s), cost.layers * (_compute_only(cost, s) - cost.gamma))
 
 
 @pytest.mark.parametrize(("cluster", "tp", "link"), [("h100-nvlink", 4, 450e9), ("l20", 2, 32e9), ("l20", 4, 32e9)])

@@ -71,6 +71,25 @@ def test_from_stats_with_a_shape_and_a_peak_reports_tflops_per_rank_and_mfu():
     assert "MFU" not in StepRecord.from_stats(_stats(), 1e-3, COST_MODEL, shape=SHAPE).summary()
 
 
+def test_peaks_predicted_and_reserved_per_step_are_the_largest_over_ranks_and_absent_off_cuda():
+    stats = dataclasses.replace(
+        _stats(), predicted_peak_bytes=[5 * 2**30, 6 * 2**30], measured_peak_bytes=[4 * 2**30, 2**30]
+    )
+    cuda = dataclasses.replace(stats, measured_reserved_peak_bytes=[3 * 2**30, 5 * 2**30])
+    record = StepRecord.from_stats(cuda, 1e-3, COST_MODEL)
+    line = record.to_dict()
+    assert (line["predicted_peak_bytes"], line["measured_reserved_peak_bytes"], line["measured_peak_bytes"]) == (
+        6 * 2**30,
+        5 * 2**30,
+        4 * 2**30,
+    )
+    assert "peak memory 6.00 GiB predicted (5.00 GiB reserved, 4.00 GiB allocated)" in record.summary()
+    assert record.scalars()["measured_reserved_peak_bytes"] == 5 * 2**30
+    cpu = StepRecord.from_stats(dataclasses.replace(stats, measured_peak_bytes=None), 1e-3, COST_MODEL)
+    assert not {"measured_reserved_peak_bytes", "measured_peak_bytes"} & cpu.to_dict().keys()
+    assert cpu.summary().endswith("peak memory 6.00 GiB predicted")
+
+
 def test_summary_shows_tflops_mfu_and_dataset_tokens_when_set():
     summary = _record(tflops=41.23, mfu=0.4168, dataset_tokens={"web": 100, "code": 42}).summary()
     assert ", 41.2 TFLOP/s per rank, MFU 41.7%" in summary
