@@ -1,4 +1,4 @@
-"""`Config(codegen=...)` against eager and `torch.compile` alone: step time, first-call time, kernels.
+"""`CompileConfig(codegen=...)` against eager and `torch.compile` alone: step time, first-call time, kernels.
 
 For each model (the HF Qwen2 of issue 17: hidden 256, 4 layers (`qwen2-8`: 8), vocab 32K; our `small` LLaMA), one
 packed row of `--tokens` tokens in `--sequences` sequences, fwd+bwd, in one process:
@@ -8,7 +8,7 @@ packed row of `--tokens` tokens in `--sequences` sequences, fwd+bwd, in one proc
   - the kernels Inductor generated for our graphs (forward / backward) and the nodes they fuse.
 The load average is printed with the figures: on a shared machine the ratios are what to read.
 `--paths "bsc codegen=inductor layers-once" --repeats 0`, one path per process, each with a fresh
-cache, measures the cold first call of `Config(compile_layers_once=True)` against the whole-model compile.
+cache, measures the cold first call of `CompileConfig(compile_layers_once=True)` against the whole-model compile.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ PATHS = (
     "bsc codegen=none layers-once",
     "bsc codegen=inductor layers-once",
 )
-"""The last two: `Config(compile_layers_once=True)` (issue 17, regional compilation)."""
+"""The last two: `CompileConfig(compile_layers_once=True)` (issue 17, regional compilation)."""
 
 
 def packed_row(tokens: int, sequences: int, vocab: int, hf: bool) -> dict[str, torch.Tensor]:

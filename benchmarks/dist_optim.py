@@ -43,12 +43,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bytescale_compile as bsc  # noqa: E402
+from bytescale_compile.engine.collectives import BUCKET_BYTES  # noqa: E402
+from bytescale_compile.engine.dist_optim import DistributedOptimizer  # noqa: E402
+from bytescale_compile.engine.optim import build_optimizer  # noqa: E402
+from bytescale_compile.engine.runtime import CostModelWarning  # noqa: E402
 from bytescale_compile.planner.memory import MemoryModel  # noqa: E402
 from bytescale_compile.testing import run_distributed  # noqa: E402
-from bytescale_compile.train.collectives import BUCKET_BYTES  # noqa: E402
-from bytescale_compile.train.dist_optim import DistributedOptimizer  # noqa: E402
-from bytescale_compile.train.engine import CostModelWarning  # noqa: E402
-from bytescale_compile.train.optim import build_optimizer  # noqa: E402
 from bytescale_compile.units import parse_size  # noqa: E402
 
 VOCAB = 1024

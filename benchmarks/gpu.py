@@ -206,7 +206,7 @@ def stage_variant(pp: int, index: int, tokens: int, layers: int, smoke: bool, re
     import torch
 
     import bytescale_compile as bsc
-    from bytescale_compile.train.stages import split_stages, stage_inputs
+    from bytescale_compile.engine.stages import split_stages, stage_inputs
 
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16

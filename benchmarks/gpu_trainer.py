@@ -54,8 +54,8 @@ def profiled_cost_model(layers: int, smoke: bool) -> tuple[Any, str]:
 def build_runtime(layers: int, smoke: bool, cost_model: Any) -> tuple[Any, dict[str, Any]]:
     """The trainer's Runtime for the model (see the module docstring) and what it chose: C, bytes per parameter."""
     import bytescale_compile as bsc
-    from bytescale_compile.train.dist_optim import DistributedOptimizer
-    from bytescale_compile.train.engine import Runtime
+    from bytescale_compile.engine.dist_optim import DistributedOptimizer
+    from bytescale_compile.engine.runtime import Runtime
     from bytescale_compile.train.memory import device_memory, memory_model
 
     device = "cpu" if smoke else "cuda"

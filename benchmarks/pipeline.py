@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, bench
 
 import bytescale_compile as bsc  # noqa: E402
 from benchmarks.pp_balance import deal_unbalanced  # noqa: E402
+from bytescale_compile.engine.pipeline import pipeline_stage  # noqa: E402
 from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from bytescale_compile.planner import plan  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
 from bytescale_compile.sim.simulator import pipeline_bubbles, step_time  # noqa: E402
 from bytescale_compile.testing import run_distributed  # noqa: E402
 from bytescale_compile.train.calibrate import calibrate  # noqa: E402
-from bytescale_compile.train.pipeline import pipeline_stage  # noqa: E402
 
 PP, HDP = 2, 2
 

@@ -29,9 +29,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bytescale_compile as bsc  # noqa: E402
+from bytescale_compile.engine.runtime import CostModelWarning  # noqa: E402
 from bytescale_compile.testing import run_distributed  # noqa: E402
 from bytescale_compile.train.calibrate import calibrate  # noqa: E402
-from bytescale_compile.train.engine import CostModelWarning  # noqa: E402
 
 VOCAB = 1024
 

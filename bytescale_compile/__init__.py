@@ -14,9 +14,9 @@ if TYPE_CHECKING:
     from .capture.backend import ShardingError
     from .capture.tensor_parallel import TensorParallelError
     from .capture.tp_plan import tensor_parallel
-    from .config import Config
+    from .config import CompileConfig
+    from .engine.runtime import Runtime, StepStats
     from .passes.report import CompileReport
-    from .train.engine import Runtime, StepStats
     from .train.pipeline import pipeline_stage
 
 _EXPORTS = {
@@ -27,18 +27,18 @@ _EXPORTS = {
     "ShardingError": ".capture.backend",
     "TensorParallelError": ".capture.tensor_parallel",
     "tensor_parallel": ".capture.tp_plan",
-    "Config": ".config",
+    "CompileConfig": ".config",
     "CompileReport": ".passes.report",
-    "Runtime": ".train.engine",
-    "StepStats": ".train.engine",
-    "pipeline_stage": ".train.pipeline",
+    "Runtime": ".engine.runtime",
+    "StepStats": ".engine.runtime",
+    "pipeline_stage": ".engine.pipeline",
 }
 """Public name -> the module that defines it."""
 
 __all__ = [
     "optimize",
     "explain",
-    "Config",
+    "CompileConfig",
     "OptimizedModule",
     "CompileReport",
     "RecompileLimitError",
@@ -52,7 +52,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals(), renamed={"Config": "bytescale_compile.config:CompileConfig"})
 """Import the defining module of a public name when it is first asked for, and cache the name."""
 
 

@@ -17,7 +17,7 @@ from .capture import Backend, ShardingError
 from .capture.layers import mark_repeated_layers
 from .capture.mixers import BYPASSED, AdaptedMixer, adapt_mixers, split_reached, wants_no_cache
 from .capture.tensor_parallel import LocalRunner, TPLayout, find_tp_layout
-from .config import Config
+from .config import CompileConfig
 from .passes.report import CompileReport, GraphReport
 from .runtime.context import MicroBatchContext, current_context, row_packing
 
@@ -48,7 +48,7 @@ class OptimizedModule(nn.Module):
     eval compile separately because the fused loss applies in training only.
     """
 
-    def __init__(self, model: nn.Module, config: Config) -> None:
+    def __init__(self, model: nn.Module, config: CompileConfig) -> None:
         super().__init__()
         object.__setattr__(self, "_orig_mod", model)
         object.__setattr__(self, "compile_config", config)
@@ -154,7 +154,7 @@ class OptimizedModule(nn.Module):
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RecompileLimitError(
                 f"{type(self._orig_mod).__name__}.forward was compiled {RECOMPILE_LIMIT} times in this process "
-                f"(each optimize() of the same model class and, with Config(dynamic=False), each new length "
+                f"(each optimize() of the same model class and, with CompileConfig(dynamic=False), each new length "
                 f"compiles anew); call torch._dynamo.reset() between independent models, or keep dynamic=True"
             ) from e
         broke = [reason for reason, n in counters["graph_break"].items() if n > breaks_before.get(reason, 0)]
@@ -300,18 +300,18 @@ _DECORATOR = object()
 (a model that failed to load must not turn silently into a decorator)."""
 
 
-def optimize(model: Any = _DECORATOR, config: Config | None = None, **overrides: Any) -> Any:
+def optimize(model: Any = _DECORATOR, config: CompileConfig | None = None, **overrides: Any) -> Any:
     """Optimize a module, or decorate a Module class so its instances come out optimized.
 
-    model = optimize(model)                  # or optimize(model, Config(...), attention=False)
-    @optimize                                 # or @optimize(Config(...)) / @optimize(fused_loss=False)
+    model = optimize(model)                  # or optimize(model, CompileConfig(...), attention=False)
+    @optimize                                 # or @optimize(CompileConfig(...)) / @optimize(fused_loss=False)
     class MyModel(nn.Module): ...
     """
-    if isinstance(model, Config):
+    if isinstance(model, CompileConfig):
         model, config = _DECORATOR, model
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"config must be a bytescale_compile.Config, got {type(config).__name__}")
-    config = (config or Config()).with_overrides(**overrides)
+    if config is not None and not isinstance(config, CompileConfig):
+        raise TypeError(f"config must be a bytescale_compile.CompileConfig, got {type(config).__name__}")
+    config = (config or CompileConfig()).with_overrides(**overrides)
     if model is _DECORATOR:
         return functools.partial(optimize, config=config)
     if isinstance(model, OptimizedModule):
@@ -321,12 +321,12 @@ def optimize(model: Any = _DECORATOR, config: Config | None = None, **overrides:
     if isinstance(model, type) and issubclass(model, nn.Module):
         return _optimized_class(model, config)
     raise TypeError(
-        f"optimize() expects an nn.Module instance or subclass (or a Config, as @optimize(config)), "
+        f"optimize() expects an nn.Module instance or subclass (or a CompileConfig, as @optimize(config)), "
         f"got {type(model).__name__} {model!r:.60}"
     )
 
 
-def _optimized_class(cls: type[nn.Module], config: Config) -> type[nn.Module]:
+def _optimized_class(cls: type[nn.Module], config: CompileConfig) -> type[nn.Module]:
     """A subclass of `cls` whose construction returns the optimized instance.
 
     Being a class keeps classmethods (`from_pretrained`) and the constructor signature; `__new__`

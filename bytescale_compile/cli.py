@@ -164,12 +164,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import torch
 
     from .api import explain, optimize
-    from .config import Config
+    from .config import CompileConfig
 
     torch.manual_seed(0)
     model = _model(args.target)
     model.train(not args.eval)
-    config = Config(attention=not args.no_attention, fused_loss=not args.no_fused_loss)
+    config = CompileConfig(attention=not args.no_attention, fused_loss=not args.no_fused_loss)
     inputs = protocol_inputs(model, args.seq_len, args.vocab_size)
     if args.pp > 1:
         return _inspect_stages(model, config, inputs, args)

@@ -1,4 +1,4 @@
-"""`Config`: every knob of `optimize()`, validated when it is built."""
+"""`CompileConfig`: every knob of `optimize()`, validated when it is built."""
 
 from __future__ import annotations
 
@@ -6,12 +6,18 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["ATTENTION_BACKEND_CHOICES", "Config", "DEFAULT_LOSS_WORKSPACE_BYTES", "LOSS_MIN_CHUNK", "loss_chunk_tokens"]
+__all__ = [
+    "ATTENTION_BACKEND_CHOICES",
+    "CompileConfig",
+    "DEFAULT_LOSS_WORKSPACE_BYTES",
+    "LOSS_MIN_CHUNK",
+    "loss_chunk_tokens",
+]
 
 DEFAULT_LOSS_WORKSPACE_BYTES = 2**30
-"""Bytes the fused loss's [chunk, V] buffers may take (the default `Config.loss_workspace_bytes`): 1 GiB holds the
+"""Bytes the fused loss's [chunk, V] buffers may take (the default `CompileConfig.loss_workspace_bytes`): 1 GiB holds the
 bf16 logits of 4096 tokens at V = 128K, the chunk the loss wants for 128K tokens of H = 4096 (about T·H/V).
-Defined here, at the bottom of the layers, so that `Config` and the loss op share it."""
+Defined here, at the bottom of the layers, so that `CompileConfig` and the loss op share it."""
 
 LOSS_MIN_CHUNK = 1024
 """The fewest tokens a chunk of the fused loss takes when its workspace cap allows: shorter chunks give the
@@ -34,11 +40,11 @@ _PARTITIONERS = ("auto", "default", "min_cut")
 _OFFLOAD_MODES = ("auto", "off")
 _CODEGEN = ("auto", "inductor", "none")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch-flash", "triton", "reference")
-"""What `Config.attention_backend` and `BYTESCALE_KERNELS` may name: "auto" or a row of `kernels.dispatch`'s table."""
+"""What `CompileConfig.attention_backend` and `BYTESCALE_KERNELS` may name: "auto" or a row of `kernels.dispatch`'s table."""
 
 
 @dataclass(frozen=True)
-class Config:
+class CompileConfig:
     """What `optimize()` rewrites and how it captures.
 
     attention: rewrite causal attention into the `bytescale::attention` op (packed, later ring).
@@ -89,13 +95,15 @@ class Config:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
-                raise ValueError(f"Config.{f.name} must be True or False, got {value!r}")
+                raise ValueError(f"CompileConfig.{f.name} must be True or False, got {value!r}")
         if (
             isinstance(self.loss_workspace_bytes, bool)
             or not isinstance(self.loss_workspace_bytes, int)
             or self.loss_workspace_bytes < 1
         ):
-            raise ValueError(f"Config.loss_workspace_bytes must be an int >= 1, got {self.loss_workspace_bytes!r}")
+            raise ValueError(
+                f"CompileConfig.loss_workspace_bytes must be an int >= 1, got {self.loss_workspace_bytes!r}"
+            )
         if not (
             self.offload in _OFFLOAD_MODES
             or (
@@ -105,20 +113,20 @@ class Config:
             )
         ):
             raise ValueError(
-                f"Config.offload must be one of {_OFFLOAD_MODES} or a ratio in [0, 1], got {self.offload!r}"
+                f"CompileConfig.offload must be one of {_OFFLOAD_MODES} or a ratio in [0, 1], got {self.offload!r}"
             )
         if self.codegen not in _CODEGEN:
-            raise ValueError(f"Config.codegen must be one of {_CODEGEN}, got {self.codegen!r}")
+            raise ValueError(f"CompileConfig.codegen must be one of {_CODEGEN}, got {self.codegen!r}")
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(
-                f"Config.attention_backend must be one of {ATTENTION_BACKEND_CHOICES}, got {self.attention_backend!r}"
+                f"CompileConfig.attention_backend must be one of {ATTENTION_BACKEND_CHOICES}, got {self.attention_backend!r}"
             )
         if self.partitioner not in _PARTITIONERS:
-            raise ValueError(f"Config.partitioner must be one of {_PARTITIONERS}, got {self.partitioner!r}")
+            raise ValueError(f"CompileConfig.partitioner must be one of {_PARTITIONERS}, got {self.partitioner!r}")
 
     def resolve_codegen(self, device_type: str) -> str:
         """The codegen for graphs on `device_type`: "auto" is Inductor on CUDA, where fusion saves memory
-        traffic, and FX code on CPU, where Inductor's compile time outweighs its gain (README, Config)."""
+        traffic, and FX code on CPU, where Inductor's compile time outweighs its gain (README, CompileConfig)."""
         if self.codegen != "auto":
             return self.codegen
         return "inductor" if device_type == "cuda" else "none"
@@ -131,10 +139,25 @@ class Config:
             return self.partitioner
         return "min_cut" if device_type == "cuda" else "default"
 
-    def with_overrides(self, **overrides: Any) -> Config:
+    def with_overrides(self, **overrides: Any) -> CompileConfig:
         """A copy with some fields changed; unknown names raise ValueError listing the known ones."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ValueError(f"unknown Config field(s) {unknown}; allowed: {sorted(known)}")
+            raise ValueError(f"unknown CompileConfig field(s) {unknown}; allowed: {sorted(known)}")
         return replace(self, **overrides)
+
+
+def __getattr__(name: str) -> Any:
+    """`Config`, the former name of `CompileConfig`, for one release."""
+    if name == "Config":
+        import warnings
+
+        warnings.warn(
+            "bytescale_compile.config.Config moved to bytescale_compile.config.CompileConfig; the old name goes in "
+            "the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return CompileConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

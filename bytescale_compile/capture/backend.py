@@ -3,7 +3,7 @@
     Dynamo graph ──PassManager (attention, fused_loss)──▶ aot_module_simplified
         └─ joint graph ──partition hook (default or min-cut)──▶ forward graph + backward graph
                                  └─ saved-activation table ──offload pass──▶ offload/reload ops
-                                       └─ Config.codegen: FX code over aten ops, or Inductor (`codegen.py`)
+                                       └─ CompileConfig.codegen: FX code over aten ops, or Inductor (`codegen.py`)
 
 With codegen "none" the partitioned graphs run as FX code over aten ops: no code generation stands
 between a user and their eager model's numerics. With "inductor" the same passes and partition hook
@@ -22,7 +22,7 @@ from torch import fx
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-from ..config import Config
+from ..config import CompileConfig
 from ..kernels.attention_ref import AttentionMask
 from ..kernels.dispatch import AttentionCall, AttentionChoice, attention_backend, choose, explain_attention
 from ..ops import KERNEL_OPS, REFERENCE_OPS
@@ -55,7 +55,7 @@ class ShardingError(RuntimeError):
 log = logging.getLogger(__name__)
 ATTENTION_OP = "bytescale::attention"
 REGIONS_HIDE_SAVED = (
-    "layers compiled once (Config.compile_layers_once): the tensors each layer saves for its "
+    "layers compiled once (CompileConfig.compile_layers_once): the tensors each layer saves for its "
     "backward are made inside one body shared by every layer, which the offload pass cannot tell apart"
 )
 
@@ -76,7 +76,7 @@ class Backend:
     graphs in the reports: the module's two backends share one, so its graphs never share a number."""
 
     def __init__(
-        self, config: Config, training: bool, on_graph: Callable[[GraphReport], None], graph_ids: Iterator[int]
+        self, config: CompileConfig, training: bool, on_graph: Callable[[GraphReport], None], graph_ids: Iterator[int]
     ) -> None:
         self.config = config
         self.training = training
@@ -154,11 +154,11 @@ class Backend:
             inputs = [n.meta.get("val") for n in fw.graph.find_nodes(op="placeholder")]
             token_size = _token_size(inputs)
             if not isinstance(token_size, torch.SymInt):  # with static sizes any size equal to T looks like tokens
-                report.saved_activations_note = "needs a dynamic token dimension (Config(dynamic=True))"
+                report.saved_activations_note = "needs a dynamic token dimension (CompileConfig(dynamic=True))"
                 return fw, bw
             table = saved_activations(fw, num_fwd_outputs, token_size)
             if self.config.offload == "off":
-                report.passes.append(PassResult(OFFLOAD, disabled='Config.offload="off"'))
+                report.passes.append(PassResult(OFFLOAD, disabled='CompileConfig.offload="off"'))
             elif regions:
                 log.info("graph %d: offload pass off: %s", report.graph_id, REGIONS_HIDE_SAVED)
                 report.passes.append(PassResult(OFFLOAD, disabled=REGIONS_HIDE_SAVED))
@@ -213,7 +213,7 @@ def _attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _set_attention_backend(gm: fx.GraphModule, backend: str) -> None:
-    """`Config.attention_backend` onto every attention op of the graph, which scopes its kernel calls (local and
+    """`CompileConfig.attention_backend` onto every attention op of the graph, which scopes its kernel calls (local and
     ring) with it when it runs: the graph, not the process, carries the model's choice."""
     if backend == "auto":
         return
@@ -246,7 +246,7 @@ def _attention_choice(node: fx.Node) -> AttentionChoice | None:
     call = AttentionCall(
         q.device, dtypes, int(q.shape[-1]), int(v.shape[-1]), args["softcap"], AttentionMask(True, args["window"])
     )
-    with attention_backend(args["backend"], source="Config.attention_backend"):
+    with attention_backend(args["backend"], source="CompileConfig.attention_backend"):
         return explain_attention(call)
 
 

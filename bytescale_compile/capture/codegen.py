@@ -1,4 +1,4 @@
-"""Inductor code generation for the graphs our passes produce (`Config(codegen="inductor")`).
+"""Inductor code generation for the graphs our passes produce (`CompileConfig(codegen="inductor")`).
 
     Dynamo graph (after our passes) ──compile_fx──▶ AOTAutograd with Inductor's decompositions
         └─ joint graph ──Inductor's joint passes, then our partition hook──▶ forward + backward
@@ -31,7 +31,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from ..config import Config
+from ..config import CompileConfig
 from ..passes.report import GeneratedCode, GeneratedKernel, GraphReport
 
 __all__ = ["compile_with_inductor"]
@@ -50,7 +50,7 @@ _EXTERN = re.compile(r"^\s+(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.\w+\.\w+\
 class _Partitioner(CustomPartitionerFn):
     """Our partition hook as Inductor's custom partitioner; its uuid keys Inductor's FX graph cache."""
 
-    def __init__(self, partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]], config: Config) -> None:
+    def __init__(self, partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]], config: CompileConfig) -> None:
         self.partition = partition
         self.key = f"{get_hash_for_files(_PARTITION_SOURCES).hex()}:{config.partitioner}:{config.offload}"
 
@@ -70,7 +70,7 @@ class _Partitioner(CustomPartitionerFn):
 def compile_with_inductor(
     gm: fx.GraphModule,
     example_inputs: list[Any],
-    config: Config,
+    config: CompileConfig,
     report: GraphReport,
     partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
 ) -> Callable:

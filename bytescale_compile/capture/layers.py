@@ -1,4 +1,4 @@
-"""Mark the repeated decoder layers of a model so Dynamo traces one and reuses it (`Config(compile_layers_once=True)`).
+"""Mark the repeated decoder layers of a model so Dynamo traces one and reuses it (`CompileConfig(compile_layers_once=True)`).
 
 The layers are found by structure, not by name: the `nn.ModuleList` of same-class children holding the
 most parameters (`model.layers` of a Hugging Face model, `layers` of ours). Each child's class is swapped for a
@@ -49,9 +49,9 @@ def mark_repeated_layers(model: nn.Module) -> str | None:
     path, layers = found
     if any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers):
         raise ValueError(
-            f"Config(compile_layers_once=True) with gradient checkpointing on the layers of `{path}`: torch's "
+            f"CompileConfig(compile_layers_once=True) with gradient checkpointing on the layers of `{path}`: torch's "
             f"Dynamo cannot trace a layer compiled once inside a checkpointed region. Turn one of them off: "
-            f"model.gradient_checkpointing_disable(), or Config(compile_layers_once=False) (checkpointed layers "
+            f"model.gradient_checkpointing_disable(), or CompileConfig(compile_layers_once=False) (checkpointed layers "
             f"are rewritten as any other)"
         )
     for layer in layers:

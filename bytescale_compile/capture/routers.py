@@ -7,7 +7,7 @@ is swapped only where its code (docstring and comments aside) is that one. Witho
 computes exactly what Hugging Face's does, so a model called outside a Runtime is unchanged.
 
 `count_routed_experts` makes each router with an `e_score_correction_bias` (DeepSeek-V3 and its relatives) count
-the experts it picks, for aux-loss-free balancing (`train/routing.py`).
+the experts it picks, for aux-loss-free balancing (`engine/routing.py`).
 
 None of the 5.24 MoE causal LMs has a router z-loss (only the encoder-decoder Switch Transformers and NLLB-MoE
 do): there is none to adapt.

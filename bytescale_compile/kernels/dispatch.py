@@ -12,7 +12,7 @@ entry points below keep the references' `[B, H, T, D]` names and signatures and 
 
 `BYTESCALE_KERNELS` (read at every call) overrides the choice: `auto` (or unset), `reference` and `triton`
 for attention and the loss, `torch-flash` for attention (the loss then chooses as in `auto`).
-`Config.attention_backend` (the op scopes it with `attention_backend`) wins over it for attention. A backend
+`CompileConfig.attention_backend` (the op scopes it with `attention_backend`) wins over it for attention. A backend
 asked for by name that cannot serve a call raises `KernelUnavailableError` naming the unmet condition; `auto`
 passes over it. `triton` with CPU tensors runs the kernels in Triton's interpreter, which needs
 `TRITON_INTERPRET=1` set when the process starts (see `triton_mode`). The compile report records, for each
@@ -455,7 +455,7 @@ def _check_choice(name: str, what: str) -> None:
 def attention_backend(name: str | None, *, source: str = "dispatch.attention_backend") -> Iterator[None]:
     """Run attention in this scope on the backend `name` (None or "auto": as `BYTESCALE_KERNELS` says), which
     wins over the environment. `source` is who asked, for the error a backend that cannot serve raises. The
-    op scopes its calls with `Config.attention_backend` this way: the ring's blocks inherit it."""
+    op scopes its calls with `CompileConfig.attention_backend` this way: the ring's blocks inherit it."""
     if name is None or name == "auto":
         yield
         return

@@ -13,7 +13,7 @@ When the context's group has several ranks, the row holds this rank's zigzag tok
 the packed ring (`runtime/dist_attn.py`), with the context's Ulysses degree beside it
 (`runtime/ulysses.py`); a group of one stays local.
 
-`backend` (`Config.attention_backend`, set on the op when the graph compiles) names the attention backend
+`backend` (`CompileConfig.attention_backend`, set on the op when the graph compiles) names the attention backend
 of `kernels.dispatch`'s table that every call, local segments and ring blocks alike, must run on; None
 leaves the choice to the table and `BYTESCALE_KERNELS`. A single row (a packed micro-batch) is returned
 as the kernels give it; only several rows are gathered into one tensor.
@@ -118,7 +118,7 @@ def _restarts(position_ids: Tensor, batch: int, tokens: int) -> list[Tensor] | N
     return bounds
 
 
-_BACKEND_SOURCE = "Config.attention_backend"
+_BACKEND_SOURCE = "CompileConfig.attention_backend"
 
 
 def _check_args(q: Tensor, k: Tensor, v: Tensor, window: int | None, softcap: float | None) -> None:

@@ -70,7 +70,7 @@ def offload_saved(layer: int, token_dim: int, keep: bool, members: list[Tensor])
     if any(m.untyped_storage().data_ptr() != storage for m in members):
         raise OffloadError(
             f"bytescale::offload_saved (layer {layer}): its {len(members)} members must view one "
-            "storage, but the compiled graph passed copies; use Config(offload='off') for this model"
+            "storage, but the compiled graph passed copies; use CompileConfig(offload='off') for this model"
         )
     ctx = current_act_ctx()
     held = ctx.offload(layer, token_dim, keep, members[0]) if ctx else token_major_storage(members[0], token_dim)[0]

@@ -1,4 +1,4 @@
-"""`Pass` and `PassManager`: named graph rewrites run in order, each switched on or off by `Config`."""
+"""`Pass` and `PassManager`: named graph rewrites run in order, each switched on or off by `CompileConfig`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from ..config import Config
+from ..config import CompileConfig
 from .graph import eliminate_dead_code
 from .report import PassResult
 
@@ -18,13 +18,13 @@ __all__ = ["Pass", "PassContext", "PassManager"]
 class PassContext:
     """What a pass may know about the compilation beyond the graph itself."""
 
-    config: Config
+    config: CompileConfig
     training: bool
 
 
 @dataclass(frozen=True)
 class Pass:
-    """A named rewrite over an FX graph; `enabled_by` names the Config field that switches it."""
+    """A named rewrite over an FX graph; `enabled_by` names the CompileConfig field that switches it."""
 
     name: str
     run: Callable[[fx.GraphModule, PassContext], PassResult]
@@ -44,7 +44,7 @@ class PassManager:
         results = []
         for p in self.passes:
             if p.enabled_by is not None and not getattr(ctx.config, p.enabled_by):
-                results.append(PassResult(p.name, disabled=f"Config.{p.enabled_by}=False"))
+                results.append(PassResult(p.name, disabled=f"CompileConfig.{p.enabled_by}=False"))
                 continue
             results.append(p.run(gm, ctx))
             if results[-1].rewrites:

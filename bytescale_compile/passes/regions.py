@@ -2,7 +2,7 @@
 
 Dynamo emits two higher-order ops whose body holds a whole decoder layer:
 
-    invoke_subgraph(subgraph_0, 'subgraph_0', *operands)    # Config(compile_layers_once=True): one body, one
+    invoke_subgraph(subgraph_0, 'subgraph_0', *operands)    # CompileConfig(compile_layers_once=True): one body, one
                                                              # call per layer with that layer's weights
     tag_activation_checkpoint(wrap_body_0, *operands)        # torch.utils.checkpoint (Hugging Face's
                                                              # gradient_checkpointing_enable): one body per call

@@ -56,7 +56,7 @@ class PassResult:
     rewrites: list[Rewrite] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     disabled: str | None = None
-    """Why the pass did not run (switched off in Config), or None when it ran."""
+    """Why the pass did not run (switched off in CompileConfig), or None when it ran."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class GeneratedKernel:
 
 @dataclass
 class GeneratedCode:
-    """What Inductor made of one partitioned graph (`Config(codegen="inductor")`)."""
+    """What Inductor made of one partitioned graph (`CompileConfig(codegen="inductor")`)."""
 
     graph: str
     """"forward", "backward" or "inference"."""
@@ -111,7 +111,7 @@ class GraphReport:
     forward_graph: str = ""
     backward_graph: str = ""
     generated: list[GeneratedCode] = field(default_factory=list)
-    """Inductor's code for the partitioned graphs; empty with `Config(codegen="none")`."""
+    """Inductor's code for the partitioned graphs; empty with `CompileConfig(codegen="none")`."""
     kernels: dict[str, str] = field(default_factory=dict)
     """Our op in the graph -> the kernels `kernels.dispatch` chose when it was compiled: "triton" or "reference"
     for the loss (on the device of the graph's example inputs); for `bytescale::attention` the backend of its

@@ -17,7 +17,7 @@ zigzag chunks only. This pass finds them by what they do to the token dimension,
 
 A token dim is one whose size is an expression of the token count T (dim 1 of `input_ids`): T, T + k - 1,
 ceil(T / 64) chunks and 2 T all count, so reshapes into chunks keep their tokens visible. With a static token
-dimension (`Config(dynamic=False)`) dims equal to T count, which may over-report. Every op found is left
+dimension (`CompileConfig(dynamic=False)`) dims equal to T count, which may over-report. Every op found is left
 alone and reported; the runtime then neither packs nor shards the model.
 
 The mixers of known Hugging Face modules were swapped for the segment-aware `bytescale::causal_conv1d` and

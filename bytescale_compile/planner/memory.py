@@ -110,7 +110,7 @@ class LossWorkspace:
     """lm_head's gradient while the loss holds it, beside the gradient buffer: the one the op returns and its
     scaled copy in the compiled backward (2·V·H in the weight's dtype)."""
     max_buffer_bytes: int | None = None
-    """The most bytes a chunk's [chunk, V/tp] buffers may take (`Config.loss_workspace_bytes`); None: no cap."""
+    """The most bytes a chunk's [chunk, V/tp] buffers may take (`CompileConfig.loss_workspace_bytes`); None: no cap."""
     tp: int = 1
     """A vocabulary-parallel loss: each rank holds V/tp columns of every chunk."""
 

@@ -2,7 +2,7 @@
 loss (before its coefficient), tallied by the router ops while a `RouterTally` is ambient.
 
 The ops add device tensors only: nothing here syncs with the host. The Runtime sums the tallies of every rank
-once at the step's end (`train/routing.py`), for the expert-load figures and the aux-loss-free bias update.
+once at the step's end (`engine/routing.py`), for the expert-load figures and the aux-loss-free bias update.
 """
 
 from __future__ import annotations

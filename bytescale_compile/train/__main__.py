@@ -179,9 +179,9 @@ def _train(inputs: RunInputs) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..engine.batch import BatchError
     from ..planner import PlanError
     from ..planner.memory import MemoryBudgetError
-    from .batch import BatchError
     from .checkpoint import CheckpointError, CheckpointSaveError
     from .config import ConfigError
     from .launch import init_distributed, local_device
@@ -281,7 +281,7 @@ def _warnings_once() -> None:
     """Warnings as one `warning: ...` line each, without the source line Python shows by default (the message
     says what to do; a line of our code does not), and a CostModelWarning once per run however many strategies
     and resumes compare their steps with the cost model."""
-    from .engine import CostModelWarning
+    from ..engine.runtime import CostModelWarning
 
     shown: set[object] = set()
 

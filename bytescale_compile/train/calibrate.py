@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..engine.collectives import sync_gradients
+from ..engine.mesh import TrainMesh
+from ..engine.runtime import ListBatch, Runtime
 from ..planner import BALANCE, STATIC, CostModel, MicroBatch, Plan
 from ..planner.cost_model import RECOMPUTE_TIME
 from ..planner.plan import local_tokens
 from ..planner.profiler import fit_time
-from .collectives import sync_gradients
-from .engine import ListBatch, Runtime
-from .mesh import TrainMesh
 
 __all__ = ["CALIBRATION_FRACTIONS", "Calibration", "calibrate", "calibration_lengths"]
 

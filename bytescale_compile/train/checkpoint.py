@@ -8,7 +8,7 @@ DCP saves one `Stateful`, the model and its optimizer (`_AppState` under "app"),
 `app.model.<param>`, `app.optim.state.<param>.<exp_avg|exp_avg_sq|step>` and
 `app.optim.param_groups.<param>.<lr|betas|...>`, where `<param>` is always the whole model's name:
 
-- a pipeline stage (`train/stages.py`) numbers its layers from 0, so its names go through `full_model_name`
+- a pipeline stage (`engine/stages.py`) numbers its layers from 0, so its names go through `full_model_name`
   and no two stages' names collide;
 - a ZeRO-1 `ZeroRedundancyOptimizer` holds its rank's parameters' state only: DCP's helpers run on its local
   optimizer, so each rank writes the state of its own parameters and nothing is gathered;
@@ -62,6 +62,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..engine.dist_optim import DistributedOptimizer
+from ..engine.mesh import tp_size_of
+from ..engine.optim import keeping_implementation
+from ..engine.stages import full_model_name, stage_spec
 from .checkpoint_files import (
     COMPLETE_MARKER,
     DCP_METADATA,
@@ -86,10 +90,6 @@ from .checkpoint_files import (
     verify_checkpoint,
     world_size,
 )
-from .dist_optim import DistributedOptimizer
-from .mesh import tp_size_of
-from .optim import keeping_implementation
-from .stages import full_model_name, stage_spec
 
 __all__ = [
     "COMPLETE_MARKER",

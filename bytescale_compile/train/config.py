@@ -39,7 +39,7 @@ __all__ = [
 
 DTYPES = ("fp32", "bf16")
 """fp32: everything in fp32. bf16: bf16 weights and autocast forward; fp32 gradient buffer, sharded fp32 main
-weights and optimizer (`train/dist_optim.py`), fp32 loss."""
+weights and optimizer (`engine/dist_optim.py`), fp32 loss."""
 CAPACITY_AUTO = "auto"
 """capacity = "auto": the largest C the memory model fits in the memory budget."""
 LOADERS = ("local", "ray")

@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..config import Config
+from ..config import CompileConfig
+from ..engine.collectives import local
+from ..engine.stages import checkpointed, stage_specs
 from ..kernels.cross_entropy_ref import logit_bytes
 from ..kernels.dispatch import choose
 from ..passes.report import CompileReport, SavedActivation
@@ -54,8 +56,6 @@ from ..planner.memory import (
     MemoryModel,
 )
 from ..planner.model_shape import LAYERS, ModelConfigError, model_shape
-from .collectives import local
-from .stages import stage_specs
 
 if TYPE_CHECKING:
     from ..api import OptimizedModule
@@ -65,7 +65,6 @@ __all__ = [
     "MLP_BACKWARD_BUFFERS",
     "TORCH_DTYPES",
     "ParamCounts",
-    "checkpointed",
     "compile_on_meta",
     "device_memory",
     "expandable_segments",
@@ -353,14 +352,6 @@ def _layer_backward(model: nn.Module, *, compute_bytes: int, tp: int) -> float:
     return layer_backward_bytes_per_token(shape, compute_bytes=compute_bytes, tp=tp)
 
 
-def checkpointed(model: nn.Module) -> bool:
-    """Whether `model`'s decoder layers recompute their forward in the backward: Hugging Face's gradient
-    checkpointing is on (`gradient_checkpointing_enable`, the trainer's --gradient-checkpointing), which Dynamo
-    captures as one checkpointed region per layer."""
-    inner = getattr(model, "original_module", model)
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules())
-
-
 def _recomputed_layer(model: nn.Module, *, dtype: str, share: Callable[[SavedActivation], float] | None) -> float:
     """Bytes per token of the activations one checkpointed layer rebuilds in the backward: the larger layer of
     a 2-layer copy of the model's config compiled on meta without checkpointing, by the partitioner `model` was
@@ -373,7 +364,7 @@ def _recomputed_layer(model: nn.Module, *, dtype: str, share: Callable[[SavedAct
             f"un-checkpointed copy from: its recomputed activations cannot be measured"
         )
     copy_, _ = meta_model(config, dtype)
-    compile_config = getattr(model, "compile_config", Config())
+    compile_config = getattr(model, "compile_config", CompileConfig())
     device = next(inner.parameters()).device.type
     ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long)
     inputs: dict[str, Any] = {
@@ -472,7 +463,7 @@ def _loss_workspace(model: nn.Module, *, dtype: str, tp: int) -> LossWorkspace |
         logit_bytes=compute.itemsize if triton else logit_bytes(compute, upcast=True, softcap=None),
         head_grad_bytes=2 * vocab * hidden * compute.itemsize,
         tp=tp,
-        max_buffer_bytes=getattr(model, "compile_config", Config()).loss_workspace_bytes,
+        max_buffer_bytes=getattr(model, "compile_config", CompileConfig()).loss_workspace_bytes,
     )
 
 
@@ -504,7 +495,7 @@ def compile_on_meta(model: nn.Module, inputs: dict[str, Any], *, partitioner: st
     saved activations a run with that partitioner keeps."""
     from ..api import optimize
 
-    config = Config(partitioner=partitioner or Config().resolve_partitioner("cuda"), codegen="none")
+    config = CompileConfig(partitioner=partitioner or CompileConfig().resolve_partitioner("cuda"), codegen="none")
     model.train()
     optimized = optimize(model, config)
     meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

@@ -24,11 +24,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..engine.runtime import StepStats
 from ..planner import CostModel
 from ..planner.cost_model import ModelShape
 from ..planner.memory import format_bytes
 from ..sim.simulator import busy_times, p2p_bytes, simulate, ulysses_bytes
-from .engine import StepStats
 from .flops import achieved, model_flops
 
 __all__ = [

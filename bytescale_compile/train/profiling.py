@@ -28,7 +28,10 @@ import torch
 from torch import nn
 
 from ..api import optimize
-from ..config import Config
+from ..config import CompileConfig
+from ..engine.dist_optim import DistributedOptimizer
+from ..engine.optim import build_optimizer
+from ..engine.runtime import CostModelWarning, ListBatch, Runtime
 from ..planner import STATIC, MicroBatch, Plan
 from ..planner.cost_model import Hardware
 from ..planner.profiler import (
@@ -43,9 +46,6 @@ from ..planner.profiler import (
     layer_act_bytes,
     model_cost,
 )
-from .dist_optim import DistributedOptimizer
-from .engine import CostModelWarning, ListBatch, Runtime
-from .optim import build_optimizer
 
 __all__ = ["MIN_TIME", "StepShape", "profile_steps", "step_shapes"]
 
@@ -92,7 +92,7 @@ def profile_steps(
     device: str | torch.device | None = None,
     min_time: float = MIN_TIME,
     hardware: Hardware | None = None,
-    config: Config | None = None,
+    config: CompileConfig | None = None,
 ) -> StepProfile:
     """Build the model `spec` names, time training steps of its compiled 1- and 2-layer cuts on `device` (default:
     CUDA if there is one) at `step_shapes(lengths)`, fit, and save the CostModel of the whole model at `out_path`."""
@@ -159,7 +159,7 @@ def _cut(model: nn.Module, depth: int) -> nn.Module:
             setattr(config, key, value)
 
 
-def _runtime(cut: nn.Module, dtype: torch.dtype, capacity: int, config: Config | None) -> Runtime:
+def _runtime(cut: nn.Module, dtype: torch.dtype, capacity: int, config: CompileConfig | None) -> Runtime:
     """The trainer's Runtime of `cut`: for a bf16 model the distributed optimizer over its fp32 copy and bf16
     autocast (`--dtype bf16`), else torch's AdamW (`--dtype fp32`); learning rate 0."""
     bf16 = dtype == torch.bfloat16

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 
 from ..data import GlobalBatchSampler, TokenDataset, open_dataset
+from ..engine.runtime import BatchError
 from ..planner import DEFAULT_SP, CostModel, Plan, plan, validate_splits
 from ..sim.simulator import step_time
 from .config import ConfigError
-from .engine import BatchError
 
 __all__ = [
     "DataServerError",

@@ -51,10 +51,16 @@ from ..data import (
     load_tokenizer,
     open_data,
 )
+from ..engine.batch import num_targets
+from ..engine.dist_optim import DistributedOptimizer, restore_fp32_
+from ..engine.optim import LRSchedule, build_optimizer
+from ..engine.pipeline import pipeline_stage, stage_group, whole_state
+from ..engine.routing import RouterTraining
+from ..engine.runtime import CostModelWarning, Runtime, default_cost_model
+from ..engine.stages import UnsupportedModelError, split_stages, stage_spec
 from ..planner import AUTO, STATIC, CostModel, ModelShape
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import ModelConfigError, model_shape
-from .batch import num_targets
 from .calibrate import calibrate
 from .checkpoint import (
     CheckpointError,
@@ -77,19 +83,13 @@ from .config import (
     load_config,
     to_toml,
 )
-from .dist_optim import DistributedOptimizer, restore_fp32_
-from .engine import CostModelWarning, Runtime, default_cost_model
 from .flops import peak_tflops
 from .memory import TORCH_DTYPES, device_memory, memory_model
 from .metrics import LoggerError, MetricsLog, StepRecord, check_loggers, echo, progress
 from .models import LoadedModel, enable_gradient_checkpointing, load_model
-from .optim import LRSchedule, build_optimizer
-from .pipeline import pipeline_stage, stage_group, whole_state
 from .preflight import check_token_ids, preflight
 from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
-from .routing import RouterTraining
 from .signals import Stopped, StopRequest
-from .stages import UnsupportedModelError, split_stages, stage_spec
 
 __all__ = [
     "CALIBRATED_COST_MODEL",

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from bytescale_compile.engine.dist_optim import DistributedOptimizer
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.testing import run_distributed
 from bytescale_compile.train import checkpoint
@@ -34,7 +35,6 @@ from bytescale_compile.train.checkpoint import (
     verify_checkpoint,
     wait_for_checkpoint,
 )
-from bytescale_compile.train.dist_optim import DistributedOptimizer
 
 
 def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -4,7 +4,7 @@ Convolutions (LFM2, and the one before each scan), Mamba/Mamba2 scans (Bamba, Ja
 Nemotron-H, Zamba2) and gated delta rules (Qwen3-Next) read other tokens than their own. Their Hugging Face modules run on the segment-aware
 `bytescale::causal_conv1d` and `bytescale::scan`: a packed row equals each sequence alone, and a sequence
 shared by two ranks equals single-process training. Mixers the compiler does not know (or with
-`Config(token_mixers=False)`) are listed by layer, a packed row is refused, and the runtime runs every sequence
+`CompileConfig(token_mixers=False)`) are listed by layer, a packed row is refused, and the runtime runs every sequence
 alone on one rank.
 """
 
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import bytescale_compile as bsc
+from bytescale_compile.engine.batch import BatchError
 from bytescale_compile.planner import CostModel, PlanError, plan
 from bytescale_compile.testing import run_distributed
-from bytescale_compile.train.batch import BatchError
 from tests.helpers import eager_copy, loss_and_grads, protocol_batch, reference_step, rel_err
 from tests.hf_models import HYBRID_BY_NAME, HYBRIDS, VOCAB, build_hybrid
 
@@ -112,7 +112,7 @@ def test_a_sequence_longer_than_capacity_and_a_given_plan_that_packs_are_refused
     model = build_hybrid("lfm2")
     before = copy.deepcopy(model.state_dict())
     runtime = bsc.Runtime(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), config=bsc.Config(token_mixers=False), capacity=64
+        model, torch.optim.SGD(model.parameters(), lr=0.5), config=bsc.CompileConfig(token_mixers=False), capacity=64
     )
     with pytest.raises(PlanError, match=r"sequence 0 has 150 tokens.*capacity 64.*`model\.layers\.0\.conv`"):
         runtime.step([torch.randint(0, VOCAB, (n,)) for n in (150, 9)])

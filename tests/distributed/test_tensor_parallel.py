@@ -16,11 +16,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import bytescale_compile as bsc
 from bytescale_compile import TensorParallelError
 from bytescale_compile.capture.tp_plan import tp_plan_of
+from bytescale_compile.engine.collectives import ReplicaGradientError
+from bytescale_compile.engine.dist_optim import DistributedOptimizer
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.passes.loss import NAME as FUSED_LOSS
 from bytescale_compile.testing import run_distributed
-from bytescale_compile.train.collectives import ReplicaGradientError
-from bytescale_compile.train.dist_optim import DistributedOptimizer
 from tests.helpers import hf_llama, reference_step, rel_err
 from tests.hf_models import build
 

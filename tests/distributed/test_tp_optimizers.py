@@ -19,13 +19,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import bytescale_compile as bsc
+from bytescale_compile.engine.collectives import local, sync_gradients
+from bytescale_compile.engine.dist_optim import DistributedOptimizer
+from bytescale_compile.engine.mesh import ReplicaGroupError, TrainMesh, hdp_group
+from bytescale_compile.engine.optim import LocalZeroRedundancyOptimizer, StepGuard, build_optimizer
 from bytescale_compile.planner import CostModel
 from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
-from bytescale_compile.train.collectives import local, sync_gradients
-from bytescale_compile.train.dist_optim import DistributedOptimizer
-from bytescale_compile.train.mesh import ReplicaGroupError, TrainMesh, hdp_group
-from bytescale_compile.train.optim import LocalZeroRedundancyOptimizer, StepGuard, build_optimizer
 from tests.helpers import hf_llama, reference_step, rel_err
 
 LR, BETAS, DECAY = 3e-3, (0.9, 0.95), 0.1

@@ -13,6 +13,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import bytescale_compile as bsc
+from bytescale_compile.engine.optim import build_optimizer
+from bytescale_compile.engine.pipeline import pipeline_stage, stage_group
+from bytescale_compile.engine.stages import full_model_name
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.checkpoint import (
@@ -25,9 +28,6 @@ from bytescale_compile.train.checkpoint import (
     resume_latest,
     save_checkpoint,
 )
-from bytescale_compile.train.optim import build_optimizer
-from bytescale_compile.train.pipeline import pipeline_stage, stage_group
-from bytescale_compile.train.stages import full_model_name
 
 TRAIN_STATE = {"step": 2, "sampler": {"epoch": 0, "cursor": 17}, "seeds": [1, 2], "config": {"lr": 1e-3}}
 

@@ -10,10 +10,10 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import bytescale_compile as bsc
+from bytescale_compile.engine.runtime import BatchError, SkippedStepsError
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import PlanError
 from bytescale_compile.testing import run_distributed
-from bytescale_compile.train.engine import BatchError, SkippedStepsError
 from tests.helpers import reference_step, rel_err
 
 LENGTHS = [90, 60, 10, 12, 7, 20, 3]  # with C = 32: one sequence over 3 ranks, one over 2, packed short ones

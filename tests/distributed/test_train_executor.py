@@ -19,19 +19,19 @@ import torch
 from torch import nn
 
 import bytescale_compile as bsc
-from bytescale_compile.kernels.transfer import to_device
-from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM, tiny
-from bytescale_compile.planner.plan import MicroBatch, Plan, local_tokens
-from bytescale_compile.testing import run_distributed
-from bytescale_compile.train import batch as batch_module
-from bytescale_compile.train.batch import (
+from bytescale_compile.engine import batch as batch_module
+from bytescale_compile.engine.batch import (
     ListBatch,
     MicroBatchInputs,
     Stopwatch,
     build_micro_batch,
     num_targets,
 )
-from bytescale_compile.train.collectives import gather
+from bytescale_compile.engine.collectives import gather
+from bytescale_compile.kernels.transfer import to_device
+from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM, tiny
+from bytescale_compile.planner.plan import MicroBatch, Plan, local_tokens
+from bytescale_compile.testing import run_distributed
 from tests.helpers import reference_step, rel_err
 
 LR = 0.5

@@ -17,18 +17,18 @@ import torch.distributed as dist
 from torch import nn
 
 import bytescale_compile as bsc
-from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM, tiny
-from bytescale_compile.planner.plan import MicroBatch, Plan, PlanError, local_tokens, split_tokens
-from bytescale_compile.testing import run_distributed
-from bytescale_compile.train import pipeline
-from bytescale_compile.train.pipeline import (
+from bytescale_compile.engine import pipeline
+from bytescale_compile.engine.pipeline import (
     PipelineExecutor,
     PipelineSetupError,
     StageTransferError,
     check_stage_plan,
     pipeline_stage,
 )
-from bytescale_compile.train.stages import StageSpec, split_stages
+from bytescale_compile.engine.stages import StageSpec, split_stages
+from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM, tiny
+from bytescale_compile.planner.plan import MicroBatch, Plan, PlanError, local_tokens, split_tokens
+from bytescale_compile.testing import run_distributed
 from tests.helpers import hf_llama, reference_step, rel_err
 
 LR = 0.5
@@ -110,7 +110,7 @@ def _step_worker(rank: int, world: int, name: str, plan: Plan, offload: float = 
     reference = copy.deepcopy(model)
     names = {id(p): n for n, p in model.named_parameters()}
     stage = bsc.pipeline_stage(model, plan.pp_size)
-    runtime = bsc.Runtime(stage, torch.optim.SGD(stage.parameters(), lr=LR), bsc.Config(offload=offload))
+    runtime = bsc.Runtime(stage, torch.optim.SGD(stage.parameters(), lr=LR), bsc.CompileConfig(offload=offload))
     assert (runtime.rank, runtime.world_size, runtime.pp_size) == (
         rank % plan.world_size,
         plan.world_size,

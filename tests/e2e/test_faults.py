@@ -37,6 +37,7 @@ import bytescale_compile
 import bytescale_compile as bsc
 from bytescale_compile.cli import CLIError, main
 from bytescale_compile.data import write_dataset
+from bytescale_compile.engine.runtime import CostModelWarning, default_cost_model, prediction_off
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import CostModel
 from bytescale_compile.runtime import dist_attn
@@ -56,7 +57,6 @@ from bytescale_compile.train.checkpoint import (
     select_checkpoint,
 )
 from bytescale_compile.train.config import ConfigError, TrainConfig, load_config, to_toml
-from bytescale_compile.train.engine import CostModelWarning, default_cost_model, prediction_off
 from bytescale_compile.train.trainer import CONFIG_FILE, setup
 
 # === checkpoints: verified, fallen back from, never resumed under changed settings ================
@@ -563,7 +563,7 @@ def test_a_cuda_profile_is_labelled_with_the_gpu_name(monkeypatch):
 def test_every_public_name_still_imports_from_the_package():
     for name in bytescale_compile.__all__:
         assert getattr(bytescale_compile, name) is not None
-    from bytescale_compile import Config, optimize  # noqa: F401
+    from bytescale_compile import CompileConfig, optimize  # noqa: F401
 
     assert set(bytescale_compile.__all__) <= set(dir(bytescale_compile))
     with pytest.raises(AttributeError, match="no_such_name"):

@@ -14,11 +14,11 @@ import torch
 
 import bytescale_compile as bsc
 from bytescale_compile.data import GlobalBatchSampler, TokenDataset
+from bytescale_compile.engine.runtime import BatchError
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import CostModel, PlanError, plan
 from bytescale_compile.train import remote
 from bytescale_compile.train.__main__ import main
-from bytescale_compile.train.engine import BatchError
 from bytescale_compile.train.remote import DataServerError, PlanSettings, RemoteBatches, scheduler_for
 from tests.trainer_runs import (
     GLOBAL_TOKENS,

@@ -1,4 +1,4 @@
-"""The contracts of optimize(), Config and the CLI."""
+"""The contracts of optimize(), CompileConfig and the CLI."""
 
 import inspect
 import json
@@ -27,12 +27,12 @@ def test_optimize_rejects_non_modules():
     ],
 )
 def test_config_validation_names_field_and_allowed_values(field, value, allowed):
-    with pytest.raises(ValueError, match=f"Config.{field}.*{allowed}"):
-        bsc.Config(**{field: value})
+    with pytest.raises(ValueError, match=f"CompileConfig.{field}.*{allowed}"):
+        bsc.CompileConfig(**{field: value})
 
 
 def test_unknown_override_lists_known_fields():
-    with pytest.raises(ValueError, match="unknown Config field.*'attentoin'.*allowed"):
+    with pytest.raises(ValueError, match="unknown CompileConfig field.*'attentoin'.*allowed"):
         bsc.optimize(tiny(), attentoin=False)
 
 
@@ -56,7 +56,7 @@ def test_decorator_forms():
     class Plain(LlamaForCausalLM):
         pass
 
-    @bsc.optimize(bsc.Config(fused_loss=False))
+    @bsc.optimize(bsc.CompileConfig(fused_loss=False))
     class WithConfig(LlamaForCausalLM):
         pass
 
@@ -94,7 +94,7 @@ def test_cli_inspect_json(capsys):
     assert main(["inspect", "bytescale_compile.models.llama:tiny", "--seq-len", "32", "--json", "--no-fused-loss"]) == 0
     report = json.loads(capsys.readouterr().out)
     passes = report["graphs"][0]["passes"]
-    assert passes[1]["disabled"] == "Config.fused_loss=False"
+    assert passes[1]["disabled"] == "CompileConfig.fused_loss=False"
 
 
 @pytest.mark.parametrize("target", ["bytescale_compile.models.llama:tiny", "tests.helpers:hf_llama"])

@@ -1,6 +1,6 @@
 """The attention backend table (`kernels.dispatch`) and torch's flash attention adapter (`kernels.attention_flash`).
 
-On the CPU: each backend's predicate, one excluding condition at a time; the overrides (environment, `Config`,
+On the CPU: each backend's predicate, one excluding condition at a time; the overrides (environment, `CompileConfig`,
 the scope the op sets) and their errors; FlashAttention's mask convention, emulated in torch, against ours for
 every mapping `flash_window` gives (and no mapping missed but the one documented case); the lse conventions;
 and the whole torch-flash path (segments, ring blocks, GQA, batch rows) through the table with the aten ops
@@ -17,7 +17,7 @@ import torch
 
 import bytescale_compile as bsc
 import bytescale_compile.ops  # noqa: F401  (registers bytescale::attention)
-from bytescale_compile.config import ATTENTION_BACKEND_CHOICES, Config
+from bytescale_compile.config import ATTENTION_BACKEND_CHOICES, CompileConfig
 from bytescale_compile.kernels import attention_flash as flash
 from bytescale_compile.kernels import attention_ref as ref
 from bytescale_compile.kernels import dispatch
@@ -157,18 +157,18 @@ def test_bad_names_are_refused_with_the_choices(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_VAR, "flash3")
     with pytest.raises(ValueError, match=r"BYTESCALE_KERNELS must be one of \('auto', 'torch-flash'.*got 'flash3'"):
         dispatch.requested_attention_backend()
-    with pytest.raises(ValueError, match="Config.attention_backend must be one of .* got 'flash'"):
-        Config(attention_backend="flash")
+    with pytest.raises(ValueError, match="CompileConfig.attention_backend must be one of .* got 'flash'"):
+        CompileConfig(attention_backend="flash")
     with pytest.raises(ValueError, match="the scope must be one of"):
         with dispatch.attention_backend("fast", source="the scope"):
             pass
-    assert Config().attention_backend == "auto"
+    assert CompileConfig().attention_backend == "auto"
 
 
 def test_a_scope_wins_over_the_environment_and_nests(monkeypatch, gpu_like):
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
-    with dispatch.attention_backend("triton", source="Config.attention_backend"):
-        assert dispatch.requested_attention_backend() == ("triton", "Config.attention_backend")
+    with dispatch.attention_backend("triton", source="CompileConfig.attention_backend"):
+        assert dispatch.requested_attention_backend() == ("triton", "CompileConfig.attention_backend")
         with dispatch.attention_backend("auto"):  # auto leaves the outer choice alone
             assert dispatch.choose_attention(_call()).name == "triton"
         with dispatch.attention_backend("torch-flash"):
@@ -182,9 +182,9 @@ def test_a_forced_backend_that_cannot_serve_raises_and_never_falls_back(monkeypa
         dispatch.choose_attention(_call(softcap=30.0))
     monkeypatch.delenv(dispatch.ENV_VAR)
     q = k = v = torch.randn(1, 2, 8, 16)
-    with dispatch.attention_backend("torch-flash", source="Config.attention_backend"):
+    with dispatch.attention_backend("torch-flash", source="CompileConfig.attention_backend"):
         with pytest.raises(
-            dispatch.KernelUnavailableError, match=r"\(Config.attention_backend\) .* needs CUDA tensors, got cpu"
+            dispatch.KernelUnavailableError, match=r"\(CompileConfig.attention_backend\) .* needs CUDA tensors, got cpu"
         ):
             dispatch.segment_causal_attention_fwd(q, k, v, [0, 3, 8], 0.25)
     out, _ = dispatch.segment_causal_attention_fwd(q, k, v, [0, 3, 8], 0.25)  # auto: the reference
@@ -196,7 +196,9 @@ def test_the_op_runs_on_the_backend_it_is_given(monkeypatch):
 
     monkeypatch.setattr(attention_triton, "INTERPRETED", False)
     q = k = v = torch.randn(1, 2, 8, 16)
-    with pytest.raises(dispatch.KernelUnavailableError, match=r"'triton' .*Config.attention_backend.*TRITON_INTERPRET"):
+    with pytest.raises(
+        dispatch.KernelUnavailableError, match=r"'triton' .*CompileConfig.attention_backend.*TRITON_INTERPRET"
+    ):
         torch.ops.bytescale.attention(q, k, v, 0.25, backend="triton")
     out, lse = torch.ops.bytescale.attention(q, k, v, 0.25, backend="reference")
     want = ref.causal_attention_fwd(q, k, v, 0.25)
@@ -228,7 +230,7 @@ def test_one_packed_row_is_returned_as_the_kernels_give_it(monkeypatch):
 
 
 def test_config_backend_reaches_the_graph_and_the_report():
-    """`Config.attention_backend` is set on every attention op of the compiled graph and recorded; a backend
+    """`CompileConfig.attention_backend` is set on every attention op of the compiled graph and recorded; a backend
     that cannot serve the graph is refused when it compiles."""
     torch.manual_seed(0)
     batch = protocol_batch([13, 1, 10], vocab=128)

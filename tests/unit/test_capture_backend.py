@@ -189,9 +189,9 @@ def test_passes_switch_off_through_config():
     report = opt.report
     assert not report.rewrites(ATTN) and not report.rewrites(LOSS)
     assert [p.disabled for g in report.graphs for p in g.passes if p.disabled] == [
-        "Config.attention=False",
-        "Config.fused_loss=False",
-        'Config.offload="off"',
+        "CompileConfig.attention=False",
+        "CompileConfig.fused_loss=False",
+        'CompileConfig.offload="off"',
     ]
 
 

@@ -1,4 +1,4 @@
-"""`Config(codegen="inductor")`: Inductor compiles the graphs our passes produce, our ops stay opaque calls.
+"""`CompileConfig(codegen="inductor")`: Inductor compiles the graphs our passes produce, our ops stay opaque calls.
 
 Equality with eager to 1e-5 in fp32, offload bit-identical to the same codegen without it, varying
 lengths without recompiling, and the report listing what Inductor generated.
@@ -17,7 +17,7 @@ from bytescale_compile.runtime.offload import get_act_ctx
 from tests.helpers import assert_matches_eager, eager_copy, loss_and_grads, protocol_batch
 from tests.hf_models import ARCHS, VOCAB, build
 
-INDUCTOR = bsc.Config(codegen="inductor")
+INDUCTOR = bsc.CompileConfig(codegen="inductor")
 DEFAULT_SUITE_ARCHS = ("qwen2-sliding",)
 """The HF architectures the default suite runs with Inductor; the rest of the matrix is marked slow."""
 
@@ -94,8 +94,8 @@ def test_twenty_lengths_compile_at_most_twice():
 
 
 def test_codegen_auto_picks_by_device_and_bad_values_raise():
-    assert bsc.Config().resolve_codegen("cpu") == "none"
-    assert bsc.Config().resolve_codegen("cuda") == "inductor"
-    assert bsc.Config(codegen="inductor").resolve_codegen("cpu") == "inductor"
-    with pytest.raises(ValueError, match="Config.codegen"):
-        bsc.Config(codegen="triton")
+    assert bsc.CompileConfig().resolve_codegen("cpu") == "none"
+    assert bsc.CompileConfig().resolve_codegen("cuda") == "inductor"
+    assert bsc.CompileConfig(codegen="inductor").resolve_codegen("cpu") == "inductor"
+    with pytest.raises(ValueError, match="CompileConfig.codegen"):
+        bsc.CompileConfig(codegen="triton")

@@ -1,4 +1,4 @@
-"""`Config(compile_layers_once=True)`: one traced body for the repeated layers, our passes inside it, eager numerics."""
+"""`CompileConfig(compile_layers_once=True)`: one traced body for the repeated layers, our passes inside it, eager numerics."""
 
 from __future__ import annotations
 

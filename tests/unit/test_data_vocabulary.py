@@ -1,5 +1,5 @@
 """Token ids held against the model's vocabulary: a sample of every dataset before step 1 (train/preflight.py),
-every id a micro-batch reads while it is still on the host (train/batch.py), and `data check --vocab-size/--model`
+every id a micro-batch reads while it is still on the host (engine/batch.py), and `data check --vocab-size/--model`
 over all of them (cli.py). A Megatron dataset declares no vocabulary, so `?vocab_size=N` can be wrong."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import bytescale_compile as bsc
 from bytescale_compile.cli import main as cli
 from bytescale_compile.data import GlobalBatch, MixedDataset, open_data
+from bytescale_compile.engine.batch import BatchError, ids_checked
 from bytescale_compile.models.llama import tiny
-from bytescale_compile.train.batch import BatchError, ids_checked
 from bytescale_compile.train.preflight import TokenIdError, check_token_ids
 from tests.unit.test_data_megatron import write_megatron
 

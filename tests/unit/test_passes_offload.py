@@ -177,8 +177,8 @@ def test_without_an_act_ctx_nothing_is_offloaded(reference):
 
 @pytest.mark.parametrize("bad", ["sometimes", 1.5, -0.1, True])
 def test_config_rejects_bad_offload(bad):
-    with pytest.raises(ValueError, match="Config.offload"):
-        bsc.Config(offload=bad)
+    with pytest.raises(ValueError, match="CompileConfig.offload"):
+        bsc.CompileConfig(offload=bad)
 
 
 def test_act_ctx_rejects_bad_ratios():

@@ -43,6 +43,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bytescale_compile.engine.batch import build_micro_batch, num_targets
+from bytescale_compile.engine.mesh import TrainMesh
+from bytescale_compile.engine.pipeline import PipelineExecutor
+from bytescale_compile.engine.stages import StageSpec
 from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, PlanError, length_limit, plan
 from bytescale_compile.planner.pipeline_order import stage_order
 from bytescale_compile.planner.plan import capacity_for_ratio, local_tokens
@@ -51,10 +55,6 @@ from bytescale_compile.runtime.layout import zigzag_layout
 from bytescale_compile.sim import pipeline as sim_pipeline
 from bytescale_compile.sim import simulator
 from bytescale_compile.sim.simulator import simulate, step_time
-from bytescale_compile.train.batch import build_micro_batch, num_targets
-from bytescale_compile.train.mesh import TrainMesh
-from bytescale_compile.train.pipeline import PipelineExecutor
-from bytescale_compile.train.stages import StageSpec
 
 UNSHARDED = "unsharded"
 """Any strategy once the model has a shard blocker: every sequence alone on one rank."""

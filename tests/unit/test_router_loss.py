@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from bytescale_compile.capture.routers import RouterLossError, adapt_load_balancing
+from bytescale_compile.engine.routing import RouterTraining
 from bytescale_compile.runtime.context import ContextError, MicroBatchContext, enter, leave, micro_batch
 from bytescale_compile.runtime.expert_load import RouterTally
 from bytescale_compile.train.metrics import StepRecord
-from bytescale_compile.train.routing import RouterTraining
 from tests.moe import deepseek_v3, qwen3_moe
 
 modeling = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")

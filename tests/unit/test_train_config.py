@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from bytescale_compile.engine.optim import LRSchedule, build_optimizer, param_groups
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.train.__main__ import build_parser
 from bytescale_compile.train.config import ConfigError, TrainConfig, check_resume_config, load_config, to_toml
-from bytescale_compile.train.optim import LRSchedule, build_optimizer, param_groups
 
 REQUIRED = {"model": "tiny", "data": "corpus"}
 

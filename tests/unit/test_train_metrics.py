@@ -8,10 +8,10 @@ import types
 
 import pytest
 
+from bytescale_compile.engine.runtime import StepStats
 from bytescale_compile.planner import CostModel, plan
 from bytescale_compile.planner.cost_model import ModelShape
 from bytescale_compile.train import metrics
-from bytescale_compile.train.engine import StepStats
 from bytescale_compile.train.flops import achieved, model_flops
 from bytescale_compile.train.metrics import (
     LOGGER_RUNS_FILE,

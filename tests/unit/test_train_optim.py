@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from bytescale_compile.engine.dist_optim import DistributedOptimizer
+from bytescale_compile.engine.optim import StepGuard, build_optimizer, guarded_step, param_groups
 from bytescale_compile.train.checkpoint import load_checkpoint, save_checkpoint
-from bytescale_compile.train.dist_optim import DistributedOptimizer
-from bytescale_compile.train.optim import StepGuard, build_optimizer, guarded_step, param_groups
 
 LR, BETAS, DECAY = 1e-2, (0.9, 0.95), 0.1
 MAX_NORM = 0.5  # below the gradients' norm: clipping acts

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import bytescale_compile as bsc
+from bytescale_compile.engine.stages import StageSpec, UnsupportedModelError, split_stages, stage_inputs, stage_specs
 from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM
-from bytescale_compile.train.stages import StageSpec, UnsupportedModelError, split_stages, stage_inputs, stage_specs
 from tests.helpers import hf_llama, protocol_batch, rel_err
 from tests.hf_models import VOCAB, build
 

@@ -12,14 +12,14 @@ Strategies differ only in the plan: "balance", "naive", "static" and "auto" (the
 candidates under the simulator, `planner/auto.py`) all run through this code.
 
 What differs between a whole model and a pipeline stage lives in the Runtime's one `Executor`
-(`train/executor.py`). With pipelines (a stage from `pipeline_stage`, `pp_size > 1`) the forwards and
-backwards run in 1F1B on the stage's ranks (`train/pipeline.py`); gradients are summed over the stage's HDP
+(`engine/executor.py`). With pipelines (a stage from `pipeline_stage`, `pp_size > 1`) the forwards and
+backwards run in 1F1B on the stage's ranks (`engine/pipeline.py`); gradients are summed over the stage's HDP
 ranks only, and the norm that clipping and the skip test read spans every stage.
 
 Mixed precision is autocast around the forward, the loss coming back in fp32 and the backward outside autocast
 as PyTorch recommends. With a torch optimizer, parameters, gradients and optimizer state stay fp32 (the master
 weights) and the gradients are all-reduced after the backward. With the `DistributedOptimizer`
-(`train/dist_optim.py`) the weights are bf16, the gradients accumulate into an fp32 buffer whose buckets are
+(`engine/dist_optim.py`) the weights are bf16, the gradients accumulate into an fp32 buffer whose buckets are
 reduce-scattered during the backward, and each rank updates its shard of the fp32 master weights.
 
 After its first measured steps (steps 2 and 3 of this Runtime: the first compiles) rank 0 holds their
@@ -45,7 +45,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..api import OptimizedModule, optimize
-from ..config import Config
+from ..config import CompileConfig
 from ..passes.report import CompileReport
 from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, check_sp, plan, validate_splits
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
@@ -55,12 +55,11 @@ from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWor
 from .collectives import check_replica_gradients, gather, sync_gradients
 from .dist_optim import DistributedOptimizer
 from .executor import Executor, WholeModelExecutor
-from .memory import checkpointed
 from .mesh import tp_group
 from .optim import StepGuard, guarded_step
 from .pipeline import PipelineExecutor
 from .routing import RouterTraining
-from .stages import stage_spec
+from .stages import checkpointed, stage_spec
 
 __all__ = [
     "Runtime",
@@ -146,7 +145,7 @@ class StepStats:
     """Per global rank on CUDA: `torch.cuda.max_memory_reserved` during the step, what the model predicts."""
     aux_loss: float = 0.0
     """Of `loss`: an MoE model's load-balancing loss times its `router_aux_loss_coef`, per sequence
-    (`train/routing.py`); 0 without one."""
+    (`engine/routing.py`); 0 without one."""
     expert_load: list[float] | None = None
     """Per MoE layer: tokens routed to its busiest expert over the mean per expert, summed over ranks (1: balanced);
     None for a dense model."""
@@ -244,14 +243,14 @@ class Runtime:
     Given a pipeline stage (`bsc.pipeline_stage(model, pp_size)`) instead of a whole model, the job's
     `pp_size * hdp` processes train pipelines: `rank` and `world_size` are then the HDP rank and the number
     of HDP ranks (what plans are made for), the plans have the stage's `pp_size`, each step runs in 1F1B
-    (`train/pipeline.py`), and the optimizer holds the stage's parameters only.
+    (`engine/pipeline.py`), and the optimizer holds the stage's parameters only.
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | DistributedOptimizer,
-        config: Config | None = None,
+        config: CompileConfig | None = None,
         cost_model: CostModel | None = None,
         strategy: str = "balance",
         *,

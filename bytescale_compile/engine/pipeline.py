@@ -1,6 +1,6 @@
 """The 1F1B pipeline executor: a step's forwards and backwards of an HDP plan with `pp_size > 1` on one stage
 rank (ByteScale's PP inside each HDP rank, whose pipelines may run different numbers of micro-batches: the
-paper's "Solve PP Imbalance"), the `Executor` (`train/executor.py`) a `Runtime` holds for a stage. The Runtime
+paper's "Solve PP Imbalance"), the `Executor` (`engine/executor.py`) a `Runtime` holds for a stage. The Runtime
 plans, then sums the stage's gradients over `sync_group`, clips to the norm over all stages and steps the
 optimizer.
 

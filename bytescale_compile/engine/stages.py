@@ -44,6 +44,7 @@ __all__ = [
     "StageSpec",
     "StageOutput",
     "UnsupportedModelError",
+    "checkpointed",
     "full_model_name",
     "is_hf_model",
     "stage_spec",
@@ -400,3 +401,11 @@ def _sliced_config(config: Any, layers: range) -> Any:
     if layer_types is not None:
         sliced.layer_types = [layer_types[i] for i in layers]
     return sliced
+
+
+def checkpointed(model: nn.Module) -> bool:
+    """Whether `model`'s decoder layers recompute their forward in the backward: Hugging Face's gradient
+    checkpointing is on (`gradient_checkpointing_enable`, the trainer's --gradient-checkpointing), which Dynamo
+    captures as one checkpointed region per layer."""
+    inner = getattr(model, "original_module", model)
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules())

@@ -5,7 +5,7 @@ whether this rank holds the whole model or one pipeline stage sits behind this i
 micro-batches (forward and backward, or forwards alone to evaluate), the gradient norm over the whole model,
 the group gradients are summed over, the bubbles, what a compile probe passes, and the shard blockers every
 rank plans with. `WholeModelExecutor` (here) runs HDP without pipelines; `PipelineExecutor`
-(`train/pipeline.py`) runs one stage of 1F1B pipelines.
+(`engine/pipeline.py`) runs one stage of 1F1B pipelines.
 
 Neither waits for the device between micro-batches: their inputs go to the device together at the start
 (`device_inputs`), the loss is summed there, and busy time is a `Stopwatch`'s, all read once by the Runtime at the
@@ -51,7 +51,7 @@ class Executor(ABC):
     """This rank's module (through `optimize()`) and how to run its micro-batches of a plan.
 
     `mixed_precision` (None or an autocast dtype) is the autocast of every forward; the share r of saved
-    activations a micro-batch offloads comes from the module's `Config.offload`.
+    activations a micro-batch offloads comes from the module's `CompileConfig.offload`.
     """
 
     pp_size: int
@@ -105,7 +105,7 @@ class Executor(ABC):
         return torch.autocast(self.device.type, dtype=self.mixed_precision)
 
     def offload_ratio(self, mb: MicroBatch) -> float:
-        """The share r of its saved activations `mb` offloads: the plan's ("auto"), Config's fixed ratio, or
+        """The share r of its saved activations `mb` offloads: the plan's ("auto"), CompileConfig's fixed ratio, or
         nothing ("off")."""
         mode = self.model.compile_config.offload
         if mode == "auto":
