@@ -42,7 +42,7 @@ $(DEMO_COST): $(STAMP)
 		--ranks-per-device 4 --out $@
 
 demo: $(DEMO_DATA) $(DEMO_COST)
-	$(VENV)/bin/torchrun --nproc_per_node=4 -m bytescale_compile.train --config examples/configs/demo.toml
+	$(VENV)/bin/torchrun --nproc_per_node=4 -m bytescale_compile.train.compare --config examples/configs/demo.toml
 
 inspect: $(STAMP)
 	$(VENV)/bin/bytescale-compile inspect bytescale_compile.models.llama:small --seq-len 2048

@@ -3,7 +3,7 @@
 For each model (the demo's LLaMA, and the width of a 1B LLaMA), fp32 weights and AdamW state after one step:
 
 - sync: `save_checkpoint`, the whole save (DCP write, sha256 of every file, commit);
-- async: `save_checkpoint_async` until it returns (the copy to host memory: what the step waits; the first
+- async: `Checkpointer.save_async` until it returns (the copy to host memory: what the step waits; the first
   save allocates the host copy, later ones copy into it again), then the background write and commit, measured while the main thread keeps running fp32 matmuls of a training-like
   size, whose slowdown against the same matmuls alone is the async save's cost to the steps it overlaps.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from bytescale_compile.train.checkpoint import save_checkpoint, save_checkpoint_async
+from bytescale_compile.train.checkpoint import Checkpointer, save_checkpoint
 
 SHAPES = {
     "demo (examples/configs/llama-demo)": "examples/configs/llama-demo",
@@ -88,10 +88,10 @@ def measure(name: str, shape: str | dict, root: Path, repeats: int) -> Stall:
         save_checkpoint(root / name / "sync", i + 1, model, optimizer, {"step": i + 1}, keep_last=1)
         sync.append(time.perf_counter() - began)
     alone = _work(200)
-    overlapped = []
+    overlapped, saver = [], Checkpointer()
     for i in range(repeats):
         began = time.perf_counter()
-        pending = save_checkpoint_async(root / name / "async", i + 1, model, optimizer, {"step": i + 1}, keep_last=1)
+        pending = saver.save_async(root / name / "async", i + 1, model, optimizer, {"step": i + 1}, keep_last=1)
         stall.append(time.perf_counter() - began)
         overlapped.append(_work(200))
         pending.result()

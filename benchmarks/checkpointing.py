@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 
 import bytescale_compile as bsc  # noqa: E402
+from bytescale_compile.engine.protocol import packed_row  # noqa: E402
 from bytescale_compile.planner.memory import MemoryModel, format_bytes  # noqa: E402
 from bytescale_compile.runtime.offload import get_act_ctx  # noqa: E402
 from bytescale_compile.train.memory import memory_model, parse_memory  # noqa: E402
@@ -59,16 +60,7 @@ VARIANTS = (
 def batch(tokens: int, vocab: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, tokens + 1), generator=g)
-    labels = ids[:, 1:].clone()
-    labels[0, -1] = -100
-    return {
-        "input_ids": ids[:, :-1],
-        "position_ids": torch.arange(tokens)[None],
-        "labels": labels,
-        "shift_labels": labels,
-        "num_items_in_batch": torch.tensor(tokens - 1),
-        "use_cache": False,
-    }
+    return {**packed_row(ids[:, :-1], [tokens]).kwargs(labels=True), "use_cache": False}
 
 
 def step(model: torch.nn.Module, inputs: dict[str, Any], ratio: float | None) -> None:

@@ -1,6 +1,6 @@
 """`CompileConfig(codegen=...)` against eager and `torch.compile` alone: step time, first-call time, kernels.
 
-For each model (the HF Qwen2 of issue 17: hidden 256, 4 layers (`qwen2-8`: 8), vocab 32K; our `small` LLaMA), one
+For each model (an HF Qwen2: hidden 256, 4 layers (`qwen2-8`: 8), vocab 32K; our `small` LLaMA), one
 packed row of `--tokens` tokens in `--sequences` sequences, fwd+bwd, in one process:
   - first-call time of each compiled path (compile + one step); run the script twice with the same
     `--cache-dir` for cold (empty Inductor cache) and warm figures;
@@ -64,24 +64,17 @@ PATHS = (
     "bsc codegen=none layers-once",
     "bsc codegen=inductor layers-once",
 )
-"""The last two: `CompileConfig(compile_layers_once=True)` (issue 17, regional compilation)."""
+"""The last two: `CompileConfig(compile_layers_once=True)` (regional compilation)."""
 
 
 def packed_row(tokens: int, sequences: int, vocab: int, hf: bool) -> dict[str, torch.Tensor]:
     """One row of `sequences` equal sequences, positions restarting, -100 at each sequence's last label."""
+    from bytescale_compile.engine.protocol import packed_row as protocol_row
+
     g = torch.Generator().manual_seed(0)
     n = tokens // sequences
     ids = torch.randint(0, vocab, (sequences, n + 1), generator=g)
-    labels = torch.cat([ids[:, 1:-1], torch.full((sequences, 1), -100)], dim=1).reshape(1, -1)
-    batch = {
-        "input_ids": ids[:, :-1].reshape(1, -1),
-        "position_ids": torch.arange(n).repeat(sequences)[None],
-        "shift_labels": labels,
-        "num_items_in_batch": torch.tensor(sequences * (n - 1)),
-    }
-    if hf:
-        batch["labels"] = labels
-    return batch
+    return protocol_row(ids[:, :-1].reshape(-1), [n] * sequences).kwargs(labels=hf)
 
 
 def fwd_bwd(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:

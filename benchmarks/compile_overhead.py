@@ -24,17 +24,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bytescale_compile as bsc  # noqa: E402
+from bytescale_compile.engine.protocol import ProtocolInputs, next_token_labels, restarting_positions  # noqa: E402
 from bytescale_compile.models.llama import small  # noqa: E402
 
 
 def batch(n: int, vocab: int) -> dict[str, torch.Tensor]:
+    """`n` tokens of a longer sequence: every token has its target, the last one read one token past the row."""
     ids = torch.randint(0, vocab, (1, n + 1))
-    return {
-        "input_ids": ids[:, :-1],
-        "position_ids": torch.arange(n)[None],
-        "shift_labels": ids[:, 1:],
-        "num_items_in_batch": torch.tensor(n),
-    }
+    return ProtocolInputs(
+        input_ids=ids[:, :-1],
+        position_ids=restarting_positions([n])[None],
+        shift_labels=next_token_labels(ids, ends_sequence=False),
+        num_items_in_batch=torch.tensor(n),
+    ).kwargs()
 
 
 def fwd_bwd(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float:

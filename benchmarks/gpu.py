@@ -109,13 +109,12 @@ def packed_batch(tokens: int, vocab: int, device: str) -> dict[str, Any]:
     """One row of `tokens` tokens in N_SEQUENCES sequences: restarting positions, -100 at each end."""
     import torch
 
+    from bytescale_compile.engine.protocol import packed_row
+
     lengths = [tokens // N_SEQUENCES] * (N_SEQUENCES - 1)
     lengths.append(tokens - sum(lengths))
-    ids = torch.randint(0, vocab, (1, tokens), device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-    labels = ids.roll(-1, dims=1)
-    labels[0, torch.tensor(lengths, device=device).cumsum(0) - 1] = -100
-    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+    row = packed_row(torch.randint(0, vocab, (1, tokens), device=device), lengths)
+    return {"input_ids": row.input_ids, "position_ids": row.position_ids, "labels": row.shift_labels}
 
 
 def wrap(model: Any, variant: str) -> Any:
@@ -310,7 +309,7 @@ def loss_candidates() -> dict[str, LossStep]:
         return step
 
     found: dict[str, LossStep] = {
-        "ours (dispatched)": kernel(dispatch.linear_cross_entropy_chunked),
+        "ours (dispatched)": kernel(dispatch.linear_cross_entropy),
         "ours, token chunks": kernel(dispatch.linear_cross_entropy_token_chunks),
         "ours, vocabulary slices": kernel(dispatch.linear_cross_entropy_vocab_slices),
     }

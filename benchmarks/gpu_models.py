@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bytescale_compile.engine.protocol import packed_row as protocol_row
+
 GIB = 2**30
 DATASETS = ("byted", "github")
 LAYERS_ENV = "BSC_GPU_BENCH_LAYERS"
@@ -94,18 +96,14 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
 def packed_row(lengths: Sequence[int], vocab: int, device: str) -> dict[str, Any]:
     """One packed row: token ids, restarting positions, the next-token targets (-100 at each sequence's end) and
     the varlen offsets of FlashAttention's `DataCollatorWithFlattening`."""
-    total = sum(lengths)
-    ids = torch.randint(0, vocab, (1, total), device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-    targets = ids.roll(-1, dims=1)
+    row = protocol_row(torch.randint(0, vocab, (1, sum(lengths)), device=device), lengths)
     ends = torch.tensor(lengths, device=device).cumsum(0)
-    targets[0, ends - 1] = -100
     cu = torch.cat([torch.zeros(1, device=device, dtype=torch.int32), ends.to(torch.int32)])
     return {
-        "input_ids": ids,
-        "position_ids": positions,
-        "labels": targets,
-        "shift_labels": targets,
+        "input_ids": row.input_ids,
+        "position_ids": row.position_ids,
+        "labels": row.shift_labels,
+        "shift_labels": row.shift_labels,
         "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu,
         "max_length_q": max(lengths),

@@ -55,15 +55,15 @@ def build_runtime(layers: int, smoke: bool, cost_model: Any) -> tuple[Any, dict[
     """The trainer's Runtime for the model (see the module docstring) and what it chose: C, bytes per parameter."""
     import bytescale_compile as bsc
     from bytescale_compile.engine.dist_optim import DistributedOptimizer
+    from bytescale_compile.engine.probe import probe
     from bytescale_compile.engine.runtime import Runtime
     from bytescale_compile.train.memory import device_memory, memory_model
 
     device = "cpu" if smoke else "cuda"
     model = llama3(layers, smoke, device)
     optimized = bsc.optimize(model)
-    sgd = torch.optim.SGD(optimized.parameters(), lr=0.0)
-    probe = Runtime(optimized, sgd, cost_model=cost_model, mixed_precision=torch.bfloat16)
-    probe.shard_blockers()  # compiles under autocast, so the memory model reads the graphs the steps run
+    # compiles under autocast, so the memory model reads the graphs the steps run
+    probed = probe(optimized, cost_model, mixed_precision=torch.bfloat16)
     budget = None if smoke else device_memory(device)
     memory = memory_model(optimized, total_layers=layers, hdp=1, dtype="bf16", budget=budget)
     capacity = 4096 if smoke else memory.capacity(budget, offload=True)
@@ -76,6 +76,7 @@ def build_runtime(layers: int, smoke: bool, cost_model: Any) -> tuple[Any, dict[
         mixed_precision=torch.bfloat16,
         memory=memory,
         memory_budget=budget,
+        probe=probed,
     )
     chosen = {
         "capacity": capacity,
@@ -106,7 +107,7 @@ def trainer_rows(
                 "micro_batches": len(last.plan.micro_batches),
                 "offload_ratios": sorted({round(mb.offload_ratio, 2) for mb in last.plan.micro_batches}),
                 "offloaded_gib": last.offloaded_bytes / 2**30,
-                "predicted_s": last.predicted_time,
+                "predicted_s": runtime.predict(last).time,
                 "predicted_reserved_gib": _gib_max(last.predicted_peak_bytes),
                 "measured_reserved_gib": _gib_max(last.measured_reserved_peak_bytes),
                 "plan_s": last.plan_time,

@@ -67,7 +67,10 @@ def _shared_worker(rank: int, world: int, names: list[str], results: str) -> Non
         reference = copy.deepcopy(model)
         cost = CostModel.preset("llama-7b")  # Mamba2's config has no MLP width for the analytic cost model
         runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=LR), cost_model=cost, capacity=CAPACITY)
-        stats = runtime.step(_batch(), plan=plan(LENGTHS, world, CAPACITY, cost, strategy="naive", offload=False))
+        stats = runtime.step(
+            _batch(),
+            plan=plan(LENGTHS, world_size=world, capacity=CAPACITY, cost_model=cost, strategy="naive", offload=False),
+        )
         ref_loss, ref_params = reference_step(reference, _batch(), lr=LR, hf=True)
         params = dict(model.named_parameters())
         errors = {n: rel_err(params[n], ref_params[n]) for n in ref_params}

@@ -68,7 +68,14 @@ def bamba(attention_layers: list[int]) -> torch.nn.Module:
 def _step(runtime: bsc.Runtime, tokens: int, world: int) -> bsc.StepStats:
     """One training step on one random sequence of `tokens` shared by all `world` ranks."""
     sequence = torch.randint(0, VOCAB, (tokens,), generator=torch.Generator().manual_seed(tokens))
-    shared = plan([tokens], world, math.ceil(tokens / world), runtime.cost_model, strategy="naive", offload=False)
+    shared = plan(
+        [tokens],
+        world_size=world,
+        capacity=math.ceil(tokens / world),
+        cost_model=runtime.cost_model,
+        strategy="naive",
+        offload=False,
+    )
     if [len(mb.ranks) for mb in shared.micro_batches] != [world]:
         raise RuntimeError(f"the plan does not share the sequence over all {world} ranks: {shared}")
     return runtime.step([sequence], plan=shared)

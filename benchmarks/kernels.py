@@ -16,9 +16,9 @@ down to 512, then the rest), Hq=32, Hkv=8, D=128, bf16, forward + backward:
 TFLOP/s count the causal work of both: 3.5 × (4 · Σ L²/2 · D · Hq) (backward = 2.5 × forward).
 Each row also prints the largest error of the Triton result against the other one.
 
-Skewed packing (issue 18, defect 9), same heads: one 16K sequence alone, then with 1,000 sequences of
+Skewed packing, same heads: one 16K sequence alone, then with 1,000 sequences of
 16 tokens after it, forward + backward of the Triton kernels. The flat (segment, block) grid makes the
-second cost about what its extra 16K tokens of tiny sequences cost (the issue measured 2.8× before).
+second cost about what its extra 16K tokens of tiny sequences cost (the former grid took 2.8×).
 
 Without CUDA it prints that and exits 0; ``--cpu-smoke`` instead runs tiny shapes in Triton's
 interpreter (fp32) and prints only the errors, as a check that the script itself works.

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import LlamaConfig  # noqa: E402
 
-from bytescale_compile.cli import protocol_inputs  # noqa: E402
+from bytescale_compile.engine.protocol import model_inputs  # noqa: E402
 from bytescale_compile.planner.memory import MemoryBudgetError, MemoryModel, format_bytes  # noqa: E402
 from bytescale_compile.train.memory import compile_on_meta, memory_model, meta_model  # noqa: E402
 
@@ -47,7 +47,7 @@ def capacities() -> None:
     for name, shape in SHAPES.items():
         config = LlamaConfig(**shape, num_key_value_heads=8, vocab_size=128256)
         model, layers = meta_model(config, "bf16")
-        optimized = compile_on_meta(model, protocol_inputs(model, 32))
+        optimized = compile_on_meta(model, model_inputs(model, 32))
         for tp in (1, 2, 8):
             for device, budget in DEVICES.items():
                 m = memory_model(optimized, total_layers=layers, hdp=WORLD // tp, dtype="bf16", tp=tp, budget=budget)
@@ -92,7 +92,7 @@ def llama3_8b_on_one_h200() -> None:
     """The run whose 128K-token batches ran out of memory: what the model picks now, and what it picked then."""
     config = LlamaConfig(**SHAPES["LLaMA-3-8B"], num_key_value_heads=8, vocab_size=128256)
     model, _ = meta_model(config, "bf16")
-    optimized = compile_on_meta(model, protocol_inputs(model, 32))
+    optimized = compile_on_meta(model, model_inputs(model, 32))
     print(f"\nLLaMA-3-8B shape, 8 layers, bf16, 1 rank, budget {format_bytes(H200)} (offload auto: C with offload)")
     for expandable in (True, False):
         m = memory_model(optimized, total_layers=8, hdp=1, dtype="bf16", budget=H200, expandable=expandable)

@@ -123,15 +123,11 @@ def make_batch(tokens: int, vocab: int, device: str) -> dict[str, Any]:
     """One packed row of one sequence in the model protocol (as tests/helpers.py `protocol_batch`)."""
     import torch
 
+    from bytescale_compile.engine.protocol import packed_row
+
     gen = torch.Generator().manual_seed(0)
     seq = torch.randint(0, vocab, (tokens + 1,), generator=gen)
-    batch = {
-        "input_ids": seq[:-1][None],
-        "position_ids": torch.arange(tokens)[None],
-        "shift_labels": torch.cat([seq[1:-1], torch.tensor([-100])])[None],
-        "num_items_in_batch": torch.tensor(tokens - 1),
-    }
-    return {k: v.to(device) for k, v in batch.items()}
+    return packed_row(seq[:-1], [tokens]).to(device).kwargs()
 
 
 def _sync(device: str) -> None:

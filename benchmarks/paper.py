@@ -73,7 +73,7 @@ def ablation(cost: CostModel, seeds: range) -> None:
             outcome = run_strategy(s, lens, RANKS, CAPACITY, cost, 2 * M)
             steps[s].append(outcome.step_time)
             if s == "auto":
-                chosen.append(outcome.plan.meta["auto"]["chosen"])
+                chosen.append(outcome.plan.auto.chosen)
     static = np.mean(steps["static"])
     print(f"  ablation, Byted-like 2M, mean of {len(seeds)} seeds (auto chose: {', '.join(sorted(set(chosen)))})")
     print(f"  {'strategy':>16} {'step s':>8} {'paper s':>8} {'speedup':>8} {'paper':>6}")

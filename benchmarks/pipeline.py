@@ -1,7 +1,7 @@
 """Pipelines on 4 CPU ranks (PP 2 x HDP 2) through the `Runtime`: measured bubble fraction per pipeline against
 the simulator's stage-by-stage prediction for the same plan, and the step time of PP-balance against the same
 micro-batches dealt without balancing (`benchmarks/pp_balance.py`'s `deal_unbalanced`) and against static
-(ByteScale issue 16).
+(figures: benchmarks/history/pipelines.md).
 
 Every rank builds the same 4-layer LLaMA, the job calibrates a cost model on the whole model first
 (`train/calibrate.py`, pp = 1 over the 4 ranks), then plans PP-balance and static at pp = 2 over 2 HDP
@@ -55,11 +55,19 @@ def _worker(rank: int, world: int, tokens: int, capacity: int, repeats: int) -> 
     batch = [torch.randint(0, 512, (int(n),), generator=g) for n in lengths]
     stage = pipeline_stage(_model(), PP)
     pipelines = bsc.Runtime(stage, torch.optim.SGD(stage.parameters(), lr=0.0), cost_model=cost, capacity=capacity * PP)
-    balance = plan(lengths, HDP, capacity * PP, cost, strategy="balance", pp_size=PP)
+    balance = plan(lengths, world_size=HDP, capacity=capacity * PP, cost_model=cost, strategy="balance", pp_size=PP)
     plans = {
         "balance": balance,
         "unbalanced": deal_unbalanced(balance),
-        "static": plan(lengths, HDP, capacity * PP, cost, strategy="static", pp_size=PP, context_length=4 * capacity),
+        "static": plan(
+            lengths,
+            world_size=HDP,
+            capacity=capacity * PP,
+            cost_model=cost,
+            strategy="static",
+            pp_size=PP,
+            context_length=4 * capacity,
+        ),
     }
     rows = []
     for name, step_plan in plans.items():

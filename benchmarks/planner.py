@@ -39,7 +39,7 @@ STRATEGIES = [name for name in STRATEGY_SPECS if name != AUTO]
 REPEATS = 3
 """Each planning time is the least of this many runs: the other processes sharing the 2 cores only ever add time."""
 AUTO_GOAL = 3.0
-"""auto's CPU time over balance's, per batch (ByteScale issue 15)."""
+"""auto's CPU time over balance's, per batch."""
 
 
 def _plan_ms(lens: np.ndarray, ranks: int, cost: CostModel, names: list[str], clock) -> dict[str, float]:
@@ -50,7 +50,15 @@ def _plan_ms(lens: np.ndarray, ranks: int, cost: CostModel, names: list[str], cl
         for name in names:
             strategy, offload = STRATEGY_SPECS[name]
             start = clock()
-            plan(lens, ranks, CAPACITY, cost, strategy=strategy, offload=offload, step_time=step_time)
+            plan(
+                lens,
+                world_size=ranks,
+                capacity=CAPACITY,
+                cost_model=cost,
+                strategy=strategy,
+                offload=offload,
+                step_time=step_time,
+            )
             best[name] = min(best[name], (clock() - start) * 1e3)
     return best
 
@@ -150,9 +158,9 @@ def pipelines(cost: CostModel) -> None:
                 strategy, offload = STRATEGY_SPECS[name]
                 p = plan(
                     lens,
-                    32,
-                    CAPACITY * pp,
-                    cost,
+                    world_size=32,
+                    capacity=CAPACITY * pp,
+                    cost_model=cost,
                     strategy=strategy,
                     pp_size=pp,
                     context_length=128 * K,

@@ -62,22 +62,25 @@ def deal_unbalanced(balanced: Plan) -> Plan:
     for m in micro_batches:
         for r in m.ranks:
             schedule[r].append(m.id)
-    return dataclasses.replace(
-        balanced,
-        micro_batches=micro_batches,
-        schedule=schedule,
-        meta={**balanced.meta, "dealt": "round-robin, unbalanced"},
-    )
+    return dataclasses.replace(balanced, micro_batches=micro_batches, schedule=schedule)
 
 
 def plans(lens, pipelines: int, capacity: int, cost: CostModel, pp: int, context: int) -> dict[str, Plan]:
     """The four plans of one setting, each validated."""
-    balance = plan(lens, pipelines, capacity, cost, strategy="balance", pp_size=pp)
+    balance = plan(lens, world_size=pipelines, capacity=capacity, cost_model=cost, strategy="balance", pp_size=pp)
     built = {
         "balance": balance,
         "unbalanced": deal_unbalanced(balance),
-        "static": plan(lens, pipelines, capacity, cost, strategy="static", pp_size=pp, context_length=context),
-        "naive": plan(lens, pipelines, capacity, cost, strategy="naive", pp_size=pp),
+        "static": plan(
+            lens,
+            world_size=pipelines,
+            capacity=capacity,
+            cost_model=cost,
+            strategy="static",
+            pp_size=pp,
+            context_length=context,
+        ),
+        "naive": plan(lens, world_size=pipelines, capacity=capacity, cost_model=cost, strategy="naive", pp_size=pp),
     }
     for p in built.values():
         p.validate()

@@ -1,4 +1,4 @@
-"""The remote dataloader on Ray (issue 14, paper §6): start-up cost, scheduler scale, prefetch on the demo.
+"""The remote dataloader on Ray (paper §6): start-up cost, scheduler scale, prefetch on the demo.
 
 Prints:
   1. Ray's start-up cost on this machine: `ray.init` of a local head (dashboard off), the scheduler and its
@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from bytescale_compile.data import GlobalBatchSampler, TokenDataset  # noqa: E402
-from bytescale_compile.planner import CostModel, MicroBatch, plan  # noqa: E402
+from bytescale_compile.planner import CostModel, MicroBatch, PlanRequest, plan  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
-from bytescale_compile.train.remote import PlanSettings, RemoteBatches, connect_ray, scheduler_for  # noqa: E402
+from bytescale_compile.train.remote import RemoteBatches, connect_ray, scheduler_for  # noqa: E402
 
 M, K = 2**20, 2**10
 DEMO_CONFIG = ROOT / "examples/configs/demo.toml"
@@ -60,9 +60,10 @@ def startup(out: Path) -> None:
     init = time.perf_counter() - began
     dataset = TokenDataset.open(DEMO_DATA)
     sampler = GlobalBatchSampler(dataset, 8 * K, seed=0, max_len=4 * K)
-    settings = PlanSettings(4, 2 * K, CostModel.load(ROOT / ".cache/demo/cost_cpu.json"), "balance")
+    cost = CostModel.load(ROOT / ".cache/demo/cost_cpu.json")
+    request = PlanRequest(world_size=4, capacity=2 * K, cost_model=cost, strategy="balance")
     began = time.perf_counter()
-    scheduler = scheduler_for(out / "startup", dataset, 2, 8 * K, 0, 4 * K, sampler.state_dict(), 1, settings, 2)
+    scheduler = scheduler_for(out / "startup", dataset, 2, 8 * K, 0, 4 * K, sampler.state_dict(), 1, request, 2)
     client = RemoteBatches(scheduler, 0, 1)
     next(client)
     first = time.perf_counter() - began
@@ -90,7 +91,7 @@ def scheduler_scale(seeds: int) -> None:
 
 def _scale_row(lengths: np.ndarray, clients: int, cost: CostModel) -> dict[str, float]:
     began = time.perf_counter()
-    step_plan = plan(lengths, clients, 8 * K, cost, strategy="balance")
+    step_plan = plan(lengths, world_size=clients, capacity=8 * K, cost_model=cost, strategy="balance")
     step_plan.validate()
     planned = time.perf_counter() - began
     slices = [

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bytescale_compile.runtime.dist_attn import RingStats, ring_attention_bwd, ring_attention_fwd  # noqa: E402
 from bytescale_compile.runtime.layout import zigzag_layout  # noqa: E402
+from bytescale_compile.runtime.p2p import P2PStats  # noqa: E402
+from bytescale_compile.runtime.ring_attention import ring_attention_bwd, ring_attention_fwd  # noqa: E402
 from bytescale_compile.testing import run_distributed  # noqa: E402
 
 HQ, HKV, D = 2, 1, 32
@@ -44,7 +45,7 @@ def _ring_worker(rank: int, world: int, tokens: int, window: int | None, repeats
     group = list(range(world))
     times = []
     for i in range(repeats + 1):
-        fwd, bwd = RingStats(), RingStats()
+        fwd, bwd = P2PStats(), P2PStats()
         dist.barrier()
         start = time.perf_counter()
         out, lse = ring_attention_fwd(q, k, v, layout, group, stats=fwd, check=i == 0, window=window)

@@ -9,7 +9,7 @@ rank is a TP group of two processes, so the plan has two HDP ranks and the capac
 Each layout first calibrates its cost model on the spot (`train/calibrate.py`, as the trainer does: T(s) of
 an HDP rank, its TP collectives included, and the ring's bandwidth, timed on these processes). Prints per
 layout the mean step time over `--steps` steps after `--warmup` (the first compiles), the tokens/s, and the
-simulator's step time for the same plans (`StepStats.predicted_time`). Timings are printed, never asserted;
+simulator's step time for the same plans (`Runtime.predict`). Timings are printed, never asserted;
 the four processes share the machine's cores.
 
     python benchmarks/tp_throughput.py [--tokens 4096] [--capacity 1024] [--warmup 2] [--steps 3]
@@ -73,7 +73,7 @@ def worker(rank: int, world: int, tp: int, args: argparse.Namespace) -> None:
         stats = runtime.step(data)
         if step >= args.warmup:
             times.append(stats.time)
-            predicted.append(stats.predicted_time)
+            predicted.append(runtime.predict(stats).time)
     if rank == 0:
         mean = statistics.mean(times)
         layout = f"TP {tp} × HDP {world // tp}"

@@ -40,8 +40,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bytescale_compile.planner import CostModel, Hardware  # noqa: E402
-from bytescale_compile.runtime.dist_attn import RingStats  # noqa: E402
 from bytescale_compile.runtime.layout import ulysses_layout  # noqa: E402
+from bytescale_compile.runtime.p2p import P2PStats  # noqa: E402
 from bytescale_compile.runtime.ulysses import ulysses_attention_bwd, ulysses_attention_fwd  # noqa: E402
 from bytescale_compile.sim.experiments import run_strategy  # noqa: E402
 from bytescale_compile.sim.lengths import sample_global_batch  # noqa: E402
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, tokens: int, windows: list[int | None], repea
         for window in windows:
             times = []
             for i in range(repeats + 1):
-                stats = RingStats()
+                stats = P2PStats()
                 dist.barrier()
                 start = time.perf_counter()
                 out, lse = ulysses_attention_fwd(q, k, v, layout, group, stats=stats, check=i == 0, window=window)

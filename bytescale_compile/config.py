@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "ATTENTION_BACKEND_CHOICES",
@@ -133,7 +133,7 @@ class CompileConfig:
 
     def resolve_partitioner(self, device_type: str) -> str:
         """The partitioner for graphs on `device_type`: "auto" is min-cut on CUDA, where it halved peak memory
-        at equal step time on an H100 (issue 18), and the default split on CPU, where recomputation costs
+        at equal step time on an H100 (benchmarks/history/gpu.md), and the default split on CPU, where recomputation costs
         time that the memory, plentiful there, does not buy back."""
         if self.partitioner != "auto":
             return self.partitioner
@@ -148,16 +148,18 @@ class CompileConfig:
         return replace(self, **overrides)
 
 
-def __getattr__(name: str) -> Any:
-    """`Config`, the former name of `CompileConfig`, for one release."""
-    if name == "Config":
-        import warnings
+if not TYPE_CHECKING:  # mypy sees only the current names
 
-        warnings.warn(
-            "bytescale_compile.config.Config moved to bytescale_compile.config.CompileConfig; the old name goes in "
-            "the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return CompileConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        """`Config`, the former name of `CompileConfig`, for one release."""
+        if name == "Config":
+            import warnings
+
+            warnings.warn(
+                "bytescale_compile.config.Config moved to bytescale_compile.config.CompileConfig; the old name goes in "
+                "the next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return CompileConfig
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,25 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Property tests run without a deadline (compilation and a loaded machine make timings noise). With `CI` set
+# (`.ci/run` sets it) every run draws the same cases, with no example database and no health check on slow
+# generation, so a CI result depends on the code alone; elsewhere each run draws new cases and replays the
+# failures saved in `.hypothesis/`. A test sets only its own `max_examples`.
+_DEFAULT = settings.get_profile("default")
+"""Hypothesis' own defaults, not its built-in "ci" profile, which it loads by itself wherever `CI` is set."""
+settings.register_profile("dev", _DEFAULT, deadline=None)
+settings.register_profile(
+    "ci",
+    _DEFAULT,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.load_profile("ci" if os.environ.get("CI", "").lower() not in ("", "0", "false") else "dev")
 
 
 def pytest_addoption(parser):
@@ -25,6 +44,14 @@ def workspace(tmp_path_factory):
     from tests.trainer_runs import make_workspace
 
     return make_workspace(tmp_path_factory.mktemp("train"))
+
+
+@pytest.fixture
+def saved_run(tmp_path):
+    """A run's config.toml as `run` writes it, over a small dataset of ids for the tiny preset."""
+    from tests.checkpoints import saved_tiny_run
+
+    return saved_tiny_run(tmp_path)
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bytescale_compile.engine.protocol import num_targets, packed_row
+
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-6) -> float:
     """max |a - b| / max(max |b|, floor) in fp64: relative where b has a scale, absolute below `floor`.
@@ -24,23 +26,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-6) -> float:
 
 
 def protocol_batch(seq_lens: list[int], vocab: int, hf: bool = False, seed: int = 0) -> dict[str, Any]:
-    """One row packing `seq_lens`: restarting position_ids, -100 at each sequence's last token."""
+    """One row packing `seq_lens` random sequences (`packed_row`: restarting position_ids, -100 at each sequence's
+    last token); each sequence is drawn one token longer than it is kept, as the suite's cases were written."""
     g = torch.Generator().manual_seed(seed)
-    ids, pos, tgt = [], [], []
-    for n in seq_lens:
-        seq = torch.randint(0, vocab, (n + 1,), generator=g)
-        ids.append(seq[:-1])
-        pos.append(torch.arange(n))
-        tgt.append(torch.cat([seq[1:-1], torch.tensor([-100])]))
-    batch = {
-        "input_ids": torch.cat(ids)[None],
-        "position_ids": torch.cat(pos)[None],
-        "shift_labels": torch.cat(tgt)[None],
-        "num_items_in_batch": torch.tensor(sum(seq_lens) - len(seq_lens)),
-    }
-    if hf:
-        batch["labels"] = batch["shift_labels"]
-    return batch
+    ids = torch.cat([torch.randint(0, vocab, (n + 1,), generator=g)[:-1] for n in seq_lens])
+    return packed_row(ids, seq_lens).kwargs(labels=hf)
 
 
 def loss_and_grads(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -103,18 +93,10 @@ def reference_step(
     """Plain single-process step over every sequence of a global batch, token-level loss (Eq. 1), of `optimizer`
     over `model`'s parameters (default: SGD at `lr`)."""
     optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=lr)
-    num_items = torch.tensor(sum(len(s) - 1 for s in batch))
+    num_items = num_targets([len(s) for s in batch])
     total = torch.zeros(())
     for seq in batch:
-        labels = torch.cat([seq[1:], torch.tensor([-100])])[None]
-        kwargs = {"labels": labels} if hf else {}
-        loss = model(
-            input_ids=seq[None],
-            position_ids=torch.arange(len(seq))[None],
-            shift_labels=labels,
-            num_items_in_batch=num_items,
-            **kwargs,
-        ).loss
+        loss = model(**packed_row(seq, [len(seq)], num_items=num_items).kwargs(labels=hf)).loss
         loss.backward()
         total += loss.detach()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

@@ -117,7 +117,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return model.train()
 
 
-# Issue 19: more architectures, each attention site either rewritten or left alone with a named reason
+# More architectures, each attention site either rewritten or left alone with a named reason
 # (tests/unit/test_passes_attention_sites.py). Dropout is off where a config defaults it on (GPT-2, GPT-BigCode, OPT,
 # BioGPT, XGLM) so that optimized and eager runs compare exactly.
 def _gpt_style(**overrides: Any) -> dict[str, Any]:

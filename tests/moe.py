@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import bytescale_compile as bsc
+from bytescale_compile.engine.protocol import packed_row
 from tests.hf_models import VOCAB, _common, build
 
 AUX_COEF = 0.5
@@ -57,15 +58,8 @@ def per_sequence_step(model: nn.Module, sequences: list[torch.Tensor], lr: float
     coef = model.config.router_aux_loss_coef
     loss_sum, aux_sum = 0.0, 0.0
     for seq in sequences:
-        labels = torch.cat([seq[1:], torch.tensor([-100])])[None]
         share = (len(seq) - 1) / total_items
-        out = model(
-            input_ids=seq[None],
-            position_ids=torch.arange(len(seq))[None],
-            labels=labels,
-            shift_labels=labels,
-            num_items_in_batch=torch.tensor(len(seq) - 1),
-        )
+        out = model(**packed_row(seq, [len(seq)]).kwargs(labels=True))
         (out.loss * share).backward()
         loss_sum += float(out.loss.detach()) * share
         aux_sum += float(out.aux_loss.detach()) * coef * share

@@ -1,4 +1,4 @@
-"""Token data on disk and the global-batch sampler (issue 5, item 1).
+"""Token data on disk and the global-batch sampler.
 
 A dataset is the layout Megatron's indexed datasets made standard: one flat token array
 (`<prefix>.bin`) plus int64 offsets (`<prefix>.idx`, n + 1 entries), both memory-mapped, so every

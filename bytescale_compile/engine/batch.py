@@ -4,8 +4,8 @@ Packed (one rank): the sequences concatenated, positions restarting per sequence
 context. Shared (a ring): this rank's zigzag chunks of every sequence, their original positions, and
 the group and layout in the context. Either way `shift_labels` hold each token's true next token —
 read one token past every chunk, so a label that lives on another rank's chunk is still right — and
--100 at every sequence's last token. `num_items_in_batch` counts the targets of the whole global
-batch, so every rank's summed loss is already token-level (paper §4.1, Eq. 2 = Eq. 1).
+-100 at every sequence's last token (`protocol.py` builds them). `num_items_in_batch` counts the targets
+of the whole global batch, so every rank's summed loss is already token-level (paper §4.1, Eq. 2 = Eq. 1).
 
 Also here, shared by the HDP `Runtime` and the pipeline executor: what a global batch must offer
 (`BatchLike`, `ListBatch`), what one rank's micro-batches of a step did (`RankWork`, timed by a `Stopwatch`), and
@@ -35,6 +35,7 @@ from ..kernels.transfer import to_device
 from ..planner.plan import MicroBatch
 from ..runtime.context import MicroBatchContext
 from ..runtime.layout import UlyssesLayout, zigzag_layout
+from .protocol import ModelProtocolError, ProtocolInputs, next_token_labels, num_targets, packed_row
 
 __all__ = [
     "BatchError",
@@ -51,13 +52,8 @@ __all__ = [
     "num_targets",
 ]
 
-IGNORE_INDEX = -100
 TokenReader = Callable[[int, int, int], torch.Tensor]
 """read(seq, start, end) -> int64 tokens [start, end) of the global batch's sequence `seq`."""
-
-
-class ModelProtocolError(TypeError):
-    """The model does not take or return what the runtime's model protocol needs (see DESIGN.md)."""
 
 
 class BatchError(ValueError):
@@ -243,13 +239,8 @@ class MicroBatchInputs:
     def model_kwargs(self, labels: bool = False) -> dict[str, torch.Tensor]:
         """The model protocol's kwargs; `labels` adds `labels` = `shift_labels` (what a Hugging Face forward reads
         its targets from)."""
-        kwargs = {
-            "input_ids": self.input_ids,
-            "position_ids": self.position_ids,
-            "shift_labels": self.shift_labels,
-            "num_items_in_batch": self.num_items_in_batch,
-        }
-        return {**kwargs, "labels": kwargs["shift_labels"]} if labels else kwargs
+        row = ProtocolInputs(self.input_ids, self.position_ids, self.shift_labels, self.num_items_in_batch)
+        return row.kwargs(labels=labels)
 
 
 def device_inputs(inputs: list[MicroBatchInputs], device: torch.device) -> list[MicroBatchInputs]:
@@ -258,18 +249,10 @@ def device_inputs(inputs: list[MicroBatchInputs], device: torch.device) -> list[
     return [i.to(device) for i in inputs]
 
 
-def num_targets(lengths: np.ndarray) -> int:
-    """Valid next-token targets of a global batch: every token but each sequence's last."""
-    return int((np.asarray(lengths) - 1).sum())
-
-
 def _chunk(read: TokenReader, seq: int, seq_len: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [start, end) of a sequence and their next-token labels (one token read past the end)."""
     tokens = read(seq, start, min(end + 1, seq_len))
-    labels = tokens[1:]
-    if end == seq_len:
-        labels = torch.cat([labels, torch.tensor([IGNORE_INDEX], dtype=labels.dtype)])
-    return tokens[: end - start], labels
+    return tokens[: end - start], next_token_labels(tokens, ends_sequence=end == seq_len)
 
 
 def build_micro_batch(
@@ -279,28 +262,32 @@ def build_micro_batch(
     if rank not in mb.ranks:
         raise ValueError(f"rank {rank} is not among micro-batch {mb.id}'s ranks {list(mb.ranks)}")
     lens = [int(lengths[s]) for s in mb.sequences]
+    return _shared(mb, rank, lens, read, num_items) if mb.shared else _packed(mb, lens, read, num_items)
+
+
+def _packed(mb: MicroBatch, lens: list[int], read: TokenReader, num_items: int) -> MicroBatchInputs:
+    """The whole sequences of `mb` in one row, positions restarting per sequence, `cu_seqlens` in the context."""
+    row = packed_row(torch.cat([read(seq, 0, n) for seq, n in zip(mb.sequences, lens)]), lens, num_items=num_items)
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
+    context = MicroBatchContext(cu_seqlens=cu_seqlens, micro_batch_id=mb.id)
+    return MicroBatchInputs(mb, row.input_ids, row.position_ids, row.shift_labels, row.num_items_in_batch, context)
+
+
+def _shared(mb: MicroBatch, rank: int, lens: list[int], read: TokenReader, num_items: int) -> MicroBatchInputs:
+    """This rank's pieces of `mb`'s sequences: the zigzag over the r rings, each ring position's tokens cut into u
+    parts (u = 1: the ring), at their positions in their sequences."""
+    layout = zigzag_layout(lens, len(mb.ranks) // mb.ulysses)
+    mine = UlyssesLayout(layout, mb.ulysses).rank(mb.ranks.index(rank))
     ids, positions, labels = [], [], []
-    if mb.shared:  # the zigzag over the r rings, each ring position's tokens cut into u parts (u = 1: the ring)
-        layout = zigzag_layout(lens, len(mb.ranks) // mb.ulysses)
-        mine = UlyssesLayout(layout, mb.ulysses).rank(mb.ranks.index(rank))
-        for piece in mine.pieces:
-            if piece.length == 0:  # sequences shorter than 2N leave some chunks empty
-                continue
-            lo = int(mine.position_ids[piece.offset])  # where the piece starts in its sequence
-            tokens, next_tokens = _chunk(read, mb.sequences[piece.seq], lens[piece.seq], lo, lo + piece.length)
-            ids.append(tokens)
-            labels.append(next_tokens)
-            positions.append(torch.arange(lo, lo + piece.length))
-        context = MicroBatchContext(group=mb.ranks, layout=layout, micro_batch_id=mb.id, ulysses=mb.ulysses)
-    else:
-        for seq, n in zip(mb.sequences, lens):
-            tokens, next_tokens = _chunk(read, seq, n, 0, n)
-            ids.append(tokens)
-            labels.append(next_tokens)
-            positions.append(torch.arange(n))
-        context = MicroBatchContext(
-            cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(lens)])), micro_batch_id=mb.id
-        )
+    for piece in mine.pieces:
+        if piece.length == 0:  # sequences shorter than 2N leave some chunks empty
+            continue
+        lo = int(mine.position_ids[piece.offset])  # where the piece starts in its sequence
+        tokens, next_tokens = _chunk(read, mb.sequences[piece.seq], lens[piece.seq], lo, lo + piece.length)
+        ids.append(tokens)
+        labels.append(next_tokens)
+        positions.append(torch.arange(lo, lo + piece.length))
+    context = MicroBatchContext(group=mb.ranks, layout=layout, micro_batch_id=mb.id, ulysses=mb.ulysses)
     return MicroBatchInputs(
         mb, torch.cat(ids)[None], torch.cat(positions)[None], torch.cat(labels)[None], torch.tensor(num_items), context
     )

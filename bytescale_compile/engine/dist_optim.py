@@ -40,10 +40,10 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as TPShard
 
+from .adamw import IMPLEMENTATION_FLAGS, StepGuard, fused_supported, guarded_step, param_groups
 from .collectives import BUCKET_BYTES, local
 from .grad_buffer import Bucket, GradBuffer, all_gather_single, bucket_layout
 from .mesh import replica_group
-from .optim import IMPLEMENTATION_FLAGS, StepGuard, fused_supported, guarded_step, param_groups
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError", "restore_fp32_"]
 

@@ -28,8 +28,8 @@ from torch import nn
 from ..api import OptimizedModule
 from ..planner.plan import MicroBatch, Plan
 from ..runtime.context import micro_batch
-from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
+from ..runtime.p2p import P2PStats
 from .batch import (
     BatchLike,
     MicroBatchInputs,
@@ -138,7 +138,7 @@ class Executor(ABC):
 
 
 def rank_work(
-    act_ctx: ActivationContext, *, loss: torch.Tensor, busy: Stopwatch, ring: RingStats, stage_bytes: int = 0
+    act_ctx: ActivationContext, *, loss: torch.Tensor, busy: Stopwatch, ring: P2PStats, stage_bytes: int = 0
 ) -> RankWork:
     """What a step's micro-batches under `act_ctx` did, with its offloading figures."""
     return RankWork(
@@ -168,7 +168,7 @@ class WholeModelExecutor(Executor):
         self.model.train()
         mine = plan.micro_batches_of(self.rank)
         act_ctx = self.act_ctx(mine)
-        loss, busy, ring = torch.zeros((), device=self.device), Stopwatch(self.device), RingStats()
+        loss, busy, ring = torch.zeros((), device=self.device), Stopwatch(self.device), P2PStats()
         for i, inputs in enumerate(self.device_inputs(mine, batch)):
             busy.start()
             act_ctx.update_micro_batch_id(i)

@@ -49,8 +49,8 @@ from ..api import OptimizedModule
 from ..planner.pipeline_order import Op, chained_micro_batches, stage_order
 from ..planner.plan import MicroBatch, Plan, PlanError
 from ..runtime.context import MicroBatchContext, micro_batch
-from ..runtime.dist_attn import RingStats
 from ..runtime.offload import ActivationContext, get_act_ctx
+from ..runtime.p2p import P2PStats
 from .batch import BatchLike, MicroBatchInputs, ModelProtocolError, RankWork, Stopwatch
 from .collectives import grad_square_sum
 from .executor import Executor, rank_work
@@ -100,10 +100,10 @@ class _Tally:
     """The last stage's summed loss, float64 on the device (0 on the other stages)."""
     busy: Stopwatch
     stage_bytes: int = 0
-    ring: RingStats = field(default_factory=RingStats)
+    ring: P2PStats = field(default_factory=P2PStats)
     """Ring and mixer bytes this stage rank sent."""
 
-    def count(self, stats: RingStats, since: RingStats) -> None:
+    def count(self, stats: P2PStats, since: P2PStats) -> None:
         """Add what `stats` counted after `since` (a copy taken before)."""
         self.ring.bytes_sent += stats.bytes_sent - since.bytes_sent
         self.ring.mixer_bytes_sent += stats.mixer_bytes_sent - since.mixer_bytes_sent
@@ -347,7 +347,7 @@ class PipelineExecutor(Executor):
         else:
             tally.stage_bytes += self._send(out, self.rank + self.stride, mb, sends)
         tally.busy.stop()
-        tally.count(inputs.context.ring_stats, RingStats())
+        tally.count(inputs.context.ring_stats, P2PStats())
         return _InFlight(inputs.context, received, out)
 
     def _backward(

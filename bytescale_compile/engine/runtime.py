@@ -22,9 +22,12 @@ weights) and the gradients are all-reduced after the backward. With the `Distrib
 (`engine/dist_optim.py`) the weights are bf16, the gradients accumulate into an fp32 buffer whose buckets are
 reduce-scattered during the backward, and each rank updates its shard of the fp32 master weights.
 
-After its first measured steps (steps 2 and 3 of this Runtime: the first compiles) rank 0 holds their
-wall time against the simulator's prediction for their plans and warns once, naming the cost model,
-when they differ by more than 2× either way: plans balanced by a cost model that far off may be poor.
+A step runs and measures: the simulator's predictions for its plan are `Runtime.predict`'s, made on request for
+the steps that are logged (`engine/diagnostics.py`). The one the step makes itself: after its first measured steps
+(steps 2 and 3 of this Runtime: the first compiles) rank 0 holds their wall time against the prediction for their
+plans and warns once, naming the cost model, when they differ by more than 2× either way: plans balanced by a cost
+model that far off may be poor. What planning reads of the compiled model (shard blockers, mixer costs) is probed
+once (`engine/probe.py`), on the first plan or given at construction.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -46,20 +48,19 @@ from torch.distributed.tensor import DTensor
 
 from ..api import OptimizedModule, optimize
 from ..config import CompileConfig
-from ..passes.report import CompileReport
-from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, check_sp, plan, validate_splits
+from ..planner import DEFAULT_SP, RUNTIME_STRATEGIES, CostModel, Plan, PlanRequest, check_sp, validate_splits
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
-from ..planner.model_shape import model_shape
 from ..sim.simulator import step_time
 from .batch import BatchError, BatchLike, ListBatch, ModelProtocolError, RankWork, Stopwatch, ids_checked
 from .collectives import check_replica_gradients, gather, sync_gradients
+from .diagnostics import PREDICTION_TOLERANCE, CostModelWarning, StepDiagnostics, StepPrediction, prediction_off
 from .dist_optim import DistributedOptimizer
-from .executor import Executor, WholeModelExecutor
+from .executor import Executor
 from .mesh import tp_group
 from .optim import StepGuard, guarded_step
-from .pipeline import PipelineExecutor
+from .probe import SetupProbe, default_cost_model, executor_for, probe_executor
 from .routing import RouterTraining
-from .stages import checkpointed, stage_spec
+from .stages import checkpointed
 
 __all__ = [
     "Runtime",
@@ -70,7 +71,11 @@ __all__ = [
     "ModelProtocolError",
     "BatchError",
     "SkippedStepsError",
+    "NoOptimizerError",
     "CostModelWarning",
+    "StepPrediction",
+    "SetupProbe",
+    "default_cost_model",
     "prediction_off",
     "PREDICTION_TOLERANCE",
     "RUNTIME_STRATEGIES",
@@ -81,18 +86,14 @@ class SkippedStepsError(RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient: training is not making progress."""
 
 
-class CostModelWarning(UserWarning):
-    """Measured step times are far from the cost model's predictions: the plans it balances may be poor."""
-
-
-PREDICTION_TOLERANCE = 2.0
-"""Measured and predicted step time may differ by this factor either way before the runtime warns."""
-_COMPARED_CALLS = (2, 3)
-"""Which of a Runtime's steps are held against the prediction: the first compiles the model."""
+class NoOptimizerError(RuntimeError):
+    """A step asked of a Runtime built without an optimizer, which runs forwards and backwards only."""
 
 
 @dataclass
 class StepStats:
+    """What one step measured, the same on every rank (predictions for its plan: `Runtime.predict`)."""
+
     step: int
     strategy: str
     loss: float
@@ -120,8 +121,6 @@ class StepStats:
     """Of the summed gradient, before clipping."""
     skipped: bool = False
     """The loss or the gradient norm was not finite: no optimizer step was taken (on any rank)."""
-    predicted_time: float = 0.0
-    """Seconds the simulator predicts for `plan` under the runtime's cost model."""
     auto_choice: str | None = None
     """Strategy "auto": the candidate it ran (`planner.auto.CANDIDATES`, e.g. "balance", "static"); else None."""
     auto_speedup: float | None = None
@@ -160,11 +159,6 @@ class StepStats:
         return self.tokens / self.time if self.time else 0.0
 
     @property
-    def time_vs_predicted(self) -> float:
-        """Measured / predicted step time (0 without a prediction): above 1, slower than the cost model says."""
-        return self.time / self.predicted_time if self.predicted_time > 0 else 0.0
-
-    @property
     def busy_spread(self) -> float:
         """max / min busy time over ranks that had work."""
         busy = [b for b in self.busy if b > 0]
@@ -172,70 +166,52 @@ class StepStats:
 
 
 _SHARDED_BYTES = ("p2p_bytes", "mixer_bytes")
-"""`RankFigures` columns that differ between the ranks of a TP group: each moves its own shard's K/V, halos and
+"""`RankWork` figures that differ between the ranks of a TP group: each moves its own shard's K/V, halos and
 states."""
 
 
+def _every_rank(
+    work: RankWork,
+    measured: dict[str, float | torch.Tensor],
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    tp_size: int = 1,
+) -> dict[str, np.ndarray]:
+    """Every rank's `work` and `measured` figures by name, one entry per global rank that leads its TP group
+    (stage-major; every rank of a group ran the same micro-batches), but the bytes each rank sent for its own shard
+    of the heads or channels summed over its group: from one all-reduce and one host read, the step's only read of
+    the device. `work.busy` is read too, so the device must have done the step's work (`Stopwatch.wait`)."""
+    mine: dict[str, float | torch.Tensor] = {f.name: getattr(work, f.name) for f in dataclasses.fields(work)}
+    mine |= {"busy": work.busy.busy, **measured}
+    names = list(mine)
+    table = gather(list(mine.values()), rank, world_size, device)
+    columns = {name: table[::tp_size, i] for i, name in enumerate(names)}
+    for name in _SHARDED_BYTES:
+        columns[name] = table[:, names.index(name)].reshape(-1, tp_size).sum(axis=1)
+    return columns
+
+
 @dataclass(frozen=True)
-class RankFigures:
-    """Every rank's `RankWork` of a step, the seconds of its forward-backward and its step's outcome, one entry per
-    global rank (stage-major), from one all-reduce and one host read: the step's only read of the device."""
+class _Ran:
+    """What running a step left for its `StepStats`: every rank's figures (`_every_rank`) and the reduction's."""
 
-    loss: np.ndarray
-    busy: np.ndarray
-    micro_batches: np.ndarray
-    p2p_bytes: np.ndarray
-    mixer_bytes: np.ndarray
-    offloaded_bytes: np.ndarray
-    peak_saved_bytes: np.ndarray
-    stage_bytes: np.ndarray
-    forward_backward_time: np.ndarray
-    measured_peak_bytes: np.ndarray
-    measured_reserved_peak_bytes: np.ndarray
-    grad_norm: np.ndarray
-    """The summed gradient's norm before clipping (the same on every rank)."""
-    skipped: np.ndarray
-    """1 where the optimizer step was skipped (the same on every rank)."""
-
-    @classmethod
-    def gather(
-        cls,
-        work: RankWork,
-        guard: StepGuard,
-        *,
-        forward_backward_time: float,
-        measured_peak_bytes: int,
-        reserved_peak_bytes: int = 0,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-        tp_size: int = 1,
-    ) -> RankFigures:
-        """Rows of the global ranks that lead their TP group (every rank of a group ran the same micro-batches),
-        but the bytes each rank sent for its own shard of the heads or channels summed over its group. The loss and
-        the guard's norm and skip flag are device tensors, read here with the rest; `work.busy` is read too, so the
-        device must have done the step's work (`Stopwatch.wait`)."""
-        mine: dict[str, float | torch.Tensor] = {f.name: getattr(work, f.name) for f in dataclasses.fields(work)}
-        mine |= {
-            "busy": work.busy.busy,
-            "forward_backward_time": forward_backward_time,
-            "measured_peak_bytes": measured_peak_bytes,
-            "measured_reserved_peak_bytes": reserved_peak_bytes,
-            "grad_norm": guard.norm,
-            "skipped": guard.skip,
-        }
-        names = [f.name for f in dataclasses.fields(cls)]
-        table = gather([mine[name] for name in names], rank, world_size, device)
-        rows = table[::tp_size].copy()
-        for name in _SHARDED_BYTES:
-            column = names.index(name)
-            rows[:, column] = table[:, column].reshape(-1, tp_size).sum(axis=1)
-        return cls(*rows.T)
+    ranks: dict[str, np.ndarray]
+    reduced_bytes: int
+    reduce_time: float
+    reduce_overlap: float
+    routed: torch.Tensor | None
+    """The routers' sums, for `RouterTraining.finish` (None for a dense model)."""
 
 
 class Runtime:
     """`Runtime(model, optimizer, config, cost_model, strategy)`; `step(batch) -> StepStats`,
-    `evaluate(batch) -> float`.
+    `evaluate(batch) -> float`, `predict(stats) -> StepPrediction`.
+
+    `optimizer=None` makes a Runtime that plans, runs forwards and backwards (`forward_backward`, calibration) and
+    evaluates, but refuses `step`. `probe` is the model's `SetupProbe` when setup made one (`engine/probe.py`);
+    without it the Runtime probes on its first plan.
 
     `mixed_precision` (None or torch.bfloat16/float16) is the autocast dtype of every forward; the model
     stays where it is, and every micro-batch input goes to the device of its parameters.
@@ -249,7 +225,7 @@ class Runtime:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | DistributedOptimizer,
+        optimizer: torch.optim.Optimizer | DistributedOptimizer | None,
         config: CompileConfig | None = None,
         cost_model: CostModel | None = None,
         strategy: str = "balance",
@@ -264,6 +240,7 @@ class Runtime:
         sp: str = DEFAULT_SP,
         expert_bias_update: float | None = None,
         router_aux_loss: str = "sequence",
+        probe: SetupProbe | None = None,
     ) -> None:
         if strategy not in RUNTIME_STRATEGIES:
             raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
@@ -282,15 +259,15 @@ class Runtime:
         self.global_world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.mixed_precision = mixed_precision
-        self.executor: Executor = (WholeModelExecutor if stage_spec(self.model) is None else PipelineExecutor)(
-            self.model, mixed_precision
-        )
+        self.executor: Executor = executor_for(self.model, mixed_precision)
         """Runs this rank's micro-batches: of the whole model, or of its pipeline stage."""
         self.device = self.executor.device
         self.pp_size = self.executor.pp_size
         mesh = self.executor.mesh
         self.tp_size = mesh.tp
         """Ranks of a TP group: one HDP rank of the plans."""
+        self._probe: SetupProbe | None = None
+        """What planning reads of the compiled model (`probe`), once taken."""
         self.cost_model = cost_model or default_cost_model(self.model)
         self._refuse_with_tp(optimizer)
         self.sp = check_sp(sp)
@@ -314,8 +291,10 @@ class Runtime:
         self._skipped_in_a_row: list[int] = []
         self._replicas_unchecked = self.tp_size > 1
         """Tensor parallelism: the replicated parameters' gradients are yet to be compared over the TP group."""
-        self._timed: list[StepStats] = []
-        """This Runtime's steps so far, up to the last of `_COMPARED_CALLS`."""
+        self.diagnostics = StepDiagnostics(warns=self.global_rank == 0)
+        """Predictions of this Runtime's steps (`predict`), and the check of its first ones against them."""
+        if probe is not None:
+            self._take_probe(probe)
 
     def _check_replicas(self, sharded: DistributedOptimizer | None) -> None:
         """Refuse, on the first step and before its update, plain parameters whose summed gradients differ over
@@ -348,35 +327,38 @@ class Runtime:
         A model whose compiled graphs hold an attention the pass left alone is never sharded nor packed:
         every sequence runs alone on one rank, and one longer than the capacity is refused.
         """
-        blockers = self.shard_blockers()
-        result = plan(
-            lengths,
-            self.world_size,
-            self.capacity,
-            self.cost_model,
+        return self.plan_request().plan(lengths)
+
+    def plan_request(self) -> PlanRequest:
+        """How this run plans each step: its settings, cost model and shard blockers (the Ray scheduler plans
+        with the same request)."""
+        return PlanRequest(
+            world_size=self.world_size,
+            capacity=self.capacity,
+            cost_model=self.cost_model,
             strategy=self.strategy,
             pp_size=self.pp_size,
             context_length=self.context_length,
-            shard_blocker="; ".join(blockers) or None,
-            step_time=step_time,
             sp=self.sp,
+            shard_blockers=tuple(self.shard_blockers()),
+            step_time=step_time,
         )
-        self._validate(result)
-        return result
 
     @property
     def cost_model(self) -> CostModel:
         """What plans are made and predicted with. Whatever hardware it was made for, its heads are sharded over
-        this run's TP group (`CostModel.head_shards`): a Ulysses degree splits each TP rank's heads; and it
+        this run's TP group (`CostModel.tp_size`): a Ulysses degree splits each TP rank's heads; and it
         recomputes each layer's forward where the model is gradient-checkpointed (`CostModel.recompute`)."""
         return self._cost_model
 
     @cost_model.setter
-    def cost_model(self, model: CostModel) -> None:
+    def cost_model(self, cost_model: CostModel) -> None:
         recompute = checkpointed(self.model)
-        if (model.head_shards, model.recompute) != (self.tp_size, recompute):
-            model = dataclasses.replace(model, head_shards=self.tp_size, recompute=recompute)
-        self._cost_model = model
+        if (cost_model.model.tp_size, cost_model.model.recompute) != (self.tp_size, recompute):
+            cost_model = cost_model.replace(tp_size=self.tp_size, recompute=recompute)
+        if self._probe is not None:  # set after the probe: charged the model's mixer costs alike
+            cost_model = self._probe.charged(cost_model)
+        self._cost_model = cost_model
 
     def _validate(self, step_plan: Plan) -> None:
         """`step_plan.validate()` with the head counts of one device (a TP rank's shard of them), which each
@@ -439,62 +421,86 @@ class Runtime:
         return given
 
     def shard_blockers(self) -> list[str]:
-        """Why this model's sequences cannot be split over ranks or packed (empty: they can); compiles it first
-        if needed. Every rank compiles the same model, so every rank reaches the same answer without communicating
-        (pipeline stages, which hold different layers, gather every stage's reasons on the first call).
-        """
-        if not self.model.compilations:
-            self._compile_probe()
-        self._charge_mixers()
-        return self.executor.shard_blockers()
+        """Why this model's sequences cannot be split over ranks or packed (empty: they can), from its probe."""
+        return list(self.probe.shard_blockers)
 
-    def _charge_mixers(self) -> None:
-        """Charge a hybrid's convolution and scan layers their halo and state bytes instead of K/V in the cost
-        model, from the compile report (once; whole models only: every rank then reads the same graphs, while
-        pipeline stages hold different layers and would plan differently)."""
-        if self.pp_size > 1 or self.cost_model.mixer_layers:
-            return
-        layers, state_bytes = CompileReport(graphs=self.model.compiled_graphs).mixer_costs()
-        if layers:
-            layers = min(layers, self.cost_model.layers)
-            self.cost_model = dataclasses.replace(
-                self.cost_model, mixer_layers=layers, mixer_state_bytes=float(state_bytes)
+    @property
+    def probe(self) -> SetupProbe:
+        """What planning reads of the compiled model (`engine/probe.py`), probed once: given at construction, or
+        on the first call, which compiles the model if needed (with pipelines, on every rank at once: the stages'
+        reasons are gathered). Taking it charges the cost model the model's mixer costs."""
+        if self._probe is None:
+            self._take_probe(probe_executor(self.executor, self.cost_model))
+        return cast(SetupProbe, self._probe)
+
+    def _take_probe(self, probe: SetupProbe) -> None:
+        ours = (self.world_size, self.pp_size, self.tp_size)
+        if (probe.hdp, probe.pp_size, probe.tp_size) != ours:
+            raise ValueError(
+                f"the given probe is of {probe.hdp} HDP ranks x pp {probe.pp_size} x tp {probe.tp_size}, this Runtime "
+                f"runs {ours[0]} x pp {ours[1]} x tp {ours[2]}: probe the module this Runtime runs"
             )
-
-    def _compile_probe(self) -> None:
-        """Compile the model on a tiny packed row (two sequences of 4 tokens) so planning can read its report.
-
-        Forward only, outside any micro-batch context: nothing is communicated and no gradient is touched.
-        """
-        positions = torch.arange(4, device=self.device).repeat(2)[None]
-        labels = torch.zeros_like(positions)
-        labels[:, 3::4] = -100
-        kwargs = {
-            "input_ids": torch.zeros_like(positions),
-            "position_ids": positions,
-            "shift_labels": labels,
-            "num_items_in_batch": torch.tensor(6, device=self.device),
-        }
-        if self.executor.hf_labels:
-            kwargs["labels"] = labels
-        kwargs = self.executor.probe_inputs(kwargs)
-        self.model.train()
-        with self.executor.autocast():
-            self.model.compile_and_run(**kwargs)
+        self._probe = probe
+        self.cost_model = self.cost_model  # charged the probe's mixer costs
 
     def step(self, batch: BatchLike | Sequence[torch.Tensor], plan: Plan | None = None) -> StepStats:
         """Plan `batch` (or run the ready-made `plan`, e.g. the remote scheduler's, checked against the batch)
-        and train one step on it."""
+        and train one step on it: what it measured (the simulator's figures for its plan: `predict`)."""
+        optimizer = self._stepped_optimizer()
         batch = _as_batch(batch, self.vocab_size)
         start = time.perf_counter()
         step_plan = self.plan(np.asarray(batch.lengths)) if plan is None else self._given_plan(plan, batch.lengths)
         plan_time = time.perf_counter() - start
         peaks = self.predicted_peaks(step_plan)
         self._check_memory(step_plan, peaks)  # the planner's plans and given ones alike
-        self.optimizer.zero_grad(set_to_none=False)
+        ran = self._run(step_plan, batch, optimizer)
+        ranks, mine = ran.ranks, self.global_rank // self.tp_size  # this rank's TP group's row
+        loss, grad_norm = float(ranks["loss"].sum()), float(ranks["grad_norm"][mine])
+        skipped = bool(ranks["skipped"][mine])
+        self.steps += 1
+        self._count_skip(skipped, loss, grad_norm)
+        router = self.routing.finish(ran.routed, update=not skipped)
+        auto = step_plan.auto
+        cuda = self.device.type == "cuda"
+        stats = StepStats(
+            step=self.steps,
+            strategy=self.strategy,
+            loss=loss,
+            tokens=int(np.asarray(batch.lengths).sum()),
+            time=time.perf_counter() - start,
+            plan_time=plan_time,
+            busy=ranks["busy"].tolist(),
+            micro_batches=ranks["micro_batches"].astype(int).tolist(),
+            p2p_bytes=int(ranks["p2p_bytes"].sum()),
+            mixer_bytes=int(ranks["mixer_bytes"].sum()),
+            allreduce_bytes=ran.reduced_bytes,
+            offloaded_bytes=int(ranks["offloaded_bytes"].sum()),
+            peak_saved_bytes=ranks["peak_saved_bytes"].astype(int).tolist(),
+            plan=step_plan,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            auto_choice=auto.chosen if auto else None,
+            auto_speedup=auto.speedup_over_static if auto else None,
+            stage_bytes=int(ranks["stage_bytes"].sum()),
+            bubbles=self.executor.bubbles(ranks["busy"], float(ranks["forward_backward_time"].max())),
+            reduce_time=ran.reduce_time,
+            reduce_overlap=ran.reduce_overlap,
+            predicted_peak_bytes=peaks,
+            measured_peak_bytes=ranks["measured_peak_bytes"].astype(int).tolist() if cuda else None,
+            measured_reserved_peak_bytes=ranks["measured_reserved_peak_bytes"].astype(int).tolist() if cuda else None,
+            aux_loss=router.aux_loss if router is not None else 0.0,
+            expert_load=router.expert_load if router is not None else None,
+        )
+        self.diagnostics.check(step=stats.step, seconds=stats.time, plan=step_plan, cost_model=self.cost_model)
+        return stats
+
+    def _run(self, step_plan: Plan, batch: BatchLike, optimizer: torch.optim.Optimizer | DistributedOptimizer) -> _Ran:
+        """Forward and backward of this rank's micro-batches, the gradient reduction, clipping and the optimizer
+        step (or its skip), then every rank's figures: the step's one wait for the device, at its end."""
+        optimizer.zero_grad(set_to_none=False)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        sharded = self.optimizer if isinstance(self.optimizer, DistributedOptimizer) else None
+        sharded = optimizer if isinstance(optimizer, DistributedOptimizer) else None
         if sharded is not None:
             sharded.start(len(step_plan.micro_batches_of(self.rank)))
         clock = Stopwatch(self.device)
@@ -510,62 +516,32 @@ class Runtime:
         routed = self.routing.reduce(tally, self.device, self.tp_size)  # read after the figures' gather
         if self._replicas_unchecked:
             self._check_replicas(sharded)
-        measured = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        reserved = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+        cuda = self.device.type == "cuda"
+        measured = torch.cuda.max_memory_allocated(self.device) if cuda else 0
+        reserved = torch.cuda.max_memory_reserved(self.device) if cuda else 0
         guard = self._clip_and_step(work.loss)
         clock.wait()  # the step's one wait for the device, once the optimizer step is issued: the clocks are read
-        reduce_time = clock.seconds(backward_done, reduced)
-        ranks = RankFigures.gather(
+        ranks = _every_rank(
             work,
-            guard,
-            forward_backward_time=clock.seconds(began, backward_done),
-            measured_peak_bytes=measured,
-            reserved_peak_bytes=reserved,
+            {
+                "forward_backward_time": clock.seconds(began, backward_done),
+                "measured_peak_bytes": measured,
+                "measured_reserved_peak_bytes": reserved,
+                "grad_norm": guard.norm,
+                "skipped": guard.skip,
+            },
             rank=self.global_rank,
             world_size=self.global_world_size,
             device=self.device,
             tp_size=self.tp_size,
         )
-        mine = self.global_rank // self.tp_size  # this rank's TP group's row
-        loss, grad_norm, skipped = float(ranks.loss.sum()), float(ranks.grad_norm[mine]), bool(ranks.skipped[mine])
-        self.steps += 1
-        self._count_skip(skipped, loss, grad_norm)
-        router = self.routing.finish(routed, update=not skipped)
-        auto = step_plan.meta.get("auto", {})
-        stats = StepStats(
-            step=self.steps,
-            strategy=self.strategy,
-            loss=loss,
-            tokens=int(np.asarray(batch.lengths).sum()),
-            time=time.perf_counter() - start,
-            plan_time=plan_time,
-            busy=ranks.busy.tolist(),
-            micro_batches=ranks.micro_batches.astype(int).tolist(),
-            p2p_bytes=int(ranks.p2p_bytes.sum()),
-            mixer_bytes=int(ranks.mixer_bytes.sum()),
-            allreduce_bytes=reduced_bytes,
-            offloaded_bytes=int(ranks.offloaded_bytes.sum()),
-            peak_saved_bytes=ranks.peak_saved_bytes.astype(int).tolist(),
-            plan=step_plan,
-            grad_norm=grad_norm,
-            skipped=skipped,
-            predicted_time=step_time(step_plan, self.cost_model),
-            auto_choice=auto.get("chosen"),
-            auto_speedup=auto.get("speedup_over_static"),
-            stage_bytes=int(ranks.stage_bytes.sum()),
-            bubbles=self.executor.bubbles(ranks.busy, float(ranks.forward_backward_time.max())),
-            reduce_time=reduce_time,
-            reduce_overlap=sharded.launched_in_backward if sharded is not None else 0.0,
-            predicted_peak_bytes=peaks,
-            measured_peak_bytes=ranks.measured_peak_bytes.astype(int).tolist() if self.device.type == "cuda" else None,
-            measured_reserved_peak_bytes=(
-                ranks.measured_reserved_peak_bytes.astype(int).tolist() if self.device.type == "cuda" else None
-            ),
-            aux_loss=router.aux_loss if router is not None else 0.0,
-            expert_load=router.expert_load if router is not None else None,
-        )
-        self._compare_with_prediction(stats)
-        return stats
+        overlap = sharded.launched_in_backward if sharded is not None else 0.0
+        return _Ran(ranks, reduced_bytes, clock.seconds(backward_done, reduced), overlap, routed)
+
+    def predict(self, step: StepStats | Plan) -> StepPrediction:
+        """The simulator's figures for a step's plan under this Runtime's cost model, to hold its measured ones
+        against: for the steps that are logged, once each (`engine/diagnostics.py`)."""
+        return self.diagnostics.predict(step.plan if isinstance(step, StepStats) else step, self.cost_model)
 
     def forward_backward(self, step_plan: Plan, batch: BatchLike) -> RankWork:
         """Forward and backward of this rank's micro-batches of `step_plan`, gradients accumulated into `.grad`
@@ -574,22 +550,6 @@ class Runtime:
         work = self.executor.forward_backward(step_plan, batch)
         work.busy.wait()
         return work
-
-    def _compare_with_prediction(self, stats: StepStats) -> None:
-        """Warn once, on rank 0, when this Runtime's steps `_COMPARED_CALLS` together took more than
-        `PREDICTION_TOLERANCE` times their predicted time, or less than its inverse."""
-        if len(self._timed) >= _COMPARED_CALLS[-1]:
-            return
-        self._timed.append(stats)
-        if len(self._timed) < _COMPARED_CALLS[-1] or self.global_rank != 0:
-            return
-        compared = self._timed[_COMPARED_CALLS[0] - 1 :]
-        measured, predicted = sum(s.time for s in compared), sum(s.predicted_time for s in compared)
-        if prediction_off(measured, predicted):
-            steps = f"steps {compared[0].step}-{compared[-1].step}"
-            warnings.warn(
-                _prediction_message(steps, measured, predicted, self.cost_model), CostModelWarning, stacklevel=3
-            )
 
     def evaluate(self, batch: BatchLike | Sequence[torch.Tensor]) -> float:
         """The token-level loss of `batch` (the same on every rank): planned and run like a step, in eval mode
@@ -614,18 +574,28 @@ class Runtime:
                 f"no target gives 0/0) and the learning rate, or resume from a checkpoint"
             )
 
+    def _stepped_optimizer(self) -> torch.optim.Optimizer | DistributedOptimizer:
+        """The optimizer a step updates; a Runtime built without one refuses steps."""
+        if self.optimizer is None:
+            raise NoOptimizerError(
+                "this Runtime was built with optimizer=None, for forwards and backwards only (calibration, "
+                "forward_backward, evaluate): build it with the optimizer the steps update"
+            )
+        return self.optimizer
+
     def _clip_and_step(self, loss: torch.Tensor | float) -> StepGuard:
         """Clip the summed gradients to `max_grad_norm` over the whole model (every stage) and take the optimizer
         step, skipped on every rank when their norm or some rank's `loss` (this rank's) is not finite. Decided on
         the device: the distributed optimizer and fused AdamW take the guard without a host sync. The guard holds
         the norm before clipping and the skip flag, for the host to read after the step."""
-        if isinstance(self.optimizer, DistributedOptimizer):
-            guard = StepGuard.of(self.optimizer.grad_norm(), self.max_grad_norm, bad_loss=self._nonfinite(loss))
-            self.optimizer.step(guard)
+        optimizer = self._stepped_optimizer()
+        if isinstance(optimizer, DistributedOptimizer):
+            guard = StepGuard.of(optimizer.grad_norm(), self.max_grad_norm, bad_loss=self._nonfinite(loss))
+            optimizer.step(guard)
             return guard
         norm = self.executor.grad_norm(self.params)
         guard = StepGuard.of(norm, self.max_grad_norm, bad_loss=self._nonfinite(loss))
-        guarded_step(self.optimizer, guard, self.params)
+        guarded_step(optimizer, guard, self.params)
         return guard
 
     def _nonfinite(self, loss: torch.Tensor | float) -> torch.Tensor:
@@ -650,30 +620,6 @@ def _as_batch(batch: BatchLike | Sequence[torch.Tensor], vocab_size: int | None)
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be an int >= 1 (tokens), got {value!r}")
-
-
-def prediction_off(measured: float, predicted: float, tolerance: float = PREDICTION_TOLERANCE) -> bool:
-    """Measured and predicted seconds differ by more than `tolerance` either way (never without a prediction)."""
-    if measured <= 0 or predicted <= 0:
-        return False
-    return max(measured / predicted, predicted / measured) > tolerance
-
-
-def _prediction_message(steps: str, measured: float, predicted: float, cost_model: CostModel) -> str:
-    how = f"{measured / predicted:.3g}x slower" if measured > predicted else f"{predicted / measured:.3g}x faster"
-    return (
-        f"{steps} took {measured:.3g} s, {how} than the {predicted:.3g} s that cost model "
-        f"{cost_model.source!r} (hardware {cost_model.hardware.name!r}) predicts: plans balanced by it may be "
-        f"poor. The trainer refits it in the job (calibrate, its default without --cost-model); elsewhere fit "
-        f"one on this machine with `bytescale-compile profile MODEL --out cost.json` (MODEL: a Hugging Face "
-        f"config directory or MODULE:FACTORY) and pass Runtime(cost_model=CostModel.load('cost.json'))"
-    )
-
-
-def default_cost_model(model: nn.Module) -> CostModel:
-    """An analytic cost model from the config of the model (behind `optimize()` if wrapped): our LLaMA or any
-    Hugging Face causal LM; `ModelConfigError` names the model class and the field it could not read."""
-    return CostModel.analytic(model_shape(model))
 
 
 def _vocab_size(model: nn.Module) -> int | None:

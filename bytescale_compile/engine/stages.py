@@ -40,11 +40,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from ..config import CompileConfig
+    from ..passes.report import CompileReport
+
 __all__ = [
     "StageSpec",
     "StageOutput",
     "UnsupportedModelError",
     "checkpointed",
+    "compile_stages",
     "full_model_name",
     "is_hf_model",
     "stage_spec",
@@ -124,6 +129,24 @@ def stage_inputs(
         rest = {k: v for k, v in model_kwargs.items() if k != "input_ids"}
         return {"hidden_states": hidden_states, **rest}
     return {"hidden_states": hidden_states, "position_ids": model_kwargs["position_ids"]}
+
+
+def compile_stages(
+    stages: list[nn.Module], config: CompileConfig, model_kwargs: Mapping[str, Any]
+) -> list[tuple[StageSpec, CompileReport]]:
+    """Each of `split_stages`' stages compiled alone through `optimize()`, as pipelined training runs it, on the
+    model protocol's kwargs and the previous stage's hidden states (forward only): its spec and compile report."""
+    from ..api import optimize
+
+    hidden, reports = None, []
+    for stage in stages:
+        spec = stage_spec(stage)
+        assert spec is not None  # every stage of a split into more than one has its spec
+        optimized = optimize(stage, config)
+        out = optimized(**stage_inputs(spec, model_kwargs, hidden))
+        hidden = out.detach() if not spec.is_last else None
+        reports.append((spec, optimized.report))
+    return reports
 
 
 def full_model_name(spec: StageSpec, name: str) -> str:

@@ -43,18 +43,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..config import loss_chunk_tokens
+from ..lazy import lazy_getattr
 
 __all__ = [
     "CPU_CHUNK_BUDGET_BYTES",
     "ChunkGrad",
     "SliceGrad",
     "chunk_rows",
-    "linear_cross_entropy_chunked",
+    "linear_cross_entropy_token_chunks",
     "linear_cross_entropy_vocab_slices",
     "logit_bytes",
     "run_chunks",
@@ -442,7 +444,7 @@ def run_vocab_slices(
     )
 
 
-def linear_cross_entropy_chunked(
+def linear_cross_entropy_token_chunks(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -558,7 +560,7 @@ def vocab_parallel_linear_cross_entropy_chunked(
     *,
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`linear_cross_entropy_chunked` of an lm_head whose rows are split over the ranks of `group`: this
+    """`linear_cross_entropy_token_chunks` of an lm_head whose rows are split over the ranks of `group`: this
     rank holds weight (and bias) rows [vocab_start, vocab_start + V/tp) of the whole vocabulary.
 
     hidden [N, H] and target [N] (ids of the whole vocabulary) are the same on every rank. Every rank
@@ -607,7 +609,7 @@ def linear_cross_entropy_vocab_slices(
     *,
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`linear_cross_entropy_chunked` walked over vocabulary slices; same arguments and returns.
+    """`linear_cross_entropy_token_chunks` walked over vocabulary slices; same arguments and returns.
 
     The first walk, over chunks of `chunk_rows` tokens, keeps each token's max logit and sum of exp (fp32 [N]) and
     gives the loss; the second, over slices of the vocabulary (`slice_rows`), recomputes their logits for all tokens
@@ -638,4 +640,13 @@ def linear_cross_entropy_vocab_slices(
     loss_sum = stats.token_loss(valid).sum()
     return run_vocab_slices(
         hidden, weight, bias, target, ignore_index, reduction, upcast, loss_sum, slice_size, slice_grad, grad_dtype
+    )
+
+
+if not TYPE_CHECKING:  # mypy sees only the current names
+    __getattr__ = lazy_getattr(
+        __name__,
+        {},
+        globals(),
+        renamed={"linear_cross_entropy_chunked": f"{__name__}:linear_cross_entropy_token_chunks"},
     )

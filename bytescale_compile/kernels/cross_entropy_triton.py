@@ -8,8 +8,8 @@ A logit scale and final soft-cap (``softcap * tanh(scale * z / softcap)``, Grani
 applied to each element as it is read, and their derivative folded into the gradient written: the
 transformed logits are never stored.
 
-`linear_cross_entropy_chunked_triton` is the drop-in for the torch reference
-`cross_entropy_ref.linear_cross_entropy_chunked`: the matmuls stay torch, the softmax is this kernel.
+`linear_cross_entropy_token_chunks_triton` is the drop-in for the torch reference
+`cross_entropy_ref.linear_cross_entropy_token_chunks`: the matmuls stay torch, the softmax is this kernel.
 `linear_cross_entropy_vocab_slices_triton` is the one for `cross_entropy_ref.linear_cross_entropy_vocab_slices`:
 `_lse_kernel` gives each token's log-sum-exp and loss from its chunk's logits (read once, not written), and
 `_slice_grad_kernel` turns a vocabulary slice's logits of all tokens into their gradient with it, element by element.
@@ -18,17 +18,20 @@ The three kernels share the row's log-sum-exp, loss and gradient formulas (`_row
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
+from ..lazy import lazy_getattr
 from .cross_entropy_ref import _check_targets, _chunk_outputs, chunk_rows, run_chunks, run_vocab_slices, slice_rows
 from .triton_mode import built_for_interpreter
 
 __all__ = [
     "INTERPRETED",
     "cross_entropy_grad_",
-    "linear_cross_entropy_chunked_triton",
+    "linear_cross_entropy_token_chunks_triton",
     "linear_cross_entropy_vocab_slices_triton",
 ]
 
@@ -250,7 +253,7 @@ def _row_weight(target: torch.Tensor, ignore_index: int, reduction: str) -> torc
     return row_weight
 
 
-def linear_cross_entropy_chunked_triton(
+def linear_cross_entropy_token_chunks_triton(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -265,7 +268,7 @@ def linear_cross_entropy_chunked_triton(
     *,
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`cross_entropy_ref.linear_cross_entropy_chunked` with the softmax in the Triton kernel.
+    """`cross_entropy_ref.linear_cross_entropy_token_chunks` with the softmax in the Triton kernel.
 
     Same arguments and returns, plus `z_loss_weight` (adds `z_loss_weight * lse²` per valid token).
     The logit transform and softmax are always computed in fp32, so `upcast` only picks the loss
@@ -310,9 +313,10 @@ def linear_cross_entropy_vocab_slices_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`cross_entropy_ref.linear_cross_entropy_vocab_slices` with the softmax in the Triton kernels.
 
-    Same arguments and returns as `linear_cross_entropy_chunked_triton` (`z_loss_weight`, `grad_dtype` too): the first walk
-    keeps each token's log-sum-exp (fp32 [N]), the second overwrites each slice's logits with their gradient in
-    the input dtype (no fp32 or derivative buffer, so the slices are as wide as the logits alone allow).
+    Same arguments and returns as `linear_cross_entropy_token_chunks_triton` (`z_loss_weight`, `grad_dtype` too):
+    the first walk keeps each token's log-sum-exp (fp32 [N]), the second overwrites each slice's logits with their
+    gradient in the input dtype (no fp32 or derivative buffer, so the slices are as wide as the logits alone
+    allow).
     """
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     _check_targets(target, ignore_index, vocab)
@@ -363,4 +367,13 @@ def linear_cross_entropy_vocab_slices_triton(
     loss_sum = token_loss.sum()
     return run_vocab_slices(
         hidden, weight, bias, target, ignore_index, reduction, upcast, loss_sum, slice_size, slice_grad, grad_dtype
+    )
+
+
+if not TYPE_CHECKING:  # mypy sees only the current names
+    __getattr__ = lazy_getattr(
+        __name__,
+        {},
+        globals(),
+        renamed={"linear_cross_entropy_chunked_triton": f"{__name__}:linear_cross_entropy_token_chunks_triton"},
     )

@@ -20,7 +20,7 @@ compiled graph, what each of our ops chooses on its inputs (`capture/backend.py`
 loss has no Triton kernel: its torch reference runs on every device.
 
 The fused loss has two implementations, token chunks and vocabulary slices (`cross_entropy_ref`);
-`linear_cross_entropy_chunked` runs the one `use_vocab_slices` picks (token chunks unless a short micro-batch
+`linear_cross_entropy` runs the one `use_vocab_slices` picks (token chunks unless a short micro-batch
 does not fit one chunk), and both are exported by name (`linear_cross_entropy_token_chunks`,
 `linear_cross_entropy_vocab_slices`) for the benchmarks to time. All take `max_workspace_bytes`, the cap on the
 chunk's [chunk, V] buffers (the config's `loss_workspace_bytes`), and `grad_dtype=torch.float32` for an fp32
@@ -37,11 +37,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..config import ATTENTION_BACKEND_CHOICES as KERNEL_CHOICES
+from ..lazy import lazy_getattr
 from . import attention_flash, attention_ref, cross_entropy_ref
 from .attention_ref import AttentionMask, check_attention_options, check_attention_shapes, layout_like
 
@@ -64,7 +66,7 @@ __all__ = [
     "segment_causal_attention_bwd",
     "block_attention_fwd",
     "block_attention_bwd",
-    "linear_cross_entropy_chunked",
+    "linear_cross_entropy",
     "linear_cross_entropy_token_chunks",
     "linear_cross_entropy_vocab_slices",
     "use_vocab_slices",
@@ -741,9 +743,9 @@ def linear_cross_entropy_token_chunks(
     *,
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """`cross_entropy_ref.linear_cross_entropy_chunked`, on the chosen implementation."""
+    """`cross_entropy_ref.linear_cross_entropy_token_chunks`, on the chosen implementation."""
     impl = _loss_kernel(
-        hidden.device, cross_entropy_ref.linear_cross_entropy_chunked, "linear_cross_entropy_chunked_triton"
+        hidden.device, cross_entropy_ref.linear_cross_entropy_token_chunks, "linear_cross_entropy_token_chunks_triton"
     )
     options = (ignore_index, reduction, upcast, max_workspace_bytes, scale, softcap)
     return impl(hidden, weight, bias, target, *options, grad_dtype=grad_dtype)
@@ -771,7 +773,7 @@ def linear_cross_entropy_vocab_slices(
     return impl(hidden, weight, bias, target, *options, grad_dtype=grad_dtype)
 
 
-def linear_cross_entropy_chunked(
+def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -785,13 +787,13 @@ def linear_cross_entropy_chunked(
     *,
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """The fused loss (`cross_entropy_ref.linear_cross_entropy_chunked`'s arguments and returns) as token chunks
-    or vocabulary slices, as `use_vocab_slices` picks, on the chosen implementation."""
+    """The fused loss (`cross_entropy_ref.linear_cross_entropy_token_chunks`'s arguments and returns) as token
+    chunks or vocabulary slices, as `use_vocab_slices` picks, on the chosen implementation."""
     vocab = weight.shape[0]
     triton_ = _pick(hidden.device, "cross_entropy_triton")
     chunk = _token_chunk(hidden, vocab, upcast, softcap, max_workspace_bytes, triton=triton_ is not None)
     slices = use_vocab_slices(hidden.shape[0], vocab, chunk)
-    name = "linear_cross_entropy_vocab_slices" if slices else "linear_cross_entropy_chunked"
+    name = "linear_cross_entropy_vocab_slices" if slices else "linear_cross_entropy_token_chunks"
     impl: _LossKernel = getattr(cross_entropy_ref, name) if triton_ is None else getattr(triton_, f"{name}_triton")
     options = (ignore_index, reduction, upcast, max_workspace_bytes, scale, softcap)
     return impl(hidden, weight, bias, target, *options, grad_dtype=grad_dtype)
@@ -799,3 +801,8 @@ def linear_cross_entropy_chunked(
 
 vocab_parallel_linear_cross_entropy_chunked = cross_entropy_ref.vocab_parallel_linear_cross_entropy_chunked
 """The torch reference on every device, whatever `choose` says: no Triton kernel implements it."""
+
+if not TYPE_CHECKING:  # mypy sees only the current names
+    __getattr__ = lazy_getattr(
+        __name__, {}, globals(), renamed={"linear_cross_entropy_chunked": f"{__name__}:linear_cross_entropy"}
+    )

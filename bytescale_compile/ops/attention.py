@@ -10,7 +10,7 @@ attends causally within its own sequence (the row must then be a single one, B =
 `position_ids` (passed by the attention pass for Hugging Face's packed-sequence masks) split each row
 where positions restart; otherwise it is plain causal attention per row, like SDPA with `is_causal=True`.
 When the context's group has several ranks, the row holds this rank's zigzag tokens and the op runs
-the packed ring (`runtime/dist_attn.py`), with the context's Ulysses degree beside it
+the packed ring (`runtime/ring_attention.py`), with the context's Ulysses degree beside it
 (`runtime/ulysses.py`); a group of one stays local.
 
 `backend` (`CompileConfig.attention_backend`, set on the op when the graph compiles) names the attention backend

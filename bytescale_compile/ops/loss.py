@@ -25,7 +25,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from bytescale_compile.config import DEFAULT_LOSS_WORKSPACE_BYTES
 from bytescale_compile.kernels.dispatch import (
-    linear_cross_entropy_chunked,
+    linear_cross_entropy,
     vocab_parallel_linear_cross_entropy_chunked,
 )
 from bytescale_compile.ops.autocast import register_autocast_rule, to_autocast_dtype
@@ -134,7 +134,7 @@ def fused_linear_cross_entropy_op(
     """
     _check_args(hidden, weight, bias, target, reduction, max_workspace_bytes, scale, softcap)
     options = (ignore_index, reduction, upcast, max_workspace_bytes, scale, softcap)
-    return _run_kernel(linear_cross_entropy_chunked, hidden, weight, bias, target, *options)
+    return _run_kernel(linear_cross_entropy, hidden, weight, bias, target, *options)
 
 
 @torch.library.custom_op("bytescale::vocab_parallel_linear_cross_entropy", mutates_args=())

@@ -25,7 +25,6 @@ from torch import Tensor
 
 from bytescale_compile.kernels.recurrences import RECURRENCES, Recurrence
 from bytescale_compile.runtime.context import ContextError, RowPacking, current_context, innermost
-from bytescale_compile.runtime.dist_attn import make_ring
 from bytescale_compile.runtime.dist_mixers import (
     MixerRow,
     causal_conv,
@@ -36,6 +35,7 @@ from bytescale_compile.runtime.dist_mixers import (
     summary_shapes,
 )
 from bytescale_compile.runtime.dist_mixers import scan as scan_row
+from bytescale_compile.runtime.ring_attention import make_ring
 
 __all__ = ["causal_conv1d", "causal_conv1d_backward", "scan", "scan_backward_op", "SCAN_OUTPUT", "boundary_bytes"]
 

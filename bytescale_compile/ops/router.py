@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from bytescale_compile.runtime.context import ContextError, current_context, innermost
-from bytescale_compile.runtime.dist_attn import Peers, RingStats, make_peers
 from bytescale_compile.runtime.expert_load import RouterTally
+from bytescale_compile.runtime.p2p import P2PStats, Peers, make_peers
 
 __all__ = ["router_balance_weights", "count_experts"]
 
@@ -58,7 +58,7 @@ def _segments(tokens: int) -> _Segments:
     peers = None
     if ctx.is_ring:
         assert ctx.group is not None and ctx.layout is not None
-        peers = make_peers(ctx.group, len(ctx.group), ctx.ring_timeout_s, RingStats(), "ring group")
+        peers = make_peers(ctx.group, len(ctx.group), ctx.ring_timeout_s, P2PStats(), "ring group")
         lengths = list(ctx.layout.seq_lens)
         pieces = ctx.split_layout.rank(peers.index).pieces
         seq_of_token = torch.full((tokens,), -1, dtype=torch.long)

@@ -3,8 +3,8 @@
 Candidates are balance with and without offloading, and static. Balance at other δ (0 and 5x the
 default) was a candidate too, but over 20 seeds of Byted-like and GitHub-like 32M-token batches at
 1024 ranks and 4 pipeline setups it never shortened the chosen step by more than 0.004%, while it
-doubled `auto`'s planning time (benchmarks/RESULTS.md, issue 15). Static is among them whenever its mesh can hold the batch, so under its own cost model
-`auto` is never slower than static; the plan's `meta["auto"]` says which candidate won, every
+doubled `auto`'s planning time (benchmarks/history/planner.md). Static is among them whenever its mesh can hold the batch, so under its own cost model
+`auto` is never slower than static; the plan's `auto` (`AutoChoice`) says which candidate won, every
 candidate's simulated step time, and the winner's speedup over static (None where static cannot plan
 the batch) and over the runner-up.
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from ..strategies import BALANCE, STATIC
 from .balance import BalanceInputs, balance_inputs, balance_ranks, schedule_balance
-from .plan import Plan, PlanError
+from .plan import AutoChoice, Plan, PlanError
 from .split import DEFAULT_SP
 from .static import plan_static
 
@@ -61,7 +61,7 @@ class SharedWork:
 
     def balance(self, offload: bool) -> Plan:
         """Balance's plan with or without offloading. Where no sequence's D(s) or r changes with
-        `offload` (none needs offloading, say), both settings get one plan, whose meta names the first."""
+        `offload` (none needs offloading, say), both settings get one plan, whose `offload` names the first."""
         if self._inputs is None:
             self._inputs = balance_inputs(*self._batch, sp=self.sp)
         ranks, ratio = balance_ranks(self._inputs, offload)
@@ -76,7 +76,7 @@ class SharedWork:
 @dataclass(frozen=True)
 class Candidate:
     """One plan `auto` considers: a name for the report and how to build it, as
-    `build(lens, world_size, capacity, cost_model, pp_size, context_length, shared=None)`; `shared`
+    `build(lens, world_size=, capacity=, cost_model=, pp_size=, context_length=, sp=, shared=None)`; `shared`
     (one `SharedWork` per batch) lets it reuse what other candidates computed, None plans from scratch."""
 
     name: str
@@ -86,15 +86,17 @@ class Candidate:
 def _balance(offload: bool) -> Callable[..., Plan]:
     def build(
         lens: np.ndarray,
+        *,
         world_size: int,
         capacity: int,
         cost_model: CostModel,
-        pp_size: int,
-        context_length: int | None,
+        pp_size: int = 1,
+        context_length: int | None = None,
+        sp: str = DEFAULT_SP,
         shared: SharedWork | None = None,
     ) -> Plan:
         if shared is None:
-            shared = SharedWork(lens, world_size, capacity, cost_model, pp_size)
+            shared = SharedWork(lens, world_size, capacity, cost_model, pp_size, sp)
         return shared.balance(offload)
 
     return build
@@ -102,15 +104,24 @@ def _balance(offload: bool) -> Callable[..., Plan]:
 
 def _static(
     lens: np.ndarray,
+    *,
     world_size: int,
     capacity: int,
     cost_model: CostModel,
-    pp_size: int,
-    context_length: int | None,
+    pp_size: int = 1,
+    context_length: int | None = None,
+    sp: str = DEFAULT_SP,
     shared: SharedWork | None = None,
 ) -> Plan:
-    sp = DEFAULT_SP if shared is None else shared.sp
-    return plan_static(lens, world_size, capacity, cost_model, pp_size, context_length, sp)
+    return plan_static(
+        lens,
+        world_size=world_size,
+        capacity=capacity,
+        cost_model=cost_model,
+        pp_size=pp_size,
+        context_length=context_length,
+        sp=sp,
+    )
 
 
 CANDIDATES = (
@@ -122,6 +133,7 @@ CANDIDATES = (
 
 def plan_auto(
     lens: np.ndarray,
+    *,
     world_size: int,
     capacity: int,
     cost_model: CostModel,
@@ -139,7 +151,16 @@ def plan_auto(
     errors: list[PlanError] = []
     for candidate in CANDIDATES:
         try:
-            built = candidate.build(lens, world_size, capacity, cost_model, pp_size, context_length, shared)
+            built = candidate.build(
+                lens,
+                world_size=world_size,
+                capacity=capacity,
+                cost_model=cost_model,
+                pp_size=pp_size,
+                context_length=context_length,
+                sp=sp,
+                shared=shared,
+            )
         except PlanError as e:
             errors.append(e)
             continue
@@ -151,10 +172,10 @@ def plan_auto(
     ranked = sorted(steps, key=steps.__getitem__)
     best = plans[ranked[0]]
     runner_up = steps[ranked[1]] if len(ranked) > 1 else steps[ranked[0]]
-    best.meta["auto"] = {
-        "chosen": ranked[0],
-        "step_time": steps,
-        "speedup_over_static": steps[STATIC] / steps[ranked[0]] if STATIC in steps else None,
-        "speedup_over_runner_up": runner_up / steps[ranked[0]],
-    }
+    best.auto = AutoChoice(
+        chosen=ranked[0],
+        step_time=steps,
+        speedup_over_static=steps[STATIC] / steps[ranked[0]] if STATIC in steps else None,
+        speedup_over_runner_up=runner_up / steps[ranked[0]],
+    )
     return best

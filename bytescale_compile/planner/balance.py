@@ -58,10 +58,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..strategies import BALANCE
-from .common import PlanBuilder, fastest_group
-from .hdp import ranks_needed
+from .builder import PlanBuilder, fastest_group
+from .naive import ranks_needed
 from .placers import ChainPlacer, Demands, DPPlacer, Placer
-from .plan import Plan
+from .plan import BalanceSettings, Plan
 from .split import DEFAULT_SP
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ def balance_inputs(
         capacity,
         cost_model,
         pp_size,
-        max(1, cost_model.layers // pp_size),
+        max(1, cost_model.model.layers // pp_size),
         seq_time,
         float(seq_time.sum()),
         np.concatenate(buckets) if buckets else order,
@@ -246,11 +246,14 @@ def schedule_balance(
     else:
         placer, balance = DPPlacer(builder, i.world_size, i.capacity, i.balanced), "dp"
     placer.place(demands, delta)
-    return builder.build(placer.schedule(), delta=delta, buckets=i.buckets, balance=balance, offload=offload)
+    return builder.build(
+        placer.schedule(), offload=offload, balance=BalanceSettings(delta=delta, buckets=i.buckets, mode=balance)
+    )
 
 
 def plan_balance(
     lens: np.ndarray,
+    *,
     world_size: int,
     capacity: int,
     cost_model: CostModel,

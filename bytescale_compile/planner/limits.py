@@ -2,11 +2,11 @@
 
 The planners refuse a sequence too long for the cluster only when a step draws it. `length_limit` runs their
 checks over a whole dataset's lengths at once, so a run can refuse before its first step, naming the
-sequences and the settings that would hold them. The checks live here, once: `hdp.ranks_needed`,
+sequences and the settings that would hold them. The checks live here, once: `naive.ranks_needed`,
 `static.plan_static` and `unsharded.plan_unsharded` refuse through `refuse` and the reasons below.
 
 What holds a sequence, as `plan()` decides on a batch of it:
-- a model that cannot be sharded (`shard_blocker`, any strategy): at most the capacity, on one rank;
+- a model that cannot be sharded (`shard_blockers`, any strategy): at most the capacity, on one rank;
 - static: at most the context length, and a context-length row within the mesh (`mesh_row`);
 - naive and balance: D(s) of Eq. 2, offloading allowed, at most the W ranks;
 - auto: what balance with offloading or static holds. W ranks hold any s <= W x C without offloading
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..strategies import STATIC
-from .common import check_arguments
+from .checks import check_arguments
 from .plan import PlanError
 
 if TYPE_CHECKING:
@@ -82,23 +82,23 @@ class LengthLimit:
 
 def length_limit(
     lengths: Sequence[int] | np.ndarray,
+    *,
     world_size: int,
     capacity: int,
     cost_model: CostModel,
     strategy: str,
     pp_size: int = 1,
     context_length: int | None = None,
-    shard_blocker: str | None = None,
+    shard_blockers: Sequence[str] = (),
 ) -> LengthLimit:
     """The sequences among `lengths` that `plan()` with these arguments refuses in any batch, and the length,
     capacity and ranks that would hold them; vectorised over the lengths (a whole dataset's)."""
     lens = check_arguments(lengths, strategy, world_size, capacity, pp_size)
-    if shard_blocker is not None:
+    if shard_blockers:
         too_long = lens > capacity
         need = int(lens[too_long].max(initial=0))
-        return _limit(
-            lens, too_long, unsharded_reason(capacity, shard_blocker), capacity, capacity, need, None, pp_size
-        )
+        why = unsharded_reason(capacity, tuple(shard_blockers))
+        return _limit(lens, too_long, why, capacity, capacity, need, None, pp_size)
     if strategy == STATIC:
         return _static_limit(lens, world_size, capacity, context_length, pp_size)
     return _eq2_limit(lens, world_size, capacity, cost_model, layers_per_stage(cost_model, pp_size), pp_size)
@@ -109,7 +109,7 @@ def length_limit(
 
 def layers_per_stage(cost_model: CostModel, pp_size: int) -> int:
     """l of Eq. 2: the layers one pipeline stage holds, whose activations its ranks keep."""
-    return max(1, cost_model.layers // pp_size)
+    return max(1, cost_model.model.layers // pp_size)
 
 
 def mesh_row(world_size: int, capacity: int) -> int:
@@ -126,9 +126,10 @@ def refuse(lens: np.ndarray, too_long: np.ndarray, why: Reason) -> None:
         raise PlanError(f"sequence {i} has {int(lens[i])} tokens, {why(int(lens[i]))}")
 
 
-def unsharded_reason(capacity: int, blocker: str) -> Reason:
+def unsharded_reason(capacity: int, shard_blockers: Sequence[str]) -> Reason:
+    blockers = "; ".join(shard_blockers)
     return lambda _: (
-        f"more than the capacity {capacity} of one rank, and the model cannot be sharded over ranks: {blocker}"
+        f"more than the capacity {capacity} of one rank, and the model cannot be sharded over ranks: {blockers}"
     )
 
 
@@ -210,7 +211,7 @@ def _static_limit(
 def _eq2_limit(
     lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, layers: int, pp_size: int
 ) -> LengthLimit:
-    """D(s) > W, as `hdp.ranks_needed` refuses. D does not depend on W: the fewest ranks are the largest D."""
+    """D(s) > W, as `naive.ranks_needed` refuses. D does not depend on W: the fewest ranks are the largest D."""
     ranks = cost_model.ranks_and_ratio(lens, capacity, layers)[0]
     too_long = ranks > world_size
     why = eq2_reason(world_size, capacity, cost_model, layers)

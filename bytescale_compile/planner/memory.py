@@ -348,14 +348,14 @@ class MemoryModel:
         if self._per_token(offload) <= 0:
             raise ValueError("MemoryModel without activation figures (both per-token figures are 0) has no capacity")
         hi = math.floor(avail / self._per_token(offload)) + 1
-        while self._worst(hi, offload) <= budget:  # guard the float division: hi must not fit
+        while self.worst_peak(hi, offload) <= budget:  # guard the float division: hi must not fit
             hi *= 2
         lo = 0  # peak(lo) <= budget < peak(hi), lo = 0 taken as fitting
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self._worst(mid, offload) <= budget else (lo, mid)
+            lo, hi = (mid, hi) if self.worst_peak(mid, offload) <= budget else (lo, mid)
         if lo < 1:
-            one = self._worst(1, offload) - self.static.total - self.workspace_bytes
+            one = self.worst_peak(1, offload) - self.static.total - self.workspace_bytes
             raise MemoryBudgetError(
                 f"the budget of {format_bytes(budget)} ({budget} bytes) leaves {format_bytes(avail)} for activations "
                 f"after static bytes {format_bytes(self.static.total)} ({self.static.summary()}) and workspace "
@@ -364,7 +364,7 @@ class MemoryModel:
             )
         return lo
 
-    def _worst(self, capacity: int, offload: bool) -> float:
+    def worst_peak(self, capacity: int, offload: bool) -> float:
         """The peak of the largest micro-batch share a plan of C = `capacity` may give this rank."""
         if offload and self.layers > 2:
             return self.peak(self.layers * capacity / 2, 1.0)
@@ -429,7 +429,7 @@ class MemoryModel:
                 c = self.capacity(budget, offload)
                 lines.append(
                     f"  C {'with' if offload else 'without'} offload: {c:,} tokens "
-                    f"(predicted reserved peak {format_bytes(self._worst(c, offload))})"
+                    f"(predicted reserved peak {format_bytes(self.worst_peak(c, offload))})"
                 )
             lines.append(f"  longest per rank (offload r = 1): {self.longest_per_rank(budget):,} tokens")
         return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""Read a `ModelShape` from a model's config: our LLaMA's, or any Hugging Face one.
+"""A transformer's shape (`ModelShape`, the Table 1 `PRESETS`) and how to read one from a model's config: our
+LLaMA's, or any Hugging Face one. The class sits beside its reader so that what a shape holds and where each
+number comes from read together.
 
 Hugging Face families name the same numbers differently (GPT-2's `n_embd`, `n_layer`, `n_head`,
 `n_inner`; OPT's `ffn_dim`; Falcon's `ffn_hidden_size`, `num_kv_heads`, `multi_query`); each field
@@ -8,11 +10,84 @@ is looked up through its aliases, and through the config's `attribute_map`, in t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from .cost_model import ModelShape
+__all__ = ["BF16", "PRESETS", "ModelConfigError", "ModelShape", "model_shape", "shape_from_config"]
 
-__all__ = ["ModelConfigError", "model_shape", "shape_from_config"]
+BF16 = 2
+"""Bytes per element of the bf16 activations, gradients and parameters the analytic model assumes."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the analytic model needs of a transformer. MoE: FFN FLOPs and activations scale by top_k,
+    FFN parameters by experts."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    experts: int = 1
+    top_k: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "experts", "top_k"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ModelShape {self.name!r}: {f} must be >= 1, got {getattr(self, f)}")
+        if self.top_k > self.experts:
+            raise ValueError(f"ModelShape {self.name!r}: top_k {self.top_k} > experts {self.experts}")
+
+    @property
+    def head_dim(self) -> int:
+        """hidden // heads (Table 1's LLaMA-30B, 6656 over 56 heads, rounds down to 118)."""
+        return self.hidden // self.heads
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        """Forward FLOPs of a layer's matmuls per token: qkv, o and the SwiGLU gate/up/down of top_k
+        experts, 2 FLOPs per multiply-add."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        return 2 * (h * (h + 2 * kv) + h * h + 3 * h * self.ffn * self.top_k)
+
+    @property
+    def act_bytes_per_token(self) -> int:
+        """bf16 bytes a layer saves for backward per token, no recompute, flash attention (which keeps
+        no s x s matrix): the input-norm input, the qkv input, q (after RoPE), k and v, the attention
+        output (also the o-proj input), the post-norm input and the MLP input: 6 x hidden + 2 x kv dim;
+        a fused SwiGLU keeps gate and up outputs and their product (the down-proj input): 3 x ffn per
+        routed expert. Per-token fp32 norm statistics and the attention log-sum-exp are left out."""
+        return BF16 * (6 * self.hidden + 2 * self.kv_heads * self.head_dim + 3 * self.ffn * self.top_k)
+
+    @property
+    def params(self) -> int:
+        """Parameters: per layer qkv, o, experts x SwiGLU, the router (MoE) and two norms; untied
+        embedding and lm_head; the final norm."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        router = h * self.experts if self.experts > 1 else 0
+        layer = h * (h + 2 * kv) + h * h + 3 * h * self.ffn * self.experts + router + 2 * h
+        return self.layers * layer + 2 * self.vocab * h + h
+
+
+PRESETS: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        ModelShape("llama-7b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000),
+        ModelShape("llama-13b", layers=40, hidden=5120, heads=40, kv_heads=8, ffn=13824, vocab=32000),
+        ModelShape("llama-30b", layers=60, hidden=6656, heads=56, kv_heads=8, ffn=17920, vocab=32000),
+        ModelShape("llama-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+        ModelShape(
+            "mistral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8, top_k=2
+        ),
+        ModelShape(
+            "mistral-8x22b", layers=56, hidden=6144, heads=48, kv_heads=8, ffn=16384, vocab=32000, experts=8, top_k=2
+        ),
+    )
+}
+"""The paper's Table 1 models (vocab 32000 throughout)."""
 
 LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 HIDDEN = ("hidden_size", "n_embd", "n_embed", "d_model")

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .common import PlanBuilder
+from .builder import PlanBuilder
 from .rank_load import Chain, Entry, EntryKind, RankLoads
 
 __all__ = ["Demands", "Placer", "DPPlacer", "ChainPlacer", "Chain"]

@@ -13,16 +13,26 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import networkx as nx
 import numpy as np
 
-from ..strategies import STRATEGIES
+from ..strategies import DEFAULT_SP, STRATEGIES
 from .pipeline_order import chained_micro_batches, stage_order
 
-__all__ = ["MicroBatch", "Plan", "PlanError", "local_tokens", "split_tokens", "capacity_for_ratio"]
+__all__ = [
+    "AutoChoice",
+    "BalanceSettings",
+    "MicroBatch",
+    "Plan",
+    "PlanError",
+    "StaticMesh",
+    "local_tokens",
+    "split_tokens",
+    "capacity_for_ratio",
+]
 
 
 class PlanError(ValueError):
@@ -52,8 +62,41 @@ class MicroBatch:
         return len(self.ranks) // self.ulysses
 
 
+@dataclass(frozen=True)
+class AutoChoice:
+    """Which candidate strategy="auto" chose (`auto.CANDIDATES`), every candidate's simulated step time, and the
+    winner's speedup over static (None where static cannot plan the batch) and over the runner-up."""
+
+    chosen: str
+    step_time: dict[str, float]
+    speedup_over_static: float | None
+    speedup_over_runner_up: float
+
+
+@dataclass(frozen=True)
+class BalanceSettings:
+    """How a balance plan placed its sequences: within `delta` seconds of the least-loaded rank, over `buckets`
+    FLOP buckets, by the placer of `mode` ("dp" without pipelines, "pp" with them)."""
+
+    delta: float
+    buckets: int
+    mode: str
+
+
+@dataclass(frozen=True)
+class StaticMesh:
+    """The static baseline's DP x CP mesh and the context length of its rows."""
+
+    cp: int
+    dp: int
+    context_length: int
+
+
 @dataclass
 class Plan:
+    """What the planner decided for one global batch. The fields after `layers_per_rank` say how it was planned,
+    each set by the strategies it concerns and None (or empty) otherwise; nothing reads them to run the plan."""
+
     strategy: str
     world_size: int
     capacity: int
@@ -63,7 +106,17 @@ class Plan:
     schedule: list[list[int]]
     layers_per_rank: int = 0
     """l of Eq. 2, needed to check the capacity an offload ratio allows; 0 when nothing is offloaded."""
-    meta: dict[str, Any] = field(default_factory=dict)
+    sp: str = DEFAULT_SP
+    """How shared micro-batches split their ranks u x r (`split.choose_split`)."""
+    offload: bool | None = None
+    """Naive and balance: whether long sequences could offload activations."""
+    balance: BalanceSettings | None = None
+    mesh: StaticMesh | None = None
+    shard_blockers: tuple[str, ...] = ()
+    """Why the model cannot be sharded or packed (the compile report's): non-empty, every sequence ran alone on
+    one rank (`unsharded.plan_unsharded`)."""
+    auto: AutoChoice | None = None
+    """strategy="auto": the candidate it chose and why."""
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(asdict(self), indent=indent)
@@ -93,7 +146,7 @@ class Plan:
                 micro_batches=mbs,
                 schedule=[[int(i) for i in r] for r in data["schedule"]],
                 layers_per_rank=int(data.get("layers_per_rank", 0)),
-                meta=dict(data.get("meta", {})),
+                **_how_planned({**data.get("meta", {}), **data}),
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed plan JSON: {type(e).__name__}: {e}") from e
@@ -115,6 +168,23 @@ class Plan:
         _check_sequences_covered(self)
         _check_schedule(self, by_id)
         _check_deadlock_free(self, by_id)
+
+
+def _how_planned(data: dict[str, Any]) -> dict[str, Any]:
+    """The fields saying how a plan was planned, from its JSON; plans written before they were typed kept them in
+    a "meta" dict (balance's "balance" a string, "delta" and "buckets" beside it, "unsharded" the joined blockers,
+    static's "cp", "dp" and "context_length" at its top), which load the same."""
+    fields: dict[str, Any] = {"sp": data.get("sp") or DEFAULT_SP, "offload": data.get("offload")}
+    balance = data.get("balance")
+    if isinstance(balance, str):
+        balance = {"delta": data["delta"], "buckets": data["buckets"], "mode": balance}
+    fields["balance"] = BalanceSettings(**balance) if balance else None
+    mesh = data.get("mesh") or ({k: data[k] for k in ("cp", "dp", "context_length")} if "cp" in data else None)
+    fields["mesh"] = StaticMesh(**mesh) if mesh else None
+    blockers = data.get("shard_blockers") or ([data["unsharded"]] if data.get("unsharded") else [])
+    fields["shard_blockers"] = tuple(blockers)
+    fields["auto"] = AutoChoice(**data["auto"]) if data.get("auto") else None
+    return fields
 
 
 def local_tokens(seq_lens: np.ndarray | list[int], group_size: int) -> int:

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .cost_model import CostModel, Hardware
+from .cost_model import CostModel
+from .hardware import Hardware
 
 __all__ = [
     "LayerInputs",
@@ -425,7 +426,7 @@ def fit_cost_model(
     layers (LM head, loss, embedding, the micro-batch's and the step's fixed costs, the optimizer); a
     `ProfileResult` (one eager layer) leaves them 0."""
     step = result if isinstance(result, StepProfile) else None
-    return CostModel(
+    return CostModel.from_terms(
         alpha1=result.alpha1,
         beta1=result.beta1,
         gamma=result.gamma,

@@ -24,7 +24,7 @@ from enum import Enum
 
 import numpy as np
 
-from .common import PlanBuilder
+from .builder import PlanBuilder
 
 __all__ = ["EntryKind", "Entry", "RankLoads"]
 

@@ -21,7 +21,8 @@ from ..strategies import DEFAULT_SP, SP_AUTO, SP_MODES, SP_RING, SP_ULYSSES
 from .plan import local_tokens, split_tokens
 
 if TYPE_CHECKING:
-    from .cost_model import CostModel, Hardware
+    from .cost_model import CostModel
+    from .hardware import Hardware
     from .plan import Plan
 
 __all__ = [
@@ -51,7 +52,7 @@ def allowed_ulysses(cost_model: CostModel, ranks: Sequence[int]) -> list[int]:
     group does). Only u = 1 for a micro-batch of one rank, for a cost model that does not know the heads, and
     for hybrid models (their mixer layers' halo and state exchange follows the ring's layout)."""
     d, device = len(ranks), cost_model.device_heads
-    if d < 2 or device is None or cost_model.mixer_layers:
+    if d < 2 or device is None or cost_model.model.mixer_layers:
         return [1]
     heads = device[0]
     topology = cost_model.hardware.topology

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..strategies import STATIC
-from .common import PlanBuilder, best_fit_pack
+from .builder import PlanBuilder, best_fit_pack
 from .limits import mesh_reason, mesh_row, refuse, static_reason
-from .plan import Plan, PlanError
+from .plan import Plan, PlanError, StaticMesh
 from .split import DEFAULT_SP
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ def cp_degree(world_size: int, capacity: int, context_length: int) -> int:
 
 def plan_static(
     lens: np.ndarray,
+    *,
     world_size: int,
     capacity: int,
     cost_model: CostModel,
@@ -42,6 +43,8 @@ def plan_static(
     context_length: int | None = None,
     sp: str = DEFAULT_SP,
 ) -> Plan:
+    """`context_length` is the mesh's row length (default: the longest sequence); `sp` how shared micro-batches
+    split u x r."""
     context = int(context_length or (lens.max() if lens.size else capacity))
     refuse(lens, lens > context, static_reason(context))
     cp = cp_degree(world_size, capacity, context)
@@ -52,4 +55,4 @@ def plan_static(
         width = min(cp, int(lens[row].max()))  # zigzag gives group rank i tokens only of sequences longer than i
         builder.add(range(g * cp, g * cp + width), row)
         heapq.heappush(tokens, (t + int(lens[row].sum()), g))
-    return builder.build(cp=cp, dp=world_size // cp, context_length=context)
+    return builder.build(mesh=StaticMesh(cp=cp, dp=world_size // cp, context_length=context))

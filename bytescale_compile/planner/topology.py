@@ -1,4 +1,4 @@
-"""Where HDP ranks sit and which links a ring hop crosses (paper §6.1's cluster, issue 15).
+"""Where HDP ranks sit and which links a ring hop crosses (paper §6.1's cluster; benchmarks/history/planner.md).
 
 Devices sit in nodes of `devices_per_node`, behind switches of `devices_per_switch` (PCIe switches on the
 paper's L20 servers, one NVSwitch on an H100 node). An HDP rank is `tp_size` adjacent devices, so rank i

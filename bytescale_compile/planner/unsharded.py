@@ -13,7 +13,7 @@ import heapq
 
 import numpy as np
 
-from .common import PlanBuilder
+from .builder import PlanBuilder
 from .cost_model import CostModel
 from .limits import refuse, unsharded_reason
 from .plan import Plan
@@ -22,12 +22,21 @@ __all__ = ["plan_unsharded"]
 
 
 def plan_unsharded(
-    lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel, strategy: str, pp_size: int, why: str
+    lens: np.ndarray,
+    *,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    strategy: str,
+    pp_size: int = 1,
+    shard_blockers: tuple[str, ...],
 ) -> Plan:
-    refuse(lens, lens > capacity, unsharded_reason(capacity, why))
+    """`shard_blockers` (not empty) say why the model cannot be sharded: the plan records them, and a sequence
+    longer than `capacity` is refused naming them."""
+    refuse(lens, lens > capacity, unsharded_reason(capacity, shard_blockers))
     builder = PlanBuilder(strategy, lens, world_size, capacity, cost_model, pp_size)
     load = [(0.0, r) for r in range(world_size)]
     for i in np.argsort(-builder.seq_time, kind="stable").tolist():
         busy, r = heapq.heappop(load)
         heapq.heappush(load, (busy + builder.add([r], [i]).est_time, r))
-    return builder.build(unsharded=why)
+    return builder.build(shard_blockers=shard_blockers)

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import torch
 
-from .dist_attn import DEFAULT_TIMEOUT_S, RingStats
 from .layout import UlyssesLayout, ZigzagLayout
+from .p2p import DEFAULT_TIMEOUT_S, P2PStats
 
 __all__ = [
     "MicroBatchContext",
@@ -66,7 +66,7 @@ class MicroBatchContext:
     ulysses: int = 1
     ring_timeout_s: float = DEFAULT_TIMEOUT_S
     num_items: int | None = None
-    ring_stats: RingStats = field(default_factory=RingStats, compare=False)
+    ring_stats: P2PStats = field(default_factory=P2PStats, compare=False)
     _checked_shapes: set = field(default_factory=set, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:

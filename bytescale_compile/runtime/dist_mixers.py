@@ -29,8 +29,9 @@ import torch
 from torch import Tensor
 
 from ..kernels.recurrences import Recurrence
-from .dist_attn import Ring, Shapes
 from .layout import Piece, ZigzagLayout
+from .p2p import Shapes
+from .ring_attention import Ring
 
 __all__ = [
     "MixerRow",

@@ -3,7 +3,7 @@
 The group's global index g = ring index × u + Ulysses index: u consecutive ranks form a Ulysses group, the r
 ranks of one Ulysses index a ring. Each rank holds its part of its virtual rank's zigzag tokens
 (`layout.UlyssesLayout`). An all-to-all inside the Ulysses group turns those token shards of every head
-into the virtual rank's tokens (in order) of H/u heads; the packed ring (`dist_attn.py`) runs among the r
+into the virtual rank's tokens (in order) of H/u heads; the packed ring (`ring_attention.py`) runs among the r
 ranks of one Ulysses index on those heads; a second all-to-all brings out and lse back to token shards.
 The backward moves q, k, v, out, grad_out and lse to heads the same way, runs the ring's backward and
 sends dq, dk, dv back.
@@ -13,7 +13,7 @@ h // (H/Hkv)), as few as keep the grouping uniform: Hkv/u each when u divides Hk
 several members and their gradients are summed at the owner.
 
 The all-to-all is P2P on the default process group (`Peers.exchange`), like the ring: no process group
-per micro-batch, and a peer that times out or is lost raises `RingTimeoutError` / `RingError`. With
+per micro-batch, and a peer that times out or is lost raises `P2PTimeoutError` / `P2PError`. With
 u = 1 every call is the ring's own.
 """
 
@@ -26,25 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .dist_attn import (
-    DEFAULT_TIMEOUT_S,
-    Peers,
-    RingError,
-    RingStats,
-    Shapes,
-    check_group_agrees,
-    descriptor,
-    local_problem,
-    make_peers,
-    ring_attention_bwd,
-    ring_attention_fwd,
-)
 from .layout import UlyssesLayout
+from .p2p import DEFAULT_TIMEOUT_S, P2PError, P2PStats, Peers, Shapes, check_group_agrees, make_peers
+from .ring_attention import descriptor, local_problem, ring_attention_bwd, ring_attention_fwd
 
 __all__ = ["UlyssesError", "HeadSplit", "head_problem", "ulysses_attention_fwd", "ulysses_attention_bwd"]
 
 
-class UlyssesError(RingError):
+class UlyssesError(P2PError):
     """The u × r split cannot run: a Ulysses degree that does not fit the heads or the group."""
 
 
@@ -104,7 +93,7 @@ class _Split:
 
     @classmethod
     def make(
-        cls, layout: UlyssesLayout, group: list[int] | tuple[int, ...], timeout_s: float, stats: RingStats | None
+        cls, layout: UlyssesLayout, group: list[int] | tuple[int, ...], timeout_s: float, stats: P2PStats | None
     ) -> _Split:
         whole = make_peers(group, layout.group_size, timeout_s, stats, "ulysses × ring group")
         u, ring_index = layout.ulysses, whole.index // layout.ulysses
@@ -202,7 +191,7 @@ def ulysses_attention_fwd(
     group: list[int] | tuple[int, ...],
     scale: float | None = None,
     *,
-    stats: RingStats | None = None,
+    stats: P2PStats | None = None,
     check: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     window: int | None = None,
@@ -256,7 +245,7 @@ def ulysses_attention_bwd(
     group: list[int] | tuple[int, ...],
     scale: float | None = None,
     *,
-    stats: RingStats | None = None,
+    stats: P2PStats | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     window: int | None = None,
     softcap: float | None = None,

@@ -43,9 +43,9 @@ def run_strategy(
     start = time.perf_counter()
     result = plan(
         lens,
-        world_size,
-        capacity,
-        cost_model,
+        world_size=world_size,
+        capacity=capacity,
+        cost_model=cost_model,
         strategy=strategy,
         pp_size=pp_size,
         context_length=context_length,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from ..planner.common import fastest_time
+from ..planner.builder import fastest_time
 from ..planner.pipeline_order import chained_micro_batches
 from ..planner.plan import MicroBatch, Plan, PlanError, local_tokens
 from ..planner.split import split_time

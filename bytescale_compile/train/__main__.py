@@ -3,10 +3,10 @@
 Trains a model (a Hugging Face directory or a preset) on a prepared token dataset with Hybrid Data
 Parallelism: every rank plans each global batch identically (or, with `--loader ray`, one scheduler actor
 plans it for all) and trains its own micro-batches. Options override the config file; the resolved config,
-metrics.jsonl, checkpoints/ and (Hugging Face models) final/ go to --out. `--strategy all` trains balance,
-naive, static and auto from the same weights on the same batches, compares them, and prints the simulator's
-projection of the same model and data at 512 ranks. Without torchrun it runs as one process. gloo on CPU,
-NCCL on GPU.
+metrics.jsonl, checkpoints/ and (Hugging Face models) final/ go to --out. It trains one strategy: `python -m
+bytescale_compile.train.compare` takes the same options and trains balance, naive, static and auto from the same
+weights on the same batches to compare them (`--strategy all`). Without torchrun it runs as one process. gloo on
+CPU, NCCL on GPU.
 
 Unless PYTORCH_ALLOC_CONF (or the older PYTORCH_CUDA_ALLOC_CONF) is set, the trainer sets
 PYTORCH_ALLOC_CONF=expandable_segments:True before torch touches CUDA (ranks it starts inherit it), so
@@ -26,9 +26,9 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import MutableMapping, Sequence
-from dataclasses import fields
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from ..strategies import RUNTIME_STRATEGIES
 from .config import ALL_STRATEGIES, DTYPES, LOADERS, RESUME_AUTO, SIZES, TrainConfig
@@ -55,11 +55,32 @@ EXPANDABLE_SEGMENTS = "expandable_segments:True"
 logger = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class Entry:
+    """A `python -m` entry point over the trainer: its name, what it trains once the inputs are checked, and what
+    it prints at the end. Parsing, launching, the checks and every exit status are the same for all."""
+
+    prog: str
+    module: str
+    """What `--nproc-per-node` starts on each rank."""
+    description: str | None
+    every_strategy: bool
+    """Whether strategy = all is accepted (`setup`'s `every_strategy`)."""
+    train: Callable[[RunInputs, torch.device], list[RunResult]]
+    report: Callable[[RunInputs, list[RunResult]], None]
+
+
+def _train_one(inputs: RunInputs, device: torch.device) -> list[RunResult]:
+    from .trainer import run
+
+    return [run(inputs, device)]
+
+
+def build_parser(prog: str = PROG, description: str | None = __doc__) -> argparse.ArgumentParser:
     """--config plus one option per TrainConfig field (None when not given, so the file's value stands); each
     help ends with the field's default."""
     parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--config",
@@ -124,12 +145,12 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _error(message: str, rank0_only: bool = True) -> None:
+def _error(message: str, rank0_only: bool = True, *, prog: str = PROG) -> None:
     """One line on stderr: from rank 0 for what every rank finds alike, else naming the rank that failed."""
     if not rank0_only and "WORLD_SIZE" in os.environ:
-        print(f"{PROG}: error on rank {_rank()}: {message}", file=sys.stderr, flush=True)
+        print(f"{prog}: error on rank {_rank()}: {message}", file=sys.stderr, flush=True)
     elif _rank() == 0:
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
 def allocator_defaults(environ: MutableMapping[str, str]) -> str | None:
@@ -142,40 +163,41 @@ def allocator_defaults(environ: MutableMapping[str, str]) -> str | None:
     return EXPANDABLE_SEGMENTS
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, entry: Entry | None = None) -> int:
+    entry = entry or TRAIN
     allocator_defaults(os.environ)  # before anything imports torch; ranks started below inherit it
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser(entry.prog, entry.description).parse_args(argv))
     if (nproc := args.pop("nproc_per_node")) is not None:
         if "WORLD_SIZE" in os.environ:
-            _error("--nproc-per-node starts the ranks itself: run it without torchrun")
+            _error("--nproc-per-node starts the ranks itself: run it without torchrun", prog=entry.prog)
             return USAGE_EXIT
         from .launch import launch_local
 
-        return launch_local(nproc, "bytescale_compile.train", _without_nproc(argv))
+        return launch_local(nproc, entry.module, _without_nproc(argv))
     # torch loads only now, so that --help and argparse's errors are instant
     from .checkpoint import CheckpointError
     from .config import load_config
     from .trainer import setup
 
-    _warnings_once()
+    _warnings_once(entry.prog)
     alike = (FileNotFoundError, ValueError, CheckpointError)
     """Found by every rank alike before anything runs: missing files (FileNotFoundError names them) and
     ConfigError, VocabularyError, ModelSourceError, TokenizerError, DatasetError (ValueErrors)."""
     try:
-        inputs = setup(load_config(args.pop("config"), **args))
+        inputs = setup(load_config(args.pop("config"), **args), every_strategy=entry.every_strategy)
     except alike as e:
-        _error(str(e))
+        _error(str(e), prog=entry.prog)
         return USAGE_EXIT
     except OSError as e:  # permissions, I/O: possibly this rank's alone, so it says so itself
-        _error(str(e), rank0_only=False)
+        _error(str(e), rank0_only=False, prog=entry.prog)
         return USAGE_EXIT
     except KeyboardInterrupt:
         return _interrupted("before training started")
-    return _train(inputs)
+    return _train(inputs, entry)
 
 
-def _train(inputs: RunInputs) -> int:
+def _train(inputs: RunInputs, entry: Entry) -> int:
     import torch
     import torch.distributed as dist
 
@@ -187,7 +209,6 @@ def _train(inputs: RunInputs) -> int:
     from .launch import init_distributed, local_device
     from .remote import DataServerError
     from .signals import SAVE_FAILED_EXIT, Stopped
-    from .trainer import run
 
     alike = (ConfigError, PlanError, MemoryBudgetError, CheckpointError, DataServerError)
     """Raised on every rank alike during a run: a pre-flight check, a batch the capacity cannot hold, a plan
@@ -197,39 +218,41 @@ def _train(inputs: RunInputs) -> int:
     if device.type == "cpu":  # ranks on one machine share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     try:
-        results = run(inputs, device)
+        results = entry.train(inputs, device)
     except Stopped as e:
         if isinstance(e.save_error, CheckpointSaveError):
-            _save_failed(str(e), e.save_error)
+            _save_failed(str(e), e.save_error, entry.prog)
         elif _rank() == 0:
             print(str(e), file=sys.stderr, flush=True)
         return e.exit_code
     except CheckpointSaveError as e:
-        _save_failed(str(e), e)
+        _save_failed(str(e), e, entry.prog)
         return SAVE_FAILED_EXIT
     except alike as e:
-        _error(str(e))
+        _error(str(e), prog=entry.prog)
         return USAGE_EXIT
     except BatchError as e:  # this rank's data only (an id past the vocabulary the sampled check missed)
-        _error(str(e), rank0_only=False)
+        _error(str(e), rank0_only=False, prog=entry.prog)
         return USAGE_EXIT
     except KeyboardInterrupt:
         return _interrupted("at once (a second signal), without a checkpoint")
     except Exception as e:
         if launched and _peer_lost(e):  # another rank failed first and says why; this one only lost it
             return 1
-        _error(f"{type(e).__name__}: {e}", rank0_only=False)
+        _error(f"{type(e).__name__}: {e}", rank0_only=False, prog=entry.prog)
         raise
     finally:
         if launched and dist.is_initialized():
             dist.destroy_process_group()
-    _report(inputs, results, device)
+    entry.report(inputs, results)
     return 0
 
 
-def _report(inputs: RunInputs, results: list[RunResult], device: torch.device) -> None:
-    from .compare import comparison, summarize
+def report_runs(inputs: RunInputs, results: list[RunResult]) -> None:
+    """Rank 0's end of a run: the table of each strategy's steady steps, measured and predicted, and where its
+    metrics, held-out loss and final model are."""
     from .metrics import METRICS_FILE, echo
+    from .summary import comparison, summarize
 
     rank0 = _rank() == 0
     ran = [r for r in results if r.records]
@@ -242,27 +265,18 @@ def _report(inputs: RunInputs, results: list[RunResult], device: torch.device) -
         if r.final_dir is not None:
             lines.append(f"final model: {r.final_dir} (AutoModelForCausalLM.from_pretrained)")
         echo(", ".join(lines), rank0)
-    if rank0 and inputs.config.strategy == ALL_STRATEGIES:
-        echo("\n" + _projection(inputs, int(os.environ.get("WORLD_SIZE", "1")), results[0].capacity), rank0)
 
 
-def _projection(inputs: RunInputs, world_size: int, capacity: int) -> str:
-    """The simulated 512-rank projection of the run's model and data, or why there is none."""
-    from ..planner.model_shape import ModelConfigError
-    from .projection import project_run
-
-    try:
-        return project_run(inputs.config, inputs.model.module, inputs.train_data.lengths, world_size, capacity).report()
-    except ModelConfigError as e:
-        return f"no simulated projection: {e}"
+TRAIN = Entry(PROG, "bytescale_compile.train", __doc__, False, _train_one, report_runs)
+"""`python -m bytescale_compile.train`: one strategy."""
 
 
-def _save_failed(message: str, error: CheckpointSaveError) -> None:
+def _save_failed(message: str, error: CheckpointSaveError, prog: str) -> None:
     """A failed save, which every rank raises alike with each failing rank's cause: rank 0 prints the first failing
     rank's traceback and then one `error:` line."""
     if _rank() == 0:
         print(error.failures[0].traceback, end="", file=sys.stderr, flush=True)
-        _error(message)
+        _error(message, prog=prog)
 
 
 def _interrupted(when: str) -> int:
@@ -277,7 +291,7 @@ def _peer_lost(error: BaseException) -> bool:
     return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
-def _warnings_once() -> None:
+def _warnings_once(prog: str) -> None:
     """Warnings as one `warning: ...` line each, without the source line Python shows by default (the message
     says what to do; a line of our code does not), and a CostModelWarning once per run however many strategies
     and resumes compare their steps with the cost model."""
@@ -289,15 +303,20 @@ def _warnings_once() -> None:
         key = category if issubclass(category, CostModelWarning) else (category, str(message))
         if key not in shown:
             shown.add(key)
-            print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+            print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
 
     warnings.showwarning = show
 
 
-if __name__ == "__main__":
-    status = main()
-    if "WORLD_SIZE" in os.environ:  # a rank: `launch_local` reads the statuses of ranks a signal stopped
+def exit_with(status: int) -> NoReturn:
+    """Exit an entry point with `status`; a rank records it first, for `launch_local` to read the statuses of
+    ranks a signal stopped."""
+    if "WORLD_SIZE" in os.environ:
         from .launch import record_exit_status
 
         record_exit_status(status)
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    exit_with(main())

@@ -3,7 +3,7 @@
 `bytescale-compile profile` times one decoder layer, alone or as ranks sharing a CPU, minutes before
 training. Steps then run the whole optimized model (embedding, every layer, the fused loss), with the
 load of that moment, and gloo's P2P on a CPU is no 25 GB/s link: predictions missed measured steps by
-35-60% either way (issue 15). Here every rank of the job, at once, runs the model it will train on
+35-60% either way (benchmarks/history/training.md). Here every rank of the job, at once, runs the model it will train on
 sequences of a few lengths, through `Runtime.forward_backward`, then exchanges a ring step of bytes with
 its neighbours and all-reduces a gradient's worth; T(s) is refitted so that `layers x T(s)` is the whole
 model's time (the embedding, LM head and loss, and the micro-batch's fixed cost folded into it: their own terms
@@ -29,7 +29,7 @@ from ..engine.collectives import sync_gradients
 from ..engine.mesh import TrainMesh
 from ..engine.runtime import ListBatch, Runtime
 from ..planner import BALANCE, STATIC, CostModel, MicroBatch, Plan
-from ..planner.cost_model import RECOMPUTE_TIME
+from ..planner.equations import RECOMPUTE_TIME
 from ..planner.plan import local_tokens
 from ..planner.profiler import fit_time
 
@@ -107,7 +107,8 @@ def calibration_lengths(capacity: int) -> tuple[int, ...]:
 def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: int = 3, seed: int = 0) -> Calibration:
     """Measure on every rank at once and return the runtime's cost model refitted (the same on every rank:
     the fit reads the all-reduced measurements). The caller decides whether to use it
-    (`Runtime.cost_model = result.cost_model`)."""
+    (`Runtime.cost_model = result.cost_model`). Nothing steps an optimizer: a Runtime built with `optimizer=None`
+    calibrates alike."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if runtime.pp_size > 1:
@@ -126,9 +127,9 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     if ring:
         calls.append(_forward_backward(runtime, _all_share(shared_length, world, runtime.capacity), seed))
     times = _timed_rounds(calls, repeats)
-    runtime.optimizer.zero_grad(set_to_none=False)
+    runtime.model.zero_grad(set_to_none=False)
     (allreduce,) = _timed_rounds([lambda: sync_gradients(runtime.params, world, runtime.executor.sync_group)], repeats)
-    runtime.optimizer.zero_grad(set_to_none=False)
+    runtime.model.zero_grad(set_to_none=False)
     bandwidth, latency = _ring_exchange(runtime.executor.mesh, repeats)
     table = runtime.gather([*times, allreduce, bandwidth, latency]).mean(axis=0).tolist()
     allreduce, bandwidth, latency = table[-3:]
@@ -136,7 +137,7 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     slots = _compute_slots(runtime)
     alone = min(1.0, slots / world) if slots is not None else 1.0
     model = _refit(runtime.cost_model, lengths, [t * alone for t in times], bandwidth, latency, world, slots)
-    model = dataclasses.replace(model, boundary_bytes_per_token=_boundary_bytes(runtime, model))
+    model = model.replace(boundary_bytes_per_token=_boundary_bytes(runtime, model))
     if shared is not None:
         model = _with_ring_overhead(model, shared_length, shared * alone, world)
     return Calibration(lengths, tuple(times), bandwidth, latency, allreduce, world, shared_length, shared, model)
@@ -180,7 +181,7 @@ def _with_ring_overhead(model: CostModel, length: int, seconds: float, world: in
     held = local_tokens([length], world)
     extra = seconds - float(model.seq_time(length)) / world - model.micro_batch_overhead
     overhead = max(extra, 0.0) / (max(model.ring_layers, 1) * (world - 1) * held)
-    return dataclasses.replace(model, ring_overhead=overhead)
+    return model.replace(ring_overhead=overhead)
 
 
 def _timed_rounds(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
@@ -256,8 +257,7 @@ def _refit(
             compute_slots=slots,
         )
     logger.info("calibrated T(s) per layer: %.4g s^2 + %.4g s + %.4g", alpha1, beta1, gamma)
-    return dataclasses.replace(
-        base,
+    return base.replace(
         alpha1=alpha1,
         beta1=beta1,
         gamma=gamma,

@@ -21,10 +21,12 @@ reads them from whichever files hold them (resharding). The layout it was saved 
 reported on load when it differs. Checkpoints of the older format (per-shard keys, manifest version 1) do not
 verify and say so. Everything also works without `torch.distributed` initialised (one process).
 
-`save_checkpoint_async` returns once the state is copied to host memory (`_Stager`, which also copies the
-distributed optimizer's ShardedTensors); DCP writes it from a background thread, every rank hashes its own files,
-and rank 0 commits, with the guarantees of a synchronous save. One save is in flight at a time: the next save,
-and `wait_for_checkpoint`, wait for it first.
+A `Checkpointer` saves one run's checkpoints. Its `save_async` returns once the state is copied to host memory
+(`_Stager`, which also copies the distributed optimizer's ShardedTensors); DCP writes it from a background thread,
+every rank hashes its own files, and rank 0 commits, with the guarantees of a synchronous save. One save is in
+flight at a time: the checkpointer's next save, and its `wait`, wait for it first. What background saves share (the
+save in flight, the gloo group their collectives run on, the host copy) belongs to the checkpointer, so two runs in
+one process, or a test, never see each other's.
 
 A save that fails raises `CheckpointSaveError` on every rank alike, with each failing rank's cause and traceback,
 so that one rank can report it once.
@@ -32,6 +34,7 @@ so that one rank can report it once.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -43,7 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +69,7 @@ from ..engine.dist_optim import DistributedOptimizer
 from ..engine.mesh import tp_size_of
 from ..engine.optim import keeping_implementation
 from ..engine.stages import full_model_name, stage_spec
+from ..lazy import moved
 from .checkpoint_files import (
     COMPLETE_MARKER,
     DCP_METADATA,
@@ -98,6 +102,7 @@ __all__ = [
     "CheckpointChoice",
     "CheckpointError",
     "CheckpointSaveError",
+    "Checkpointer",
     "PendingCheckpoint",
     "SaveFailure",
     "Resumed",
@@ -110,10 +115,8 @@ __all__ = [
     "remove_stale_tmp",
     "resume_latest",
     "save_checkpoint",
-    "save_checkpoint_async",
     "select_checkpoint",
     "verify_checkpoint",
-    "wait_for_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -377,11 +380,6 @@ class PendingCheckpoint:
             raise CheckpointSaveError(self.step, tmp_dir(self.path), _failures(e)) from e
 
 
-_in_flight: PendingCheckpoint | None = None
-_background: tuple[Any, dist.ProcessGroup] | None = None
-"""(the default process group, a gloo group of every rank for background saves) once one was made."""
-
-
 class _Stager(DefaultStager):
     """DCP's synchronous stager, which also stages `ShardedTensor`s (the distributed optimizer's main weights and
     moments: rectangular pieces of flat fragments, which DCP's stager cannot copy and no DTensor placement can
@@ -430,44 +428,22 @@ def _sharded_on_host(sharded: ShardedTensor, tensors: list[torch.Tensor]) -> Sha
     )
 
 
-_stager: _Stager | None = None
-"""Stages every async save of the process; safe to reuse because a save waits for the previous one to be written
-before it stages."""
-
-
-def wait_for_checkpoint() -> Path | None:
-    """Wait for the save in flight, if any, and return its final directory (`CheckpointSaveError` if it failed);
-    every rank must call it before the process group goes away."""
-    global _in_flight
-    pending, _in_flight = _in_flight, None
-    return None if pending is None else pending.result()
-
-
-def _background_group() -> dist.ProcessGroup | None:
-    """The group a background save's collectives run on: not the default one, whose collectives the training
-    issues meanwhile from the main thread. Made by the first async save, which every rank calls at the same point."""
-    global _background
-    if not distributed():
-        return None
-    world = dist.group.WORLD
-    if _background is None or _background[0] is not world:
-        _background = (world, dist.new_group(backend="gloo"))
-    return _background[1]
-
-
-def _begin(root: str | Path, step: int, train_state: dict[str, Any]) -> tuple[Path, str]:
-    """Check the arguments on every rank before any I/O, wait for the save in flight, then (rank 0) make an empty
-    `.tmp` directory: a stale one from a crashed save must not mix its files into this one. Returns the final
-    directory and the state's JSON."""
+def _state_text(step: int, train_state: dict[str, Any]) -> str:
+    """The train state's JSON, the arguments checked on every rank before any I/O (a bad value fails everywhere)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if not isinstance(train_state, dict):
         raise TypeError(f"train_state must be a dict, got {type(train_state).__name__}")
     try:
-        state_text = json.dumps(train_state, indent=2, sort_keys=True)
+        return json.dumps(train_state, indent=2, sort_keys=True)
     except (TypeError, ValueError) as e:
         raise TypeError(f"train_state must be JSON-serialisable: {e}") from e
-    wait_for_checkpoint()
+
+
+def _begin(root: str | Path, step: int, train_state: dict[str, Any]) -> tuple[Path, str]:
+    """Check the arguments on every rank before any I/O, then (rank 0) make an empty `.tmp` directory: a stale one
+    from a crashed save must not mix its files into this one. Returns the final directory and the state's JSON."""
+    state_text = _state_text(step, train_state)
     final = checkpoint_dir(root, step)
     tmp = tmp_dir(final)
 
@@ -527,7 +503,8 @@ def save_checkpoint(
     then deleted (`prune_checkpoints`), and rank 0 calls `on_commit(final)` once it is committed. `train_state`
     must be JSON-able (it is checked on every rank before any I/O, so a bad value fails everywhere at once).
     Re-saving a step that already has a checkpoint replaces it. A failed save raises `CheckpointSaveError` on
-    every rank. Note: DCP's `get_state_dict` initialises an optimizer that has never stepped (one zero-lr step
+    every rank. A `Checkpointer`'s background save in flight must be waited for first (`Checkpointer.save`
+    does). Note: DCP's `get_state_dict` initialises an optimizer that has never stepped (one zero-lr step
     with zero gradients), so save after the first optimizer step to keep Adam's step count untouched.
     """
     final, state_text = _begin(root, step, train_state)
@@ -539,44 +516,92 @@ def save_checkpoint(
         raise CheckpointSaveError(step, tmp_dir(final), _failures(e)) from e
 
 
-def save_checkpoint_async(
-    root: str | Path,
-    step: int,
-    model: nn.Module,
-    optimizer: Optimizer,
-    train_state: dict[str, Any],
-    keep_last: int = 0,
-    *,
-    on_commit: Callable[[Path], None] | None = None,
-) -> PendingCheckpoint:
-    """`save_checkpoint`, returning once the state is copied to host memory (`_Stager`): the training may change
-    the weights right after. DCP writes the copy from a background thread over a gloo group of its own, each rank
-    hashes its files there, and rank 0 commits; `PendingCheckpoint.result()` (or the next save, or
-    `wait_for_checkpoint`) waits for it. A copy that fails on any rank raises `CheckpointSaveError` here on every
-    rank. Costs host memory for one copy of this rank's state, kept for the next save, which copies into it again."""
-    global _in_flight, _stager
-    began = time.perf_counter()
-    final, state_text = _begin(root, step, train_state)
-    tmp = tmp_dir(final)
-    app = _AppState(model, optimizer)
-    group = _background_group()
-    _stager = _stager or _Stager()
-    staged: dict[str, Any] = {}
-    try:
-        staged = {_APP: _stager.stage(app.state_dict())}
-        error = None
-    except Exception as e:
-        error = e
-    _agreed(step, tmp, error)
+class Checkpointer:
+    """Saves one run's checkpoints, one at a time: `save` before it returns, `save_async` in the background. Every
+    save, and `wait`, first waits for the one in flight. It holds what background saves share: the save in flight,
+    the gloo group their collectives run on (made by the first, which every rank calls at the same point), and the
+    stager whose host copy each save copies into again (safe: a save stages only once the previous one is written).
+    Every rank must `wait` before the process group goes away."""
 
-    def write() -> Path:
-        dcp.save(staged, checkpoint_id=str(tmp), process_group=group, no_dist=not distributed())
-        return _finish(final, step, state_text, app.layout, keep_last, group, on_commit)
+    def __init__(self) -> None:
+        self._in_flight: PendingCheckpoint | None = None
+        self._group: tuple[Any, dist.ProcessGroup] | None = None
+        """(the default process group, a gloo group of every rank for background saves) once one was made."""
+        self._stager: _Stager | None = None
 
-    executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
-    _in_flight = PendingCheckpoint(final, step, time.perf_counter() - began, executor.submit(write))
-    executor.shutdown(wait=False)
-    return _in_flight
+    def wait(self) -> Path | None:
+        """Wait for the save in flight, if any, and return its final directory (`CheckpointSaveError` if it
+        failed, raised once: the failed save is no longer in flight)."""
+        pending, self._in_flight = self._in_flight, None
+        return None if pending is None else pending.result()
+
+    def save(
+        self,
+        root: str | Path,
+        step: int,
+        model: nn.Module,
+        optimizer: Optimizer,
+        train_state: dict[str, Any],
+        keep_last: int = 0,
+        *,
+        on_commit: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """`save_checkpoint`, once the save in flight is written."""
+        _state_text(step, train_state)
+        self.wait()
+        return save_checkpoint(root, step, model, optimizer, train_state, keep_last, on_commit=on_commit)
+
+    def save_async(
+        self,
+        root: str | Path,
+        step: int,
+        model: nn.Module,
+        optimizer: Optimizer,
+        train_state: dict[str, Any],
+        keep_last: int = 0,
+        *,
+        on_commit: Callable[[Path], None] | None = None,
+    ) -> PendingCheckpoint:
+        """`save_checkpoint`, returning once the state is copied to host memory (`_Stager`): the training may
+        change the weights right after. DCP writes the copy from a background thread over this checkpointer's gloo
+        group, each rank hashes its files there, and rank 0 commits; `PendingCheckpoint.result()` (or the next
+        save, or `wait`) waits for it. A copy that fails on any rank raises `CheckpointSaveError` here on every
+        rank. Costs host memory for one copy of this rank's state, kept for the next save, which copies into it
+        again."""
+        began = time.perf_counter()
+        _state_text(step, train_state)
+        self.wait()
+        final, state_text = _begin(root, step, train_state)
+        tmp = tmp_dir(final)
+        app = _AppState(model, optimizer)
+        group = self._background_group()
+        self._stager = self._stager or _Stager()
+        staged: dict[str, Any] = {}
+        try:
+            staged = {_APP: self._stager.stage(app.state_dict())}
+            error = None
+        except Exception as e:
+            error = e
+        _agreed(step, tmp, error)
+
+        def write() -> Path:
+            dcp.save(staged, checkpoint_id=str(tmp), process_group=group, no_dist=not distributed())
+            return _finish(final, step, state_text, app.layout, keep_last, group, on_commit)
+
+        executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
+        self._in_flight = PendingCheckpoint(final, step, time.perf_counter() - began, executor.submit(write))
+        executor.shutdown(wait=False)
+        return self._in_flight
+
+    def _background_group(self) -> dist.ProcessGroup | None:
+        """The group a background save's collectives run on: not the default one, whose collectives the training
+        issues meanwhile from the main thread."""
+        if not distributed():
+            return None
+        world = dist.group.WORLD
+        if self._group is None or self._group[0] is not world:
+            self._group = (world, dist.new_group(backend="gloo"))
+        return self._group[1]
 
 
 # -- load -----------------------------------------------------------------------------------------------
@@ -688,3 +713,23 @@ def resume_latest(root: str | Path, model: nn.Module, optimizer: Optimizer) -> R
         return None
     train_state, change = _load(choice.path, model, optimizer)
     return Resumed(choice.path, train_state, choice.skipped, change)
+
+
+_DEPRECATED = {"save_checkpoint_async": "save_async", "wait_for_checkpoint": "wait"}
+"""The former module functions of background saves -> the `Checkpointer` method each is now."""
+
+
+@functools.cache
+def _deprecated_checkpointer() -> Checkpointer:
+    """The one checkpointer the former module functions share, as their module state did; it goes with them."""
+    return Checkpointer()
+
+
+if not TYPE_CHECKING:  # mypy sees only the current names
+
+    def __getattr__(name: str) -> Any:
+        """`save_checkpoint_async` and `wait_for_checkpoint`, for one release: a `Checkpointer` holds a run's saves."""
+        if name in _DEPRECATED:
+            moved(f"{__name__}.{name}", f"{__name__}.Checkpointer().{_DEPRECATED[name]}")
+            return getattr(_deprecated_checkpointer(), _DEPRECATED[name])
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

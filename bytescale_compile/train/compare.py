@@ -1,107 +1,71 @@
-"""The end-of-run table: per strategy, steady-state throughput, busy-time spread and ring bytes, measured
-and as the simulator predicts them for the same plans, with the final training and held-out losses.
-Strategy "auto" is labelled with how many steps ran each candidate, e.g. "auto (balance 3/static 0)"."""
+"""`torchrun --nproc_per_node=N -m bytescale_compile.train.compare [--config FILE.toml] [options]`
+
+With `--strategy all` (as `examples/configs/demo.toml` sets), every strategy (balance, naive, static and auto)
+trained in turn from the same initial weights on the same batches, each into `--out/<strategy>` beside one
+config.toml, with the options of `python -m bytescale_compile.train` (one strategy: the same run as the trainer's);
+then a table of their steady steps and the simulator's projection of the same model and data at 512 ranks
+(`projection.py`). `make demo` runs it. The model compiles once: the strategies train
+one prepared model, its weights reset in place between them.
+
+The table is `summary.py`'s, whose names import from here too.
+"""
 
 from __future__ import annotations
 
-import statistics
-from collections import Counter
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..planner import STATIC
-from ..planner.auto import CANDIDATES
-from .metrics import StepRecord
+from .__main__ import Entry, exit_with, report_runs
+from .__main__ import main as train_main
+from .summary import StrategySummary, comparison, summarize
 
-__all__ = ["StrategySummary", "comparison", "summarize"]
+if TYPE_CHECKING:
+    import torch
 
-_MIB = 2**20
+    from .trainer import RunInputs, RunResult
 
-
-@dataclass(frozen=True)
-class StrategySummary:
-    """Means over the steady steps of one strategy's run (the first steps compile and are left out)."""
-
-    strategy: str
-    first_step: int
-    last_step: int
-    """The steps the means cover."""
-    tokens_per_second: float
-    busy_spread: float
-    p2p_mib: float
-    step_time: float
-    predicted_tokens_per_second: float
-    predicted_busy_spread: float
-    predicted_p2p_mib: float
-    predicted_step_time: float
-    final_loss: float
-    eval_loss: float | None
-    auto_choices: dict[str, int] = field(default_factory=dict)
-    """Strategy "auto": how many of the run's steps (all of them, not only the steady ones) ran each candidate."""
-
-    @property
-    def label(self) -> str:
-        """The strategy, for auto with the candidates it chose (and static, to show when it never was)."""
-        if not self.auto_choices:
-            return self.strategy
-        shown = [c.name for c in CANDIDATES if self.auto_choices.get(c.name) or c.name == STATIC]
-        return f"{self.strategy} ({'/'.join(f'{name} {self.auto_choices.get(name, 0)}' for name in shown)})"
+__all__ = ["COMPARE", "StrategySummary", "compare", "comparison", "main", "summarize"]
 
 
-def summarize(records: Sequence[StepRecord], eval_loss: float | None, skip: int = 1) -> StrategySummary:
-    """Tokens/s as total tokens over total time (not a mean of ratios) over the records after the first `skip`
-    (all of them when there are no more)."""
-    if not records:
-        raise ValueError("no steps to summarize")
-    steady = list(records[skip:]) or list(records)
-    tokens = sum(r.tokens for r in steady)
-    measured, predicted = sum(r.time for r in steady), sum(r.predicted_time for r in steady)
-    return StrategySummary(
-        strategy=steady[0].strategy,
-        first_step=steady[0].step,
-        last_step=steady[-1].step,
-        tokens_per_second=tokens / measured,
-        busy_spread=statistics.mean(r.busy_spread for r in steady),
-        p2p_mib=statistics.mean(r.p2p_bytes for r in steady) / _MIB,
-        step_time=measured / len(steady),
-        predicted_tokens_per_second=tokens / predicted,
-        predicted_busy_spread=statistics.mean(r.predicted_busy_spread for r in steady),
-        predicted_p2p_mib=statistics.mean(r.predicted_p2p_bytes for r in steady) / _MIB,
-        predicted_step_time=predicted / len(steady),
-        final_loss=records[-1].loss,
-        eval_loss=eval_loss,
-        auto_choices=dict(Counter(r.auto_choice for r in records if r.auto_choice is not None)),
-    )
+def compare(inputs: RunInputs, device: torch.device) -> list[RunResult]:
+    """Train each strategy of the config in turn on `device`, from the same prepared model and initial weights."""
+    from .trainer import prepare, session, train
+
+    prepared = prepare(inputs, device)
+    with session(inputs.config) as stop:
+        return [train(inputs, prepared, strategy, stop) for strategy in inputs.config.strategies]
 
 
-def comparison(summaries: Sequence[StrategySummary]) -> str:
-    """The table, plus each strategy's speedup over static when static ran too."""
-    width = max([10, *(len(s.label) for s in summaries)])
-    lines = [
-        " " * width + "   ---------------- measured ----------------   ---------------- predicted ---------------",
-        f"{'strategy':<{width}}   tokens/s  busy max/min  P2P MiB/step  step s    tokens/s  busy max/min  P2P MiB/step"
-        "  step s   final loss   eval loss",
-    ]
-    for s in summaries:
-        held_out = f"{s.eval_loss:>11.4f}" if s.eval_loss is not None else f"{'-':>11}"
-        lines.append(
-            f"{s.label:<{width}} {s.tokens_per_second:>10,.0f} {s.busy_spread:>13.2f} {s.p2p_mib:>13.1f} "
-            f"{s.step_time:>7.2f}  {s.predicted_tokens_per_second:>10,.0f} {s.predicted_busy_spread:>13.2f} "
-            f"{s.predicted_p2p_mib:>13.1f} {s.predicted_step_time:>7.2f} {s.final_loss:>12.4f} {held_out}"
-        )
-    if summaries:
-        lines.append(
-            f"(means over steps {summaries[0].first_step}..{summaries[0].last_step}; the first step of a run compiles)"
-        )
-    static = next((s for s in summaries if s.strategy == STATIC), None)
-    others = [s for s in summaries if s.strategy != STATIC]
-    if static is not None and others:
-        lines.append(
-            "speedup over static: "
-            + ", ".join(
-                f"{s.strategy} {s.tokens_per_second / static.tokens_per_second:.2f}x measured, "
-                f"{s.predicted_tokens_per_second / static.predicted_tokens_per_second:.2f}x predicted"
-                for s in others
-            )
-        )
-    return "\n".join(lines)
+def _report(inputs: RunInputs, results: list[RunResult]) -> None:
+    """The trainer's table of every strategy, then rank 0's simulated 512-rank projection."""
+    from .metrics import echo
+
+    report_runs(inputs, results)
+    if int(os.environ.get("RANK", "0")) == 0:
+        echo("\n" + _projection(inputs, int(os.environ.get("WORLD_SIZE", "1")), results[0].capacity), True)
+
+
+def _projection(inputs: RunInputs, world_size: int, capacity: int) -> str:
+    """The simulated 512-rank projection of the run's model and data, or why there is none."""
+    from ..planner.model_shape import ModelConfigError
+    from .projection import project_run
+
+    try:
+        return project_run(inputs.config, inputs.model.module, inputs.train_data.lengths, world_size, capacity).report()
+    except ModelConfigError as e:
+        return f"no simulated projection: {e}"
+
+
+COMPARE = Entry(
+    "python -m bytescale_compile.train.compare", "bytescale_compile.train.compare", __doc__, True, compare, _report
+)
+"""The strategies of the config from the same weights, then the table and the projection."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return train_main(argv, COMPARE)
+
+
+if __name__ == "__main__":
+    exit_with(main())

@@ -136,7 +136,7 @@ class TrainConfig:
         BALANCE,
         "HDP plan: balance, naive, static, auto (the fastest candidate under the "
         "cost model, per step), or all (each of them from the same weights on the "
-        "same batches, then a comparison)",
+        "same batches, then a comparison: python -m bytescale_compile.train.compare only)",
     )
     dtype: str = _setting(
         "fp32",

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..planner.cost_model import ModelShape
+from ..planner.model_shape import ModelShape
 
 __all__ = ["PEAK_TFLOPS", "TRAINING_FACTOR", "achieved", "model_flops", "peak_tflops"]
 

@@ -46,7 +46,6 @@ from ..engine.stages import checkpointed, stage_specs
 from ..kernels.cross_entropy_ref import logit_bytes
 from ..kernels.dispatch import choose
 from ..passes.report import CompileReport, SavedActivation
-from ..planner.cost_model import ModelShape
 from ..planner.memory import (
     BUCKET_BYTES,
     DEVICE_HEADROOM,
@@ -55,7 +54,7 @@ from ..planner.memory import (
     LossWorkspace,
     MemoryModel,
 )
-from ..planner.model_shape import LAYERS, ModelConfigError, model_shape
+from ..planner.model_shape import LAYERS, ModelConfigError, ModelShape, model_shape
 
 if TYPE_CHECKING:
     from ..api import OptimizedModule

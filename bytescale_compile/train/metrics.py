@@ -2,9 +2,9 @@
 MLflow; by default TensorBoard when installed) and the console (tqdm when installed). Only rank 0 writes;
 every rank computes the same figures.
 
-Each step's record holds the measured figures next to the simulator's prediction for the same plan
-(`sim/simulator.py` with the run's cost model), so a run shows how far the cost model is from the
-hardware it plans for. Strategy "auto" also records which candidate each step ran and its simulated
+Each step's record holds the measured figures (the Runtime's `StepStats`) next to the simulator's prediction for the
+same plan (the Runtime's `StepPrediction`, one simulation with the run's cost model, made for the steps that are
+logged), so a run shows how far the cost model is from the hardware it plans for. Strategy "auto" also records which candidate each step ran and its simulated
 speedup over static (the fields are left out of other strategies' lines). Given the model's shape, a record
 also holds the TFLOP/s each device achieved and, where the device's peak is known, the MFU (`flops.py`).
 """
@@ -24,11 +24,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..engine.diagnostics import StepPrediction, predict
 from ..engine.runtime import StepStats
 from ..planner import CostModel
-from ..planner.cost_model import ModelShape
 from ..planner.memory import format_bytes
-from ..sim.simulator import busy_times, p2p_bytes, simulate, ulysses_bytes
+from ..planner.model_shape import ModelShape
 from .flops import achieved, model_flops
 
 __all__ = [
@@ -71,6 +71,34 @@ _OPTIONAL = (
 without pipelines, models without a shape (TFLOP/s) or devices without a known peak (MFU), single-dataset runs,
 models the memory model cannot describe, devices without allocator statistics (CPU), steps that share no
 sequence, dense models (no router figures)."""
+
+
+_MEASURED = (
+    "step",
+    "strategy",
+    "loss",
+    "tokens",
+    "tokens_per_second",
+    "time",
+    "grad_norm",
+    "skipped",
+    "busy_spread",
+    "micro_batches",
+    "p2p_bytes",
+    "offloaded_bytes",
+    "auto_choice",
+    "auto_speedup",
+    "stage_bytes",
+    "bubbles",
+    "reduce_time",
+    "reduce_overlap",
+    "expert_load",
+)
+"""The fields of a line that are the step's `StepStats` figure of the same name."""
+_PREDICTED = ("time", "busy_spread", "p2p_bytes")
+"""`StepPrediction` figures that a line holds as `predicted_<name>`."""
+_LARGEST = ("predicted_peak_bytes", "measured_peak_bytes", "measured_reserved_peak_bytes")
+"""Per-rank `StepStats` lists that a line holds as their largest entry."""
 
 
 class LoggerError(ValueError):
@@ -150,20 +178,20 @@ class StepRecord:
         data_wait_s: float = 0.0,
         plan_time_s: float | None = None,
         *,
+        prediction: StepPrediction | None = None,
         shape: ModelShape | None = None,
         peak: float | None = None,
         dataset_tokens: dict[str, int] | None = None,
     ) -> StepRecord:
-        """`cost_model` must be the Runtime's: the busy spread and P2P bytes are simulated with it, next to the
-        step time the Runtime predicted with it. `plan_time_s`: the scheduler's (default: the Runtime's own).
+        """`cost_model` must be the Runtime's, and `prediction` its prediction for the step (`Runtime.predict`;
+        default: one simulation of the step's plan under `cost_model`). `plan_time_s`: the scheduler's (default:
+        the Runtime's own).
 
         With the model's `shape`, the step's model FLOPs (its plan's sequences; the cost model's mixer layers
         have no attention term) give `tflops` per process of the job (one device each), and with the device's
         `peak` TFLOP/s the `mfu`."""
-        timeline = simulate(stats.plan, cost_model)
+        prediction = prediction or predict(stats.plan, cost_model)
         routed = stats.expert_load is not None or stats.aux_loss != 0.0
-        busy = busy_times(timeline)
-        busy = busy[busy > 0]
         tflops, mfu = (
             achieved(
                 model_flops(shape, stats.plan.sequences, cost_model.mixer_layers), stats.time, peak, len(stats.busy)
@@ -171,44 +199,21 @@ class StepRecord:
             if shape is not None
             else (None, None)
         )
+        figures: dict[str, Any] = {name: getattr(stats, name) for name in _MEASURED}
+        figures |= {f"predicted_{name}": getattr(prediction, name) for name in _PREDICTED}
+        figures |= {name: max(values) if (values := getattr(stats, name)) else None for name in _LARGEST}
         return cls(
-            step=stats.step,
-            strategy=stats.strategy,
-            loss=stats.loss,
-            tokens=stats.tokens,
-            tokens_per_second=stats.tokens_per_second,
+            **figures,
             lr=lr,
-            time=stats.time,
-            grad_norm=stats.grad_norm,
-            skipped=stats.skipped,
-            busy_spread=stats.busy_spread,
-            micro_batches=stats.micro_batches,
-            p2p_bytes=stats.p2p_bytes,
-            offloaded_bytes=stats.offloaded_bytes,
-            predicted_time=stats.predicted_time,
-            predicted_busy_spread=float(busy.max() / busy.min()) if busy.size else 1.0,
-            predicted_p2p_bytes=p2p_bytes(stats.plan, cost_model) + ulysses_bytes(stats.plan, cost_model),
             data_wait_s=data_wait_s,
             plan_time_s=stats.plan_time if plan_time_s is None else plan_time_s,
-            auto_choice=stats.auto_choice,
-            auto_speedup=stats.auto_speedup,
-            stage_bytes=stats.stage_bytes,
-            bubbles=stats.bubbles,
-            predicted_bubbles=timeline.bubbles if stats.bubbles is not None else None,
+            predicted_bubbles=prediction.bubbles if stats.bubbles is not None else None,
             tflops=tflops,
             mfu=mfu,
             dataset_tokens=dataset_tokens,
-            reduce_time=stats.reduce_time,
-            reduce_overlap=stats.reduce_overlap,
-            predicted_peak_bytes=max(stats.predicted_peak_bytes) if stats.predicted_peak_bytes else None,
-            measured_peak_bytes=max(stats.measured_peak_bytes) if stats.measured_peak_bytes else None,
-            measured_reserved_peak_bytes=(
-                max(stats.measured_reserved_peak_bytes) if stats.measured_reserved_peak_bytes else None
-            ),
             splits=stats.plan.splits() or None,
             ce_loss=stats.ce_loss if routed else None,
             aux_loss=stats.aux_loss if routed else None,
-            expert_load=stats.expert_load,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -94,13 +94,13 @@ def preflight(
     for what, used, position in sources:
         limit = length_limit(
             used,
-            hdp_ranks,
-            config.capacity_tokens,
-            cost_model,
-            strategy,
-            pp_size,
+            world_size=hdp_ranks,
+            capacity=config.capacity_tokens,
+            cost_model=cost_model,
+            strategy=strategy,
+            pp_size=pp_size,
             context_length=config.max_len if strategy in (STATIC, AUTO) else None,
-            shard_blocker="; ".join(blockers) or None,
+            shard_blockers=tuple(blockers),
         )
         if limit.too_long.size:
             raise PreflightError(

@@ -29,11 +29,10 @@ from torch import nn
 
 from ..api import optimize
 from ..config import CompileConfig
-from ..engine.dist_optim import DistributedOptimizer
 from ..engine.optim import build_optimizer
 from ..engine.runtime import CostModelWarning, ListBatch, Runtime
 from ..planner import STATIC, MicroBatch, Plan
-from ..planner.cost_model import Hardware
+from ..planner.hardware import Hardware
 from ..planner.profiler import (
     ModelSource,
     OptimizerPoint,
@@ -164,11 +163,8 @@ def _runtime(cut: nn.Module, dtype: torch.dtype, capacity: int, config: CompileC
     autocast (`--dtype bf16`), else torch's AdamW (`--dtype fp32`); learning rate 0."""
     bf16 = dtype == torch.bfloat16
     optimized = optimize(cut.float() if bf16 else cut, config)
-    optimizer: torch.optim.Optimizer | DistributedOptimizer
-    if bf16:
-        optimizer = DistributedOptimizer(optimized.original_module, 0.0, WEIGHT_DECAY, BETAS)
-    else:
-        optimizer = build_optimizer(optimized.original_module, 0.0, WEIGHT_DECAY, BETAS)
+    weights = torch.bfloat16 if bf16 else torch.float32
+    optimizer = build_optimizer(optimized.original_module, 0.0, WEIGHT_DECAY, BETAS, dtype=weights)
     return Runtime(
         optimized, optimizer, capacity=capacity, mixed_precision=torch.bfloat16 if bf16 else None, max_grad_norm=1.0
     )

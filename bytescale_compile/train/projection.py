@@ -100,7 +100,7 @@ def project(
     if static is None:
         raise ValueError(f"strategies {list(strategies)} must include static: the speedups are over it")
     steps = [
-        ProjectedStep(o.name, o.step_time, static / o.step_time, o.plan.meta.get("auto", {}).get("chosen"))
+        ProjectedStep(o.name, o.step_time, static / o.step_time, o.plan.auto.chosen if o.plan.auto else None)
         for o in outcomes
     ]
     model = f"{shape.name} ({shape.layers} layers, hidden {shape.hidden})"

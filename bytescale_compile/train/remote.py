@@ -4,8 +4,9 @@
   metadata (the lengths) and token slices; they hold no state but the memory-mapped files, so an actor
   that Ray restarts (`max_restarts`) reopens its shard and answers as before.
 - One `Scheduler` actor gathers the servers' lengths, draws the global batches exactly like
-  `GlobalBatchSampler` (same seed, same batches), plans each with the run's strategy and cost model,
-  validates it, and keeps up to `prefetch_steps` planned steps ahead in a background thread. Each planned
+  `GlobalBatchSampler` (same seed, same batches), plans and validates each with the run's `PlanRequest`
+  (`Runtime.plan_request()`, what the Runtime plans with itself), and keeps up to `prefetch_steps` planned
+  steps ahead in a background thread. Each planned
   step is put in the object store once; every rank reads the same object (the broadcast).
 - `RemoteBatches`, on each rank, fetches its step's plan and only its own micro-batches' sequences from
   the servers that own them, one step ahead in a background thread, so the rank blocks on data only when
@@ -37,8 +38,7 @@ import torch
 
 from ..data import GlobalBatchSampler, TokenDataset, open_dataset
 from ..engine.runtime import BatchError
-from ..planner import DEFAULT_SP, CostModel, Plan, plan, validate_splits
-from ..sim.simulator import step_time
+from ..planner import Plan, PlanRequest
 from .config import ConfigError
 
 __all__ = [
@@ -46,7 +46,6 @@ __all__ = [
     "GET_TIMEOUT_S",
     "LoadedStep",
     "NAMESPACE",
-    "PlanSettings",
     "PlannedStep",
     "RayUnavailableError",
     "RemoteBatch",
@@ -72,21 +71,6 @@ class RayUnavailableError(ConfigError):
 
 class DataServerError(RuntimeError):
     """A data server or the scheduler failed (restarts exhausted) or did not answer in time."""
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """What the scheduler plans with: the same arguments `Runtime.plan` passes to `planner.plan`."""
-
-    world_size: int
-    """HDP ranks."""
-    capacity: int
-    cost_model: CostModel
-    strategy: str
-    context_length: int | None = None
-    shard_blocker: str | None = None
-    pp_size: int = 1
-    sp: str = DEFAULT_SP
 
 
 @dataclass(frozen=True)
@@ -232,7 +216,7 @@ class Scheduler:
         max_len: int | None,
         sampler_state: dict,
         first_step: int,
-        settings: PlanSettings,
+        request: PlanRequest,
         prefetch_steps: int,
     ) -> None:
         import ray
@@ -249,7 +233,7 @@ class Scheduler:
         metadata = cast(TokenDataset, _Metadata(Path(spec), lengths))  # no batch's tokens are read here
         self.sampler = GlobalBatchSampler(metadata, global_tokens, seed=seed, max_len=max_len)
         self.sampler.load_state_dict(sampler_state)
-        self.settings, self.prefetch_steps = settings, prefetch_steps
+        self.request, self.prefetch_steps = request, prefetch_steps
         self._batches = iter(self.sampler)
         self._planned: dict[int, Any] = {}
         self._next, self._wanted = first_step, first_step
@@ -296,20 +280,7 @@ class Scheduler:
     def _plan(self, step: int) -> PlannedStep:
         batch = next(self._batches)
         began = time.perf_counter()
-        s = self.settings
-        step_plan = plan(
-            batch.lengths,
-            s.world_size,
-            s.capacity,
-            s.cost_model,
-            strategy=s.strategy,
-            pp_size=s.pp_size,
-            context_length=s.context_length,
-            shard_blocker=s.shard_blocker,
-            step_time=step_time,
-            sp=s.sp,
-        )
-        validate_splits(step_plan, s.cost_model)
+        step_plan = self.request.plan(batch.lengths)
         return PlannedStep(
             step, batch.indices, batch.lengths, step_plan, time.perf_counter() - began, self.sampler.state_dict()
         )
@@ -324,7 +295,7 @@ def scheduler_for(
     max_len: int | None,
     sampler_state: dict,
     first_step: int,
-    settings: PlanSettings,
+    request: PlanRequest,
     prefetch_steps: int,
 ) -> Any:
     """The run's scheduler actor: created by the first rank that asks, found by the others. Its name holds the run
@@ -341,7 +312,7 @@ def scheduler_for(
         max_len,
         sampler_state,
         first_step,
-        settings,
+        request,
         prefetch_steps,
     )
 

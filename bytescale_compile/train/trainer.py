@@ -1,14 +1,19 @@
-"""One training run, driven by a `TrainConfig`.
+"""One training run, driven by a `TrainConfig`, in three phases that each hand the next what they resolved.
 
-`setup` checks everything a run needs before any step or communication — the datasets, the model, the
-vocabulary, the tokenizer for final/, the cost model, the output directory — so a bad setting fails on
-every rank at once with a message that names it. `run` then trains each strategy in turn from the same
-initial weights on the same batches (drawn and planned on every rank, or with `--loader ray` by the remote
-dataloader of `remote.py`, whose scheduler plans once for all ranks): AdamW with the warmup-cosine schedule, the HDP `Runtime` for every
-step, evaluation, checkpoints, metrics and, for Hugging Face models, `final/`. The strategies share one
-optimized model (its weights reset in place between them), so the model compiles once per run: a plan
-changes only the micro-batch context, never the graphs. It works in one process without
-`torch.distributed` as well as under torchrun.
+- `setup` checks everything a run needs before any step or communication (the datasets, the model, the
+  vocabulary, the tokenizer for final/, the cost model, the output directory), so a bad setting fails on every
+  rank at once with a message that names it: `RunInputs`.
+- `prepare` places and compiles the model on the device, fits the run to the memory budget, calibrates the cost
+  model and checks the data against the cluster: `Prepared`.
+- A `Trainer` runs one strategy's steps (drawn and planned on every rank, or with `--loader ray` by the remote
+  dataloader of `remote.py`, whose scheduler plans once for all ranks): the optimizer of `build_optimizer` with
+  the warmup-cosine schedule, the HDP `Runtime` for every step, evaluation, checkpoints, metrics and, for Hugging
+  Face models, `final/`.
+
+`run` does the three for the config's one strategy. `compare.py` trains every strategy from the same prepared
+model (its weights reset in place between them), so the model compiles once: a plan changes only the
+micro-batch context, never the graphs. It works in one process without `torch.distributed` as well as under
+torchrun.
 
 With `--pp N` every rank builds the whole model on the host, moves only its pipeline stage to the device
 (`pipeline_stage`: stage-major, rank // HDP ranks), compiles and optimizes that stage alone (ZeRO-1 over the
@@ -52,26 +57,27 @@ from ..data import (
     open_data,
 )
 from ..engine.batch import num_targets
+from ..engine.diagnostics import StepPrediction
 from ..engine.dist_optim import DistributedOptimizer, restore_fp32_
 from ..engine.optim import LRSchedule, build_optimizer
 from ..engine.pipeline import pipeline_stage, stage_group, whole_state
+from ..engine.probe import SetupProbe, probe
 from ..engine.routing import RouterTraining
 from ..engine.runtime import CostModelWarning, Runtime, default_cost_model
 from ..engine.stages import UnsupportedModelError, split_stages, stage_spec
 from ..planner import AUTO, STATIC, CostModel, ModelShape
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
 from ..planner.model_shape import ModelConfigError, model_shape
+from ..strategies import RUNTIME_STRATEGIES
 from .calibrate import calibrate
 from .checkpoint import (
+    Checkpointer,
     CheckpointError,
     CheckpointSaveError,
     PendingCheckpoint,
     latest_checkpoint,
     remove_stale_tmp,
     resume_latest,
-    save_checkpoint,
-    save_checkpoint_async,
-    wait_for_checkpoint,
 )
 from .config import (
     ALL_STRATEGIES,
@@ -88,7 +94,7 @@ from .memory import TORCH_DTYPES, device_memory, memory_model
 from .metrics import LoggerError, MetricsLog, StepRecord, check_loggers, echo, progress
 from .models import LoadedModel, enable_gradient_checkpointing, load_model
 from .preflight import check_token_ids, preflight
-from .remote import LoadedStep, PlanSettings, RemoteBatches, check_ray, connect_ray, scheduler_for
+from .remote import LoadedStep, RemoteBatches, check_ray, connect_ray, scheduler_for
 from .signals import Stopped, StopRequest
 
 __all__ = [
@@ -96,13 +102,18 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
     "FINAL_DIR",
+    "Prepared",
     "RunInputs",
     "RunResult",
+    "Trainer",
     "VocabularyError",
     "evaluate",
+    "prepare",
     "run",
     "run_dir",
+    "session",
     "setup",
+    "train",
 ]
 
 CONFIG_FILE = "config.toml"
@@ -132,7 +143,7 @@ class RunInputs:
     held_out: list[GlobalBatch]
     """What evaluation runs on: the first eval_tokens of the held-out split (a mixture's: each part's share)."""
     model: LoadedModel
-    """Its initial weights are every strategy's start; `run` trains it in place."""
+    """Its initial weights are every strategy's start; the trainer trains it in place."""
     tokenizer: LoadedTokenizer | None
     """Saved into final/ (Hugging Face models whose data records a tokenizer, or --tokenizer)."""
     cost_model: CostModel
@@ -145,12 +156,6 @@ class RunInputs:
     """--loggers (None: TensorBoard when installed)."""
     shape: ModelShape | None = None
     """The model's shape for its FLOPs per step (None: its config could not be read; no TFLOP/s then)."""
-    peak_tflops: float | None = None
-    """The device's peak for MFU, set by `run` (None: unknown, e.g. a CPU)."""
-    memory: MemoryModel | None = None
-    """What a rank holds (`planner/memory.py`), set by `run` from the compiled model (None: it cannot say)."""
-    memory_budget: int | None = None
-    """--memory-budget, else the GPU's memory (None on a CPU without one): every plan is checked against it."""
 
 
 @dataclass
@@ -172,8 +177,11 @@ def run_dir(config: TrainConfig, strategy: str) -> Path:
     return out / strategy if config.strategy == ALL_STRATEGIES else out
 
 
-def setup(config: TrainConfig) -> RunInputs:
-    """Open and check the datasets, build the model, resolve the tokenizer and the cost model."""
+def setup(config: TrainConfig, *, every_strategy: bool = False) -> RunInputs:
+    """Open and check the datasets, build the model, resolve the tokenizer and the cost model. strategy = all
+    is refused unless `every_strategy` (the comparison's entry point, `compare.py`)."""
+    if not every_strategy:
+        _check_one_strategy(config)
     _check_out(Path(config.out))
     train_data, weights = _open_dataset(
         config.data, "--data", "make it with `bytescale-compile data prepare --input ... --tokenizer DIR --out PREFIX`"
@@ -251,8 +259,7 @@ def _analytic_cost_model(model: LoadedModel, dtype: str) -> CostModel:
     its K/V and boundaries are fp32, twice as many bytes."""
     cost = default_cost_model(model.module)
     activations = FP32_BYTES / BF16_BYTES if dtype == "fp32" else 1.0
-    return dataclasses.replace(
-        cost,
+    return cost.replace(
         kv_bytes_per_token=int(cost.kv_bytes_per_token * activations),
         boundary_bytes_per_token=(
             None if cost.boundary_bytes_per_token is None else cost.boundary_bytes_per_token * activations
@@ -374,13 +381,84 @@ def _final_tokenizer(config: TrainConfig, data: TrainData, model: LoadedModel) -
     return loaded
 
 
-def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult]:
-    """Train every strategy of the config in turn on `device` (default: the CPU), each from the model's
-    initial weights; rank 0 writes config.toml first, or on a resume once the first checkpoint commits."""
+@dataclass(frozen=True)
+class Prepared:
+    """The run on its device, resolved once by `prepare` before step 1 and the same for every strategy."""
+
+    config: TrainConfig
+    """The run's config, with --capacity auto replaced by the C the memory model fitted."""
+    model: OptimizedModule
+    """The whole model or, with pipelines, this rank's stage, compiled: a plan changes only the micro-batch
+    context, never the graphs, so every strategy trains it."""
+    initial: dict[str, torch.Tensor]
+    """The model's weights before any step (tensor-parallel shards once sharded): each strategy's start."""
+    cost_model: CostModel
+    """As given, or refitted on every rank at once (`--calibrate`)."""
+    memory: MemoryModel | None
+    """What a rank holds (`planner/memory.py`), from the compiled model (None: it cannot say)."""
+    memory_budget: int | None
+    """--memory-budget, else the GPU's memory (None on a CPU without one): every plan is checked against it."""
+    peak_tflops: float | None
+    """The device's peak for MFU (None: unknown, e.g. a CPU)."""
+    settings_at_commit: TrainConfig | None
+    """A resume's settings as given (`--capacity auto`, not the C it resolved to), written as config.toml when its
+    first checkpoint commits, so a resume that fails before keeps the saved run's (None: written already)."""
+
+
+@dataclass(frozen=True)
+class _MemoryFit:
+    """What the memory model of the compiled model says of the run: its peaks, the budget, and C."""
+
+    memory: MemoryModel | None
+    budget: int | None
+    capacity: int | None
+    """The C `--capacity auto` fitted (None: the run gave one)."""
+
+    def resolve(self, config: TrainConfig) -> TrainConfig:
+        return config if self.capacity is None else dataclasses.replace(config, capacity=self.capacity)
+
+
+def run(inputs: RunInputs, device: torch.device | None = None) -> RunResult:
+    """Train the config's strategy on `device` (default: the CPU); rank 0 writes config.toml first, or on a resume
+    once the first checkpoint commits. Every strategy from the same weights is `compare.py`'s."""
+    _check_one_strategy(inputs.config)
+    prepared = prepare(inputs, device or torch.device("cpu"))
+    with session(inputs.config) as stop:
+        return train(inputs, prepared, inputs.config.strategy, stop)
+
+
+def _check_one_strategy(config: TrainConfig) -> None:
+    if config.strategy == ALL_STRATEGIES:
+        raise ConfigError(
+            f"strategy = {ALL_STRATEGIES} retrains every strategy from the same weights to compare them, which the "
+            "trainer does not: run `torchrun --nproc_per_node=N -m bytescale_compile.train.compare` with the same "
+            f"options for that, or give one of {', '.join(RUNTIME_STRATEGIES)}"
+        )
+
+
+def train(inputs: RunInputs, prepared: Prepared, strategy: str, stop: StopRequest) -> RunResult:
+    """One strategy's run from the model's initial weights; with pipelines on this rank's stage."""
+    model = inputs.model.module
+    restore_fp32_(model)  # a previous bf16 run's distributed optimizer left them views of its bf16 buffer
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(prepared.initial)
+    return Trainer(inputs, prepared, strategy, stop).fit()
+
+
+@contextlib.contextmanager
+def session(config: TrainConfig) -> Iterator[StopRequest]:
+    """Around the training: the Ray connection of `--loader ray`, and SIGTERM and Ctrl-C as requests to stop."""
+    with _ray_session(config), StopRequest() as stop:
+        yield stop
+
+
+def prepare(inputs: RunInputs, device: torch.device) -> Prepared:
+    """Place and compile the model on `device`, fit the run to the memory budget, check every strategy of the
+    config against the data, and write config.toml once the run is known to fit (a refused run leaves the saved
+    settings alone)."""
     config = inputs.config
     for change in inputs.config_changes:
         echo(f"resuming with a changed setting: {change}", _is_rank0())
-    device = device or torch.device("cpu")
     if config.capacity == CAPACITY_AUTO and config.memory_budget is None and device.type != "cuda":
         raise ConfigError(
             f"--capacity auto fits C to a device's memory, and this {device.type} reports none: pass "
@@ -390,38 +468,48 @@ def run(inputs: RunInputs, device: torch.device | None = None) -> list[RunResult
     if config.tp > 1:  # the user's model object, sharded in place: final/ is saved from it
         tensor_parallel(model.to(device), config.tp)
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    # the whole model for one process per HDP rank, or to calibrate on (then only this rank's pipeline stage)
-    whole = optimize(model.to(device)) if config.pp == 1 or config.calibrates else None
-    if whole is not None:
-        inputs = _with_memory(inputs, whole, device)
-        _preflight(inputs, whole)
-        if config.calibrates:  # the calibrated T(s) decides where offloading pays: check again with it
-            inputs = dataclasses.replace(inputs, cost_model=_calibrated(inputs, whole))
-            _preflight(inputs, whole)
-    if config.pp == 1:
-        optimized = cast(OptimizedModule, whole)
-    else:
-        model.to("cpu")
-        optimized = optimize(pipeline_stage(model, config.pp).to(device))
-        if whole is None:
-            inputs = _with_memory(inputs, optimized, device)
-            _preflight(inputs, optimized)
+    optimized, fit, cost = _compiled(inputs, device)
     resuming = any(latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR) for s in config.strategies)
-    if _is_rank0() and not resuming:  # once the run is known to fit: a refused run leaves the saved settings alone
+    if _is_rank0() and not resuming:
         _write_config(config)
-    # a resume's settings (as given: `--capacity auto`, not the C it resolved to) replace the saved ones only once
-    # its first checkpoint commits, so a resume that fails before keeps the saved run's
-    settings_at_commit = config if resuming else None
-    inputs = dataclasses.replace(inputs, peak_tflops=peak_tflops(device, config.dtype, config.peak_tflops))
-    _notes(inputs, device)
-    results = []
-    with _ray_session(config), StopRequest() as stop:
-        for strategy in config.strategies:
-            restore_fp32_(model)  # a bf16 run's distributed optimizer left them views of its bf16 buffer
-            model.zero_grad(set_to_none=True)
-            model.load_state_dict(initial)
-            results.append(_train(inputs, strategy, optimized, stop, settings_at_commit))
-    return results
+    prepared = Prepared(
+        config=fit.resolve(config),
+        model=optimized,
+        initial=initial,
+        cost_model=cost,
+        memory=fit.memory,
+        memory_budget=fit.budget,
+        peak_tflops=peak_tflops(device, config.dtype, config.peak_tflops),
+        settings_at_commit=config if resuming else None,
+    )
+    _notes(inputs, prepared, device)
+    return prepared
+
+
+def _compiled(inputs: RunInputs, device: torch.device) -> tuple[OptimizedModule, _MemoryFit, CostModel]:
+    """The model the steps train (the whole model, or with pipelines this rank's stage), compiled; the memory fit
+    of the whole model where it runs or calibrates, else of the stage; and the cost model, calibrated with the
+    whole model on every rank at once (`--calibrate`). The data is checked against both cost models: the
+    calibrated T(s) decides where offloading pays."""
+    config, model, cost = inputs.config, inputs.model.module, inputs.cost_model
+    whole = optimize(model.to(device)) if config.pp == 1 or config.calibrates else None
+    fit = None
+    if whole is not None:
+        probed = probe(whole, cost)  # compiles the whole model (fp32) for its memory model
+        fit = _fit_memory(inputs, whole, probed.hdp, device)
+        _preflight(inputs, fit.resolve(config), probed, cost)
+        if config.calibrates:
+            cost = _calibrated(fit.resolve(config), whole, cost)
+            _preflight(inputs, fit.resolve(config), probed, cost)
+        if config.pp == 1:
+            return whole, fit, cost
+    model.to("cpu")
+    stage = optimize(pipeline_stage(model, config.pp).to(device))
+    if fit is None:
+        probed = probe(stage, cost)  # every rank at once: the stages' shard blockers are gathered
+        fit = _fit_memory(inputs, stage, probed.hdp, device)
+        _preflight(inputs, fit.resolve(config), probed, cost)
+    return stage, fit, cost
 
 
 def _write_config(config: TrainConfig) -> None:
@@ -430,16 +518,13 @@ def _write_config(config: TrainConfig) -> None:
     (Path(config.out) / CONFIG_FILE).write_text(to_toml(config), encoding="utf-8")
 
 
-def _with_memory(inputs: RunInputs, optimized: OptimizedModule, device: torch.device) -> RunInputs:
-    """`inputs` with the memory model of `optimized` (the whole model, or this rank's stage, which compiles here),
-    the memory budget, and with --capacity auto the C it fits; every rank takes the same, the one of the
+def _fit_memory(inputs: RunInputs, optimized: OptimizedModule, hdp: int, device: torch.device) -> _MemoryFit:
+    """The memory model of `optimized` (the whole model, or this rank's stage, compiled by the probe) on `hdp`
+    ranks, the memory budget, and with --capacity auto the C it fits; every rank takes the same, the one of the
     fullest rank (stages differ). A model the memory model cannot describe records no peaks, and refuses
     --capacity auto."""
     config = inputs.config
     budget = config.memory_budget or (device_memory(device) if device.type == "cuda" else None)
-    runtime = Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model)
-    runtime.shard_blockers()
-    hdp = runtime.world_size
     try:
         if inputs.shape is None:
             raise ValueError(f"the layer count of {inputs.model.spec} cannot be read from its config")
@@ -473,8 +558,8 @@ def _with_memory(inputs: RunInputs, optimized: OptimizedModule, device: torch.de
                 f"budget of {format_bytes(budget)}: pass --capacity auto, a smaller --capacity or a larger "
                 "--memory-budget"
             )
-        return dataclasses.replace(inputs, memory=memory, memory_budget=budget)
-    assert budget is not None  # run() refused --capacity auto without one
+        return _MemoryFit(memory, budget, None)
+    assert budget is not None  # prepare() refused --capacity auto without one
     try:
         capacity = memory.capacity(budget, offload=optimized.compile_config.offload == "auto")
     except MemoryBudgetError as e:
@@ -487,30 +572,26 @@ def _with_memory(inputs: RunInputs, optimized: OptimizedModule, device: torch.de
         "activation bytes per token",
         _is_rank0(),
     )
-    return dataclasses.replace(
-        inputs, config=dataclasses.replace(config, capacity=capacity), memory=memory, memory_budget=budget
-    )
+    return _MemoryFit(memory, budget, capacity)
 
 
-def _preflight(inputs: RunInputs, optimized: OptimizedModule) -> None:
-    """Every strategy of the run checked against the data before anything runs (`preflight.py`), with the cost
-    model as given and the shard blockers of `optimized` (the whole model or this rank's stage)."""
-    config = inputs.config
-    runtime = Runtime(optimized, torch.optim.SGD(optimized.parameters(), lr=0.0), cost_model=inputs.cost_model)
-    blockers = runtime.shard_blockers()
-    hdp = runtime.world_size
+def _preflight(inputs: RunInputs, config: TrainConfig, probed: SetupProbe, cost_model: CostModel) -> None:
+    """Every strategy of the run checked against the data before anything runs (`preflight.py`), with
+    `cost_model` fitted and charged as the probed model's steps will be, and its shard blockers (of the whole
+    model or, with pipelines, every stage's)."""
+    cost, blockers = probed.charged(cost_model), list(probed.shard_blockers)
     for strategy in config.strategies:
-        preflight(config, inputs.train_data, inputs.held_out, hdp, config.pp, strategy, runtime.cost_model, blockers)
+        preflight(config, inputs.train_data, inputs.held_out, probed.hdp, config.pp, strategy, cost, blockers)
 
 
-def _notes(inputs: RunInputs, device: torch.device) -> None:
+def _notes(inputs: RunInputs, prepared: Prepared, device: torch.device) -> None:
     """What the step lines leave out, and why: said once, before the first step."""
-    if inputs.peak_tflops is None and inputs.shape is not None:
+    if prepared.peak_tflops is None and inputs.shape is not None:
         echo(f"steps print no MFU: no known peak TFLOP/s of this {device.type}; pass --peak-tflops", _is_rank0())
-    if not _predicts(inputs.config, device):
+    if not _predicts(prepared.config, device):
         echo(
             f"steps print no predicted time: the cost model is the analytic one of "
-            f"{inputs.cost_model.hardware.name}, not of this {device.type}, and the run does not calibrate it: "
+            f"{prepared.cost_model.hardware.name}, not of this {device.type}, and the run does not calibrate it: "
             "pass --calibrate (the default without --pp) or --cost-model from `bytescale-compile profile`",
             _is_rank0(),
         )
@@ -522,14 +603,13 @@ def _predicts(config: TrainConfig, device: torch.device) -> bool:
     return config.calibrates or config.cost_model is not None or device.type == "cuda"
 
 
-def _calibrated(inputs: RunInputs, optimized: OptimizedModule) -> CostModel:
-    """The cost model refitted on every rank at once (`train/calibrate.py`), printed and saved by rank 0.
-    Its runtime steps no optimizer: a plain SGD stands in for the one each strategy builds."""
-    config = inputs.config
+def _calibrated(config: TrainConfig, optimized: OptimizedModule, cost_model: CostModel) -> CostModel:
+    """`cost_model` refitted on every rank at once (`train/calibrate.py`), printed and saved by rank 0. Its
+    runtime has no optimizer: calibration times forward, backward and the gradient sync, never a step."""
     runtime = Runtime(
         optimized,
-        torch.optim.SGD(optimized.parameters(), lr=0.0),
-        cost_model=inputs.cost_model,
+        None,
+        cost_model=cost_model,
         capacity=config.capacity_tokens,
         mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
     )
@@ -566,198 +646,235 @@ def _ray_session(config: TrainConfig) -> Iterator[None]:
             ray.shutdown()
 
 
-def _train(
-    inputs: RunInputs,
-    strategy: str,
-    optimized: OptimizedModule,
-    stop: StopRequest,
-    settings_at_commit: TrainConfig | None,
-) -> RunResult:
-    """One strategy's run; `optimized` is the whole model or, with pipelines, this rank's stage."""
-    config, directory, rank0 = inputs.config, run_dir(inputs.config, strategy), _is_rank0()
-    spec = stage_spec(optimized)
-    # a stage's HDP ranks; with TP those of this rank's TP index, which the optimizers find themselves (None)
-    group = stage_group(spec) if spec is not None and config.tp == 1 else None
-    betas = (config.beta1, config.beta2)
-    optimizer: torch.optim.Optimizer | DistributedOptimizer
-    if config.dtype == "bf16":
-        optimizer = DistributedOptimizer(
-            optimized.original_module,
+class Trainer:
+    """One strategy's run on a prepared model: it holds the runtime, the optimizer and its schedule, the sampler,
+    the metrics log and the checkpointer, and `fit` runs steps `first_step`..`steps`, each `train_step`, then
+    `maybe_evaluate` and `maybe_checkpoint`, then a stop with a checkpoint when any rank got SIGTERM or SIGINT."""
+
+    def __init__(self, inputs: RunInputs, prepared: Prepared, strategy: str, stop: StopRequest) -> None:
+        config = prepared.config
+        self.inputs, self.prepared, self.config, self.stop = inputs, prepared, config, stop
+        self.directory = run_dir(config, strategy)
+        self.rank0 = _is_rank0()
+        self.optimizer = build_optimizer(
+            prepared.model.original_module,
             config.lr,
             config.weight_decay,
-            betas,
-            group=group,
+            (config.beta1, config.beta2),
+            config.zero,
+            _optimizer_group(config, prepared.model),
+            dtype=TORCH_DTYPES[config.dtype],
             grad_reduce_dtype=TORCH_DTYPES[config.grad_reduce_dtype],
         )
-    else:
-        optimizer = build_optimizer(
-            optimized.original_module, config.lr, config.weight_decay, betas, config.zero, group
+        self.schedule = LRSchedule(config.lr, config.warmup, config.schedule_steps, config.min_lr_ratio)
+        self.runtime = Runtime(
+            prepared.model,
+            self.optimizer,
+            cost_model=prepared.cost_model,
+            strategy=strategy,
+            capacity=config.capacity_tokens,
+            max_grad_norm=config.max_grad_norm,
+            context_length=config.max_len if strategy in (STATIC, AUTO) else None,
+            mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
+            memory=prepared.memory,
+            memory_budget=prepared.memory_budget,
+            sp=config.sp,
+            expert_bias_update=config.expert_bias_update,
         )
-    schedule = LRSchedule(config.lr, config.warmup, config.schedule_steps, config.min_lr_ratio)
-    runtime = Runtime(
-        optimized,
-        optimizer,
-        cost_model=inputs.cost_model,
-        strategy=strategy,
-        capacity=config.capacity_tokens,
-        max_grad_norm=config.max_grad_norm,
-        context_length=config.max_len if strategy in (STATIC, AUTO) else None,
-        mixed_precision=torch.bfloat16 if config.dtype == "bf16" else None,
-        memory=inputs.memory,
-        memory_budget=inputs.memory_budget,
-        sp=config.sp,
-        expert_bias_update=config.expert_bias_update,
-    )
-    sampler = _sampler(inputs)
-    """The local loader's, and in either case what a checkpoint's batch position is checked against."""
-    for stale in remove_stale_tmp(directory / CHECKPOINTS_DIR):
-        echo(f"[{strategy}] removed {stale}, left by an interrupted checkpoint save", rank0)
-    done = _resume(runtime, sampler, directory / CHECKPOINTS_DIR, config.steps) if config.resume else 0
-    log = MetricsLog(
-        directory,
-        rank0,
-        resumed_step=done,
-        loggers=inputs.loggers,
-        run_name=f"{Path(config.out).name}-{strategy}",
-        config=config.to_dict(),
-    )
-    try:
-        with _steps(inputs, runtime, sampler, directory, done + 1) as batches:
-            records, eval_loss = _train_steps(
-                inputs, runtime, schedule, batches, log, stop, done + 1, settings_at_commit
-            )
-    finally:
-        log.close()
-        if isinstance(optimizer, DistributedOptimizer):  # the next strategy's optimizer hooks the same parameters
-            optimizer.remove_hooks()
-    final = _save_final(optimized, inputs, directory / FINAL_DIR) if inputs.model.hf_directory else None
-    return RunResult(strategy, directory, records, eval_loss, final, runtime.capacity)
+        self.sampler = _sampler(inputs, config)
+        """The local loader's, and in either case what a checkpoint's batch position is checked against."""
+        self.checkpointer = Checkpointer()
+        self.predicts = _predicts(config, self.runtime.device)
+        for stale in remove_stale_tmp(self.directory / CHECKPOINTS_DIR):
+            echo(f"[{strategy}] removed {stale}, left by an interrupted checkpoint save", self.rank0)
+        done = self._resume() if config.resume else 0
+        self.first_step = done + 1
+        self.metrics = MetricsLog(
+            self.directory,
+            self.rank0,
+            resumed_step=done,
+            loggers=inputs.loggers,
+            run_name=f"{Path(config.out).name}-{strategy}",
+            config=config.to_dict(),
+        )
 
+    @property
+    def strategy(self) -> str:
+        return self.runtime.strategy
 
-def _train_steps(
-    inputs: RunInputs,
-    runtime: Runtime,
-    schedule: LRSchedule,
-    batches: Iterator[LoadedStep],
-    log: MetricsLog,
-    stop: StopRequest,
-    first_step: int,
-    settings_at_commit: TrainConfig | None,
-) -> tuple[list[StepRecord], float | None]:
-    """Steps `first_step`..`steps`: train, evaluate, log, checkpoint; after each, stop with a checkpoint when
-    any rank got SIGTERM or SIGINT. `settings_at_commit` (a resume's) is written as config.toml at each commit."""
-    config, rank0 = inputs.config, _is_rank0()
-    directory = run_dir(config, runtime.strategy)
-    predicts = _predicts(config, runtime.device)
-    records, eval_loss = [], None
+    def fit(self) -> RunResult:
+        """Train to --steps, then save final/ (Hugging Face models)."""
+        try:
+            with self._batches() as batches:
+                records, eval_loss = self._train_steps(batches)
+        finally:
+            self.metrics.close()
+            # the next strategy's optimizer hooks the same parameters
+            if isinstance(self.optimizer, DistributedOptimizer):
+                self.optimizer.remove_hooks()
+        final = None
+        if self.inputs.model.hf_directory:
+            final = _save_final(self.prepared.model, self.inputs, self.directory / FINAL_DIR)
+        return RunResult(self.strategy, self.directory, records, eval_loss, final, self.runtime.capacity)
 
-    def save(step: int, sampler_state: dict, record: StepRecord) -> Path:
+    def _train_steps(self, batches: Iterator[LoadedStep]) -> tuple[list[StepRecord], float | None]:
+        records, eval_loss = [], None
+        with warnings.catch_warnings():
+            if not self.predicts:  # steps are not held against predictions the run says it cannot make
+                warnings.simplefilter("ignore", CostModelWarning)
+            for step in progress(range(self.first_step, self.config.steps + 1), self.strategy, self.rank0):
+                loaded = next(batches)
+                record = self.train_step(step, loaded)
+                if (evaluated := self.maybe_evaluate(step, record)) is not None:
+                    eval_loss = evaluated
+                saved = self.maybe_checkpoint(step, loaded.sampler_state, record)
+                self._log(step, record)
+                records.append(record)
+                self._stop_if_asked(step, loaded.sampler_state, record, saved)
+        self.checkpointer.wait()
+        return records, eval_loss
+
+    def train_step(self, step: int, loaded: LoadedStep) -> StepRecord:
+        """Optimizer step `step` on `loaded`'s batch (and plan, when the remote loader made one)."""
+        lr = self.schedule.apply(self.optimizer, step)
+        stats = self.runtime.step(loaded.batch, plan=loaded.plan)
+        return StepRecord.from_stats(
+            stats,
+            lr,
+            self.runtime.cost_model,
+            loaded.data_wait_s,
+            loaded.plan_time_s if loaded.plan is not None else None,
+            prediction=self.runtime.predict(stats) if self.rank0 else StepPrediction.unpredicted(),
+            shape=self.inputs.shape,
+            peak=self.prepared.peak_tflops,
+            dataset_tokens=batch_sources(loaded.batch) if self.inputs.weights is not None else None,
+        )
+
+    def maybe_evaluate(self, step: int, record: StepRecord) -> float | None:
+        """The held-out loss every --eval-every steps and after the last, recorded in `record`."""
+        config = self.config
+        if self.inputs.held_out and (step % config.eval_every == 0 or step == config.steps):
+            record.eval_loss = evaluate(self.runtime, self.inputs.held_out)
+        return record.eval_loss
+
+    def maybe_checkpoint(self, step: int, sampler_state: dict, record: StepRecord) -> Path | None:
+        """A checkpoint every --checkpoint-every steps and after the last; its directory (None: not saved)."""
+        every = self.config.checkpoint_every
+        if every and (step % every == 0 or step == self.config.steps):
+            return self._save(step, sampler_state, record)
+        return None
+
+    def _save(self, step: int, sampler_state: dict, record: StepRecord) -> Path:
+        """Save `step` (in the background with --checkpoint-async), recording in `record` how long the step
+        waited for it; a resume's settings become config.toml once it commits."""
         began = time.perf_counter()
-        write = save_checkpoint_async if config.checkpoint_async else save_checkpoint
-        saved = write(
-            directory / CHECKPOINTS_DIR,
+        settings = self.prepared.settings_at_commit
+        save = self.checkpointer.save_async if self.config.checkpoint_async else self.checkpointer.save
+        saved = save(
+            self.directory / CHECKPOINTS_DIR,
             step,
-            runtime.model,
-            runtime.optimizer,
-            {"step": step, "sampler": sampler_state, "config": config.to_dict()},
-            keep_last=config.keep_last,
-            on_commit=None if settings_at_commit is None else lambda _: _write_config(settings_at_commit),
+            self.runtime.model,
+            self.optimizer,
+            {"step": step, "sampler": sampler_state, "config": self.config.to_dict()},
+            keep_last=self.config.keep_last,
+            on_commit=None if settings is None else lambda _: _write_config(settings),
         )
         record.checkpoint_stall_s = time.perf_counter() - began
         return saved.path if isinstance(saved, PendingCheckpoint) else saved
 
-    with warnings.catch_warnings():
-        if not predicts:  # steps are not held against predictions the run says it cannot make
-            warnings.simplefilter("ignore", CostModelWarning)
-        for step in progress(range(first_step, config.steps + 1), runtime.strategy, rank0):
-            lr = schedule.apply(runtime.optimizer, step)
-            loaded = next(batches)
-            record = StepRecord.from_stats(
-                runtime.step(loaded.batch, plan=loaded.plan),
-                lr,
-                runtime.cost_model,
-                loaded.data_wait_s,
-                loaded.plan_time_s if loaded.plan is not None else None,
-                shape=inputs.shape,
-                peak=inputs.peak_tflops,
-                dataset_tokens=batch_sources(loaded.batch) if inputs.weights is not None else None,
+    def _log(self, step: int, record: StepRecord) -> None:
+        self.metrics.write(record)
+        if step % self.config.log_every == 0 or step == self.config.steps or record.eval_loss is not None:
+            echo(record.summary(predicted=self.predicts), self.rank0)
+
+    def _stop_if_asked(self, step: int, sampler_state: dict, record: StepRecord, saved: Path | None) -> None:
+        """Raise `Stopped` when any rank got SIGTERM or SIGINT, once `step` is saved (when checkpoints are on)
+        and the save in flight is written; a save that fails says so in `Stopped`."""
+        signal_name = self.stop.agreed(self.runtime.device)
+        if signal_name is None:
+            return
+        try:
+            if self.config.checkpoint_every and saved is None:
+                saved = self._save(step, sampler_state, record)
+            self.checkpointer.wait()
+        except CheckpointSaveError as e:
+            raise Stopped(signal_name, step, None, save_error=e) from e
+        raise Stopped(signal_name, step, str(saved) if saved else None)
+
+    def _resume(self) -> int:
+        """Restore the newest checkpoint of this run that verifies, if any; returns its step (0: none). The
+        settings were compared with config.toml in `setup`; a checkpoint past --steps is refused."""
+        runtime, steps = self.runtime, self.config.steps
+        resumed = resume_latest(self.directory / CHECKPOINTS_DIR, runtime.model, self.optimizer)
+        if resumed is None:
+            return 0
+        for skipped in resumed.skipped:
+            echo(f"[{runtime.strategy}] skipped checkpoint {skipped.path}: {skipped.reason}", self.rank0)
+        if resumed.resharded is not None:
+            echo(f"[{runtime.strategy}] resharding {resumed.path.name}: {resumed.resharded}", self.rank0)
+        state = resumed.train_state
+        if state["step"] > steps:
+            raise CheckpointError(
+                f"{resumed.path} is of step {state['step']}, past --steps {steps}: pass --steps {state['step']} or "
+                f"more to continue it (final/ is written from the last step), or another --out for a shorter run"
             )
-            if inputs.held_out and (step % config.eval_every == 0 or step == config.steps):
-                record.eval_loss = eval_loss = evaluate(runtime, inputs.held_out)
-            saved = None
-            if config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps):
-                saved = save(step, loaded.sampler_state, record)
-            log.write(record)
-            records.append(record)
-            if step % config.log_every == 0 or step == config.steps or record.eval_loss is not None:
-                echo(record.summary(predicted=predicts), rank0)
-            if (signal_name := stop.agreed(runtime.device)) is not None:
-                try:
-                    if config.checkpoint_every and saved is None:
-                        saved = save(step, loaded.sampler_state, record)
-                    wait_for_checkpoint()
-                except CheckpointSaveError as e:
-                    raise Stopped(signal_name, step, None, save_error=e) from e
-                raise Stopped(signal_name, step, str(saved) if saved else None)
-    wait_for_checkpoint()
-    return records, eval_loss
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except (ValueError, KeyError) as e:  # possible after --allow-config-change of data
+            raise CheckpointError(f"{resumed.path}: its batch position does not fit this run's data: {e}") from e
+        runtime.steps = state["step"]
+        echo(f"[{runtime.strategy}] resumed from {resumed.path} at step {state['step']}", self.rank0)
+        return state["step"]
+
+    @contextlib.contextmanager
+    def _batches(self) -> Iterator[Iterator[LoadedStep]]:
+        """The steps from `first_step` on: drawn and planned on this rank (local), or by the scheduler actor with
+        only this rank's tokens fetched (ray), which rank 0 stops once every rank is done."""
+        config, runtime = self.config, self.runtime
+        if config.loader == "local":
+            yield _local_steps(self.sampler)
+            return
+        import ray
+
+        scheduler = scheduler_for(
+            self.directory,
+            cast(TokenDataset, self.inputs.train_data),  # setup refuses a mixture with --loader ray
+            config.data_servers,
+            config.global_tokens,
+            config.seed,
+            config.max_len,
+            self.sampler.state_dict(),
+            self.first_step,
+            runtime.plan_request(),
+            config.prefetch_steps,
+        )
+        batches = RemoteBatches(
+            scheduler,
+            runtime.rank,
+            self.first_step,
+            pin_memory=runtime.device.type == "cuda",
+            prefetch=config.prefetch_steps > 0,
+        )
+        try:
+            yield batches
+            batches.close()
+            if dist.is_initialized():
+                dist.barrier()
+        finally:
+            batches.close()
+            if self.rank0:
+                ray.kill(scheduler)
 
 
-@contextlib.contextmanager
-def _steps(
-    inputs: RunInputs, runtime: Runtime, sampler: Sampler, directory: Path, first_step: int
-) -> Iterator[Iterator[LoadedStep]]:
-    """The steps from `first_step` on: drawn and planned on this rank (local), or by the scheduler actor with
-    only this rank's tokens fetched (ray), which rank 0 stops once every rank is done."""
-    config = inputs.config
-    if config.loader == "local":
-        yield _local_steps(sampler)
-        return
-    import ray
-
-    settings = PlanSettings(
-        runtime.world_size,
-        runtime.capacity,
-        runtime.cost_model,
-        runtime.strategy,
-        runtime.context_length,
-        "; ".join(runtime.shard_blockers()) or None,
-        runtime.pp_size,
-        runtime.sp,
-    )
-    scheduler = scheduler_for(
-        directory,
-        cast(TokenDataset, inputs.train_data),  # setup refuses a mixture with --loader ray
-        config.data_servers,
-        config.global_tokens,
-        config.seed,
-        config.max_len,
-        sampler.state_dict(),
-        first_step,
-        settings,
-        config.prefetch_steps,
-    )
-    batches = RemoteBatches(
-        scheduler,
-        runtime.rank,
-        first_step,
-        pin_memory=runtime.device.type == "cuda",
-        prefetch=config.prefetch_steps > 0,
-    )
-    try:
-        yield batches
-        batches.close()
-        if dist.is_initialized():
-            dist.barrier()
-    finally:
-        batches.close()
-        if _is_rank0():
-            ray.kill(scheduler)
+def _optimizer_group(config: TrainConfig, optimized: OptimizedModule) -> dist.ProcessGroup | None:
+    """The ranks an optimizer shards over when they are not its default: a pipeline stage's HDP ranks. With TP,
+    those of this rank's TP index, which the optimizers find themselves (None)."""
+    spec = stage_spec(optimized)
+    return stage_group(spec) if spec is not None and config.tp == 1 else None
 
 
-def _sampler(inputs: RunInputs) -> Sampler:
+def _sampler(inputs: RunInputs, config: TrainConfig) -> Sampler:
     """Global batches of the data, or of a mixture by the token shares of its weights."""
-    config = inputs.config
     if inputs.weights is None:
         return GlobalBatchSampler(inputs.train_data, config.global_tokens, seed=config.seed, max_len=config.max_len)
     return MixtureSampler(
@@ -772,31 +889,6 @@ def _local_steps(sampler: Sampler) -> Iterator[LoadedStep]:
         began = time.perf_counter()
         batch = next(batches)
         yield LoadedStep(batch, None, time.perf_counter() - began, 0.0, sampler.state_dict())
-
-
-def _resume(runtime: Runtime, sampler: Sampler, checkpoints: Path, steps: int) -> int:
-    """Restore the newest checkpoint under `checkpoints` that verifies, if any; returns its step (0: none).
-    The settings were compared with config.toml in `setup`; a checkpoint past `steps` is refused."""
-    resumed = resume_latest(checkpoints, runtime.model, runtime.optimizer)
-    if resumed is None:
-        return 0
-    for skipped in resumed.skipped:
-        echo(f"[{runtime.strategy}] skipped checkpoint {skipped.path}: {skipped.reason}", _is_rank0())
-    if resumed.resharded is not None:
-        echo(f"[{runtime.strategy}] resharding {resumed.path.name}: {resumed.resharded}", _is_rank0())
-    state = resumed.train_state
-    if state["step"] > steps:
-        raise CheckpointError(
-            f"{resumed.path} is of step {state['step']}, past --steps {steps}: pass --steps {state['step']} or "
-            f"more to continue it (final/ is written from the last step), or another --out for a shorter run"
-        )
-    try:
-        sampler.load_state_dict(state["sampler"])
-    except (ValueError, KeyError) as e:  # possible after --allow-config-change of data
-        raise CheckpointError(f"{resumed.path}: its batch position does not fit this run's data: {e}") from e
-    runtime.steps = state["step"]
-    echo(f"[{runtime.strategy}] resumed from {resumed.path} at step {state['step']}", _is_rank0())
-    return state["step"]
 
 
 def evaluate(runtime: Runtime, batches: list[GlobalBatch]) -> float:

@@ -1,4 +1,4 @@
-"""Async checkpoints (`save_checkpoint_async`): the saving call returns once the state is copied, so the training
+"""Async checkpoints (`Checkpointer.save_async`): the saving call returns once the state is copied, so the training
 may change the weights while the files are written; a write that fails or is cut off leaves the previous
 checkpoint as the newest that verifies; across ranks the background save runs on its own group and every rank
 hashes the files it wrote.
@@ -25,15 +25,13 @@ from bytescale_compile.testing import run_distributed
 from bytescale_compile.train import checkpoint
 from bytescale_compile.train.checkpoint import (
     MANIFEST_FILE,
+    Checkpointer,
     CheckpointError,
     CheckpointSaveError,
     checkpoint_dir,
     load_checkpoint,
-    save_checkpoint,
-    save_checkpoint_async,
     select_checkpoint,
     verify_checkpoint,
-    wait_for_checkpoint,
 )
 
 
@@ -75,22 +73,29 @@ class _HeldWriter:
 
 
 @pytest.fixture
-def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_HeldWriter, list[str]]]:
+def saver() -> Checkpointer:
+    return Checkpointer()
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch, saver: Checkpointer) -> Iterator[tuple[_HeldWriter, list[str]]]:
     timeline: list[str] = []
     writer = _HeldWriter(monkeypatch, timeline)
     yield writer, timeline
     writer.release.set()
     try:
-        wait_for_checkpoint()
+        saver.wait()
     except CheckpointError:
         pass
 
 
-def test_the_step_waits_only_for_the_copy(tmp_path: Path, held: tuple[_HeldWriter, list[str]]) -> None:
+def test_the_step_waits_only_for_the_copy(
+    tmp_path: Path, held: tuple[_HeldWriter, list[str]], saver: Checkpointer
+) -> None:
     writer, timeline = held
     model, optimizer = _trained()
     at_save = _weights(model)
-    pending = save_checkpoint_async(tmp_path, 1, model, optimizer, {"step": 1})
+    pending = saver.save_async(tmp_path, 1, model, optimizer, {"step": 1})
     timeline.append("save returned")
     with torch.no_grad():  # the next step changes the weights in place while the copy is written
         for p in model.parameters():
@@ -108,15 +113,15 @@ def test_the_step_waits_only_for_the_copy(tmp_path: Path, held: tuple[_HeldWrite
 
 
 def test_a_failed_background_write_leaves_the_previous_checkpoint(
-    tmp_path: Path, held: tuple[_HeldWriter, list[str]]
+    tmp_path: Path, held: tuple[_HeldWriter, list[str]], saver: Checkpointer
 ) -> None:
     writer, _ = held
     model, optimizer = _trained()
     writer.release.set()
-    first = save_checkpoint_async(tmp_path, 1, model, optimizer, {"step": 1}).result()
+    first = saver.save_async(tmp_path, 1, model, optimizer, {"step": 1}).result()
     writer.release.clear()
     writer.fail = OSError(errno.ENOSPC, "No space left on device")
-    pending = save_checkpoint_async(tmp_path, 2, model, optimizer, {"step": 2})
+    pending = saver.save_async(tmp_path, 2, model, optimizer, {"step": 2})
     writer.release.set()
     with pytest.raises(CheckpointError, match=r"step 2 failed .*No space left on device.*previous checkpoint"):
         pending.result()
@@ -125,28 +130,29 @@ def test_a_failed_background_write_leaves_the_previous_checkpoint(
 
 
 def test_the_next_save_waits_for_the_one_in_flight_and_reports_its_failure(
-    tmp_path: Path, held: tuple[_HeldWriter, list[str]]
+    tmp_path: Path, held: tuple[_HeldWriter, list[str]], saver: Checkpointer
 ) -> None:
     writer, _ = held
     model, optimizer = _trained()
     writer.fail = OSError(errno.EIO, "Input/output error")
-    save_checkpoint_async(tmp_path, 1, model, optimizer, {"step": 1})
+    saver.save_async(tmp_path, 1, model, optimizer, {"step": 1})
     writer.release.set()
     with pytest.raises(CheckpointError, match="step 1 failed .*Input/output error"):
-        save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2})
+        saver.save(tmp_path, 2, model, optimizer, {"step": 2})
     writer.fail = None
-    assert save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2}) == checkpoint_dir(tmp_path, 2)
+    assert saver.save(tmp_path, 2, model, optimizer, {"step": 2}) == checkpoint_dir(tmp_path, 2)
 
 
 def _two_ranks_async(rank: int, world: int, root: str) -> None:
     """Both ranks save asynchronously twice (the second waits for the first), each hashing the files it wrote."""
     model, optimizer = _trained()
-    save_checkpoint_async(root, 1, model, optimizer, {"step": 1})
+    saver = Checkpointer()
+    saver.save_async(root, 1, model, optimizer, {"step": 1})
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
     at_second = _weights(model)
-    second = save_checkpoint_async(root, 2, model, optimizer, {"step": 2}, keep_last=1)
+    second = saver.save_async(root, 2, model, optimizer, {"step": 2}, keep_last=1)
     torch.distributed.all_reduce(torch.ones(1))  # the training's collectives meanwhile, on the default group
     path = second.result()
     assert sorted(p.name for p in Path(root).iterdir()) == ["step_00000002"]
@@ -195,11 +201,12 @@ def _bf16_async_worker(rank: int, world: int, root: str) -> None:
     back on 2 ranks without torch's ShardedTensor warning; a host copy that fails on rank 1 fails the save on both."""
     model = _bf16_model()
     optimizer = DistributedOptimizer(model, 0.1, 0.1, (0.9, 0.95), bucket_bytes=64)
+    saver = Checkpointer()
     _bf16_steps(model, optimizer, range(1), slice(rank, rank + 1))
-    save_checkpoint_async(root, 1, model, optimizer, {"step": 1})
+    saver.save_async(root, 1, model, optimizer, {"step": 1})
     _bf16_steps(model, optimizer, range(1, 2), slice(rank, rank + 1))  # while step 1 is written
     at_save = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-    pending = save_checkpoint_async(root, 2, model, optimizer, {"step": 2})
+    pending = saver.save_async(root, 2, model, optimizer, {"step": 2})
     uninterrupted = _bf16_steps(model, optimizer, range(2, 4), slice(rank, rank + 1))
     assert pending.result() == checkpoint_dir(root, 2)
     if rank == 0:
@@ -218,7 +225,7 @@ def _bf16_async_worker(rank: int, world: int, root: str) -> None:
     staged = checkpoint._Stager.stage
     checkpoint._Stager.stage = copy_fails_on_rank_1  # type: ignore[method-assign]
     with pytest.raises(CheckpointSaveError) as failed:  # on both ranks, neither left waiting in the write
-        save_checkpoint_async(root, 3, model, optimizer, {"step": 3})
+        saver.save_async(root, 3, model, optimizer, {"step": 3})
     assert [f.rank for f in failed.value.failures] == [1], failed.value.failures
     assert "step 3 failed on rank 1: RuntimeError: host copy refused" in str(failed.value)
     assert select_checkpoint(root).path == checkpoint_dir(root, 2)

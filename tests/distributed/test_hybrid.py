@@ -116,7 +116,7 @@ def test_a_sequence_longer_than_capacity_and_a_given_plan_that_packs_are_refused
     )
     with pytest.raises(PlanError, match=r"sequence 0 has 150 tokens.*capacity 64.*`model\.layers\.0\.conv`"):
         runtime.step([torch.randint(0, VOCAB, (n,)) for n in (150, 9)])
-    packed = plan([9, 14], 1, 64, CostModel.preset("llama-7b"), strategy="balance")
+    packed = plan([9, 14], world_size=1, capacity=64, cost_model=CostModel.preset("llama-7b"), strategy="balance")
     assert any(len(mb.sequences) > 1 for mb in packed.micro_batches)
     with pytest.raises(BatchError, match=r"one sequence per micro-batch.*`model\.layers\.0\.conv`"):
         runtime.step([torch.randint(0, VOCAB, (n,)) for n in (9, 14)], plan=packed)
@@ -133,7 +133,9 @@ def _step_worker(rank: int, world: int, name: str) -> None:
     reference = copy.deepcopy(model)
     cost = CostModel.preset("llama-7b")  # Mamba2's config has no MLP width for the analytic cost model
     runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.5), cost_model=cost, capacity=CAPACITY)
-    shared = plan(LENGTHS, world, CAPACITY, cost, strategy="naive", offload=False)  # without offloading, 50 > C
+    shared = plan(
+        LENGTHS, world_size=world, capacity=CAPACITY, cost_model=cost, strategy="naive", offload=False
+    )  # without offloading, 50 > C
     assert any(len(mb.ranks) == world for mb in shared.micro_batches), shared
     stats = runtime.step(_batch(), plan=shared)
     ref_loss, ref_params = reference_step(reference, _batch(), lr=0.5, hf=True)

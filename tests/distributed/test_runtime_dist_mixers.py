@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import bytescale_compile.ops  # noqa: F401  (registers torch.ops.bytescale)
 from bytescale_compile.kernels.recurrences import RECURRENCES
 from bytescale_compile.runtime.context import micro_batch, row_packing
-from bytescale_compile.runtime.dist_attn import RingStats
 from bytescale_compile.runtime.layout import zigzag_layout
+from bytescale_compile.runtime.p2p import P2PStats
 from bytescale_compile.testing import run_distributed
 from tests.helpers import rel_err
 
@@ -120,7 +120,7 @@ def _shared(rank: int, world: int, kind: str, seq_lens: list[int]) -> None:
     layout = zigzag_layout(seq_lens, world)
     index = layout.rank(rank).token_index
     local = [(x.detach()[:, index] if i in token else x.detach()).requires_grad_() for i, x in enumerate(inputs)]
-    stats = RingStats()
+    stats = P2PStats()
     with micro_batch(group=list(range(world)), layout=layout) as ctx:
         object.__setattr__(ctx, "ring_stats", stats)
         out = _op(kind, local)

@@ -16,8 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bytescale_compile.kernels.attention_ref import block_attention_bwd, block_attention_fwd
-from bytescale_compile.runtime.dist_attn import RingError, RingStats, RingTimeoutError, _merge, packed_ring_attention
 from bytescale_compile.runtime.layout import Block, LayoutError, zigzag_layout
+from bytescale_compile.runtime.p2p import P2PError, P2PStats, P2PTimeoutError
+from bytescale_compile.runtime.ring_attention import _merge, packed_ring_attention
 from bytescale_compile.testing import run_distributed
 from tests.helpers import rel_err
 
@@ -194,7 +195,7 @@ def _reference(seq_lens: list[int], case: Case, seed: int):
     return (q, k, v, weight), (out.detach(), qr.grad, kr.grad, vr.grad)
 
 
-def _check_case(rank: int, case: Case) -> tuple[RingStats, RingStats]:
+def _check_case(rank: int, case: Case) -> tuple[P2PStats, P2PStats]:
     """Run this rank's part of `case` forward and backward, compare with the reference; (forward, backward) stats."""
     which = next(i for i, grp in enumerate(case.groups) if rank in grp)
     group, lens = case.groups[which], case.seq_lens[which]
@@ -202,9 +203,9 @@ def _check_case(rank: int, case: Case) -> tuple[RingStats, RingStats]:
     (q, k, v, weight), (ref_out, ref_dq, ref_dk, ref_dv) = _reference(lens, case, case.seed + which)
     idx = layout.rank(group.index(rank)).token_index
     ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
-    fwd = RingStats()
+    fwd = P2PStats()
     out = packed_ring_attention(ql, kl, vl, layout, group, stats=fwd, window=case.window, softcap=case.softcap)
-    forward = RingStats(**vars(fwd))
+    forward = P2PStats(**vars(fwd))
     (out * weight[idx]).sum().backward()
     context = f"rank {rank} group {group} lens {lens} {case}"
     results = (("out", out, ref_out), ("dq", ql.grad, ref_dq), ("dk", kl.grad, ref_dk), ("dv", vl.grad, ref_dv))
@@ -214,7 +215,7 @@ def _check_case(rank: int, case: Case) -> tuple[RingStats, RingStats]:
         # where every query sees only itself (a window of 1), and then holds rounding noise of the problem's scale
         err = rel_err(got, want[idx], floor=want.abs().max().item() or problem)
         assert err <= 1e-5, f"{name} {context}: relative error {err:.2e}"
-    return forward, RingStats(**{f: getattr(fwd, f) - getattr(forward, f) for f in vars(fwd)})
+    return forward, P2PStats(**{f: getattr(fwd, f) - getattr(forward, f) for f in vars(fwd)})
 
 
 def test_group_of_one_runs_without_torch_distributed():
@@ -277,7 +278,7 @@ def test_ring_random_cases(world):
     run_distributed(_ring_cases_worker, world, _random_cases(world, 6, seed=world))
 
 
-def _expected_traffic(case: Case, rank: int) -> tuple[RingStats, RingStats]:
+def _expected_traffic(case: Case, rank: int) -> tuple[P2PStats, P2PStats]:
     """Bytes and skipped transfers of one rank, from the dense mask: the rows of each peer some local query sees."""
     lens, n = case.seq_lens[0], len(case.groups[0])
     layout, mask = zigzag_layout(lens, n), _dense_mask(lens, case.window)
@@ -290,7 +291,7 @@ def _expected_traffic(case: Case, rank: int) -> tuple[RingStats, RingStats]:
     me, peers = case.groups[0].index(rank), [i for i in range(n) if i != case.groups[0].index(rank)]
     sent = sum(rows(r, me) for r in peers) * row_bytes
     received = sum(rows(me, j) for j in peers) * row_bytes
-    fwd = RingStats(
+    fwd = P2PStats(
         calls=1,
         bytes_sent=sent,
         bytes_received=received,
@@ -298,7 +299,7 @@ def _expected_traffic(case: Case, rank: int) -> tuple[RingStats, RingStats]:
         receives_skipped=sum(rows(me, j) == 0 for j in peers),
     )
     # the backward moves K/V again, and every received row's dK/dV goes back to its owner
-    bwd = RingStats(
+    bwd = P2PStats(
         bytes_sent=sent + received,
         bytes_received=received + sent,
         sends_skipped=fwd.sends_skipped + fwd.receives_skipped,
@@ -377,20 +378,20 @@ def _mismatch_worker(rank: int, world: int) -> None:
         t = layout.rank(rank).num_tokens
         q, k = torch.randn(t, 4, 8, dtype=dtype), torch.randn(t, hkv, 8, dtype=dtype)
         v = torch.randn(t, hkv, dv, dtype=dtype)
-        stats = RingStats()
-        with pytest.raises(RingError) as err:
+        stats = P2PStats()
+        with pytest.raises(P2PError) as err:
             packed_ring_attention(q, k, v, layout, [0, 1], stats=stats, window=window, softcap=softcap)
         message = str(err.value)
         assert "ring group [0, 1]: inputs differ across ranks" in message and expected in message, message
-        assert stats == RingStats()
+        assert stats == P2PStats()
     # one rank's bad argument must not leave the other waiting
     q = torch.randn(4, 2, 4)
-    with pytest.raises(RingError) as err:
+    with pytest.raises(P2PError) as err:
         packed_ring_attention(q, q, q, zigzag_layout([8], 2), [0, 1], window=0 if rank == 1 else 4)
     assert "window differs (rank 0: 4, rank 1: 0); rank 1: window must be None or an int >= 1" in str(err.value)
     # groups that name ranks outside the world are refused before any P2P (they used to crash or hang)
     for group, expected in (([0, 5], "rank(s) [5] outside the world of 2 ranks"), ([0, -1], "rank(s) [-1] outside")):
-        with pytest.raises(RingError, match=re.escape(expected)):
+        with pytest.raises(P2PError, match=re.escape(expected)):
             packed_ring_attention(q, q, q, zigzag_layout([8], 2), group)
 
 
@@ -402,7 +403,7 @@ def _timeout_worker(rank: int, world: int) -> None:
     if rank == 0:
         layout = zigzag_layout([8], 2)
         q = torch.randn(4, 2, 4)
-        with pytest.raises(RingTimeoutError, match=r"ring group \[0, 1\]: rank 0 waited 2s"):
+        with pytest.raises(P2PTimeoutError, match=r"ring group \[0, 1\]: rank 0 waited 2s"):
             packed_ring_attention(q, q, q, layout, [0, 1], timeout_s=2)
     else:
         time.sleep(6)  # alive but never joining the ring
@@ -435,24 +436,24 @@ class _FailingWork:
             RuntimeError("[unbound_buffer.cc:78] Timed out waiting 50ms for recv operation to complete"),
             0.06,
             "gloo",
-            "RingTimeoutError",
+            "P2PTimeoutError",
         ),
-        (RuntimeError("Connection closed by peer"), 0.06, "gloo", "RingTimeoutError"),
-        (RuntimeError("[Rank 0] Work timed out after 5000 ms"), 0.0, "gloo", "RingError"),
-        (torch.distributed.DistBackendError("Connection reset by peer"), 0.0, "gloo", "RingError"),
-        (torch.distributed.DistBackendError("Watchdog caught collective operation timeout"), 0.06, "nccl", "RingError"),
+        (RuntimeError("Connection closed by peer"), 0.06, "gloo", "P2PTimeoutError"),
+        (RuntimeError("[Rank 0] Work timed out after 5000 ms"), 0.0, "gloo", "P2PError"),
+        (torch.distributed.DistBackendError("Connection reset by peer"), 0.0, "gloo", "P2PError"),
+        (torch.distributed.DistBackendError("Watchdog caught collective operation timeout"), 0.06, "nccl", "P2PError"),
     ],
     ids=["deadline-passed", "deadline-passed-any-text", "early-failure-any-text", "lost-peer", "nccl-watchdog"],
 )
 def test_wait_tells_timeouts_by_the_rings_deadline_not_the_message(monkeypatch, error, seconds, backend, raised):
-    """A wait that fails once the ring's timeout has passed is a `RingTimeoutError`, one that fails before it a
-    `RingError`, whatever the backend's message says; on NCCL the watchdog's errors are `RingError`s."""
-    from bytescale_compile.runtime import dist_attn
+    """A wait that fails once the ring's timeout has passed is a `P2PTimeoutError`, one that fails before it a
+    `P2PError`, whatever the backend's message says; on NCCL the watchdog's errors are `P2PError`s."""
+    from bytescale_compile.runtime import p2p, ring_attention
 
-    ring = dist_attn.make_ring(zigzag_layout([8], 1), [0], 0.05, None, None)
-    monkeypatch.setattr(dist_attn.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist_attn.dist, "get_backend", lambda: backend)
-    with pytest.raises(RingError) as err:
+    ring = ring_attention.make_ring(zigzag_layout([8], 1), [0], 0.05, None, None)
+    monkeypatch.setattr(p2p.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda: backend)
+    with pytest.raises(P2PError) as err:
         ring.wait([_FailingWork(error, seconds)], "a K/V block", (1,))
     assert type(err.value).__name__ == raised and "ring group [0]" in str(err.value)
 
@@ -460,11 +461,11 @@ def test_wait_tells_timeouts_by_the_rings_deadline_not_the_message(monkeypatch, 
 @pytest.mark.parametrize("backend,timeout", [("gloo", datetime.timedelta(seconds=1)), ("nccl", None)])
 def test_wait_blocks_the_cpu_only_off_nccl(monkeypatch, backend, timeout):
     """On NCCL the wait is stream-ordered (no CPU-blocking timeout); elsewhere it waits `timeout_s`."""
-    from bytescale_compile.runtime import dist_attn
+    from bytescale_compile.runtime import p2p, ring_attention
 
-    ring = dist_attn.make_ring(zigzag_layout([8], 1), [0], 1.0, None, None)
-    monkeypatch.setattr(dist_attn.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist_attn.dist, "get_backend", lambda: backend)
+    ring = ring_attention.make_ring(zigzag_layout([8], 1), [0], 1.0, None, None)
+    monkeypatch.setattr(p2p.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda: backend)
     work = _FailingWork(None)
     ring.wait([work], "a K/V block", (1,))
     assert work.timeouts == [timeout]

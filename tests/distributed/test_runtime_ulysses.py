@@ -12,8 +12,8 @@ import torch
 
 from bytescale_compile.ops.attention import attention
 from bytescale_compile.runtime.context import ContextError, MicroBatchContext, micro_batch
-from bytescale_compile.runtime.dist_attn import RingError, RingStats, RingTimeoutError
 from bytescale_compile.runtime.layout import ulysses_layout, zigzag_layout
+from bytescale_compile.runtime.p2p import P2PError, P2PStats, P2PTimeoutError
 from bytescale_compile.runtime.ulysses import HeadSplit, UlyssesError, ulysses_attention_fwd
 from bytescale_compile.testing import run_distributed
 from tests.distributed.test_runtime_ring_attention import Case, _reference
@@ -52,7 +52,7 @@ def test_context_refuses_a_degree_that_does_not_divide_the_group():
 
 def test_split_refuses_a_group_the_layout_was_not_made_for():
     q = torch.randn(2, 4, 8)
-    with pytest.raises(RingError, match=r"ulysses × ring group \[0, 1, 2\] has 3 ranks but the layout was made for 4"):
+    with pytest.raises(P2PError, match=r"ulysses × ring group \[0, 1, 2\] has 3 ranks but the layout was made for 4"):
         ulysses_attention_fwd(q, q, q, ulysses_layout([8], 2, 2), [0, 1, 2])
 
 
@@ -107,7 +107,7 @@ def _splits_worker(rank: int, world: int) -> None:
         ql, kl, vl = (x[idx].transpose(0, 1)[None].clone().requires_grad_() for x in (q, k, v))
         with micro_batch(group=range(world), layout=layout.ring, ulysses=split.ulysses) as ctx:
             out, _ = attention(ql, kl, vl, d**-0.5, None, split.window, split.softcap)
-            forward = RingStats(**vars(ctx.ring_stats))
+            forward = P2PStats(**vars(ctx.ring_stats))
             (out * weight[idx].transpose(0, 1)[None]).sum().backward()
         results = (("out", out, ref_out), ("dq", ql.grad, ref_dq), ("dk", kl.grad, ref_dk), ("dv", vl.grad, ref_dv))
         for name, got, want in results:
@@ -119,7 +119,7 @@ def _splits_worker(rank: int, world: int) -> None:
     # every rank refuses a degree that does not divide the heads, before anything moves
     layout = ulysses_layout(_LENS, 4, 1)
     t = layout.rank(rank).num_tokens
-    stats = RingStats()
+    stats = P2PStats()
     q = torch.randn(t, 6, 8)
     with pytest.raises(
         UlyssesError, match=r"rank \d: the Ulysses degree u=4 must divide the query heads \(H=6, H_kv=2"
@@ -138,7 +138,7 @@ def test_every_split_of_four_ranks_matches_the_reference():
 def _timeout_worker(rank: int, world: int) -> None:
     if rank == 0:
         q = torch.randn(ulysses_layout([8], 2, 1).rank(0).num_tokens, 2, 4)
-        with pytest.raises(RingTimeoutError, match=r"ulysses group \[0, 1\]: rank 0 waited 2s for q/k/v head shards"):
+        with pytest.raises(P2PTimeoutError, match=r"ulysses group \[0, 1\]: rank 0 waited 2s for q/k/v head shards"):
             ulysses_attention_fwd(q, q, q, ulysses_layout([8], 2, 1), [0, 1], check=False, timeout_s=2)
     else:
         time.sleep(6)  # alive but never joining the all-to-all

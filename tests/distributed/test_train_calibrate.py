@@ -3,15 +3,13 @@ ranks sharing one machine's cores, and the compute a ring adds."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 import bytescale_compile as bsc
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, plan
-from bytescale_compile.planner.common import micro_batch_time
+from bytescale_compile.planner.builder import micro_batch_time
 from bytescale_compile.sim.simulator import simulate, step_time
 from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.calibrate import _refit, calibrate, calibration_lengths
@@ -23,7 +21,19 @@ LENGTHS = (16, 32, 64)
 def _model(slots: float | None = None, ring_overhead: float = 0.0) -> CostModel:
     """1 s per token per layer, one layer, no ring bytes or latency worth counting."""
     hardware = Hardware(name="test", network_bandwidth=1e18, latency=1e-18, compute_slots=slots)
-    return CostModel(0.0, 1.0, 0.0, 1.0, 0.0, 1, 0, 1.0, hardware, "test", ring_overhead=ring_overhead)
+    return CostModel.from_terms(
+        alpha1=0.0,
+        beta1=1.0,
+        gamma=0.0,
+        alpha2=1.0,
+        beta2=0.0,
+        layers=1,
+        kv_bytes_per_token=0,
+        param_bytes=1.0,
+        hardware=hardware,
+        source="test",
+        ring_overhead=ring_overhead,
+    )
 
 
 def _packed_plan(work: list[list[int]]) -> Plan:
@@ -55,7 +65,7 @@ def test_ring_overhead_is_compute_per_token_held_layer_and_ring_step():
     lens = torch.tensor([40]).numpy()
     assert micro_batch_time(base, lens, 4, 0.0) == pytest.approx(10.0)
     assert micro_batch_time(costly, lens, 4, 0.0) == pytest.approx(10.0 + 0.5 * 3 * 10)
-    planned = plan([40], 4, 10, costly, strategy="balance")
+    planned = plan([40], world_size=4, capacity=10, cost_model=costly, strategy="balance")
     assert [m.est_time for m in planned.micro_batches] == [pytest.approx(25.0)]
     assert step_time(planned, costly) == pytest.approx(25.0)
 
@@ -70,7 +80,7 @@ def test_compute_slots_and_ring_overhead_survive_save_and_load(tmp_path):
 
 def test_the_refit_folds_the_head_loss_and_micro_batch_cost_into_the_layers_and_keeps_the_optimizer():
     """The calibration times whole micro-batches: what ran outside the layers is in the fit, and no optimizer ran."""
-    base = dataclasses.replace(_model(), beta_head=1e-3, beta_embed=1e-4, delta=0.2, omega=1e-9, sigma=0.3)
+    base = _model().replace(beta_head=1e-3, beta_embed=1e-4, delta=0.2, omega=1e-9, sigma=0.3)
     lengths = [16, 32, 64]
     times = [2.0 * s + 0.5 for s in lengths]  # one layer: beta1 2 s per token, gamma 0.5 s
     fitted = _refit(base, lengths, times, float("inf"), 0.0, 1, None)
@@ -87,11 +97,14 @@ def test_calibration_lengths_span_the_capacity():
         calibrate(bsc.Runtime(tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1), capacity=64), lengths=[8, 8, 16])
 
 
-def test_calibration_fits_the_whole_model_and_trains_nothing():
+@pytest.mark.parametrize("optimizer", ["sgd", None], ids=["sgd", "no-optimizer"])
+def test_calibration_fits_the_whole_model_and_trains_nothing(optimizer):
+    """With an optimizer or without one (the trainer's: calibration steps none)."""
     torch.manual_seed(0)
     model = hf_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.1), capacity=64)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer else None
+    runtime = bsc.Runtime(model, sgd, capacity=64)
     result = calibrate(runtime, lengths=LENGTHS, repeats=1)
     fitted = result.cost_model
     assert result.world_size == 1 and result.shared_seconds is None

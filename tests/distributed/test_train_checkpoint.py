@@ -15,6 +15,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 import bytescale_compile as bsc
 from bytescale_compile.engine.optim import build_optimizer
 from bytescale_compile.engine.pipeline import pipeline_stage, stage_group
+from bytescale_compile.engine.protocol import next_token_labels
 from bytescale_compile.engine.stages import full_model_name
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.testing import run_distributed
@@ -36,7 +37,7 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         ids = torch.randint(0, 128, (2, 16), generator=g)
-        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+        labels = next_token_labels(ids)
         optimizer.zero_grad(set_to_none=True)
         model(input_ids=ids, shift_labels=labels).loss.backward()
         optimizer.step()

@@ -15,6 +15,7 @@ from bytescale_compile.engine import grad_buffer
 from bytescale_compile.engine.collectives import sync_gradients
 from bytescale_compile.engine.dist_optim import DistributedOptimizer
 from bytescale_compile.engine.optim import StepGuard, build_optimizer, param_groups
+from bytescale_compile.engine.protocol import num_targets, packed_row
 from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from tests.helpers import hf_llama, rel_err
@@ -47,18 +48,11 @@ def _reference(model: torch.nn.Module, steps: int) -> tuple[list[float], dict[st
     for step in range(steps):
         batch = _batch(step)
         grads = {n: torch.zeros_like(m) for n, m in master.items()}
-        num_items = torch.tensor(sum(len(s) - 1 for s in batch))
+        num_items = num_targets([len(s) for s in batch])
         total = 0.0
         for seq in batch:
-            labels = torch.cat([seq[1:], torch.tensor([-100])])[None]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = model(
-                    input_ids=seq[None],
-                    position_ids=torch.arange(len(seq))[None],
-                    labels=labels,
-                    shift_labels=labels,
-                    num_items_in_batch=num_items,
-                )
+                out = model(**packed_row(seq, [len(seq)], num_items=num_items).kwargs(labels=True))
             loss = out.loss.float()
             loss.backward()
             total += loss.item()

@@ -31,12 +31,12 @@ def _batch() -> list[torch.Tensor]:
     return [torch.randint(0, 128, (n,), generator=g) for n in LENGTHS]
 
 
-def _check_choice(stats: bsc.StepStats) -> None:
-    auto = stats.plan.meta["auto"]
+def _check_choice(stats: bsc.StepStats, runtime: bsc.Runtime) -> None:
+    auto = stats.plan.auto
     assert stats.strategy == "auto" and stats.plan.strategy in ("balance", "static")
-    assert stats.auto_choice == auto["chosen"] and stats.auto_choice in {c.name for c in CANDIDATES}
-    assert stats.auto_speedup == auto["speedup_over_static"] and stats.auto_speedup >= 1.0
-    assert stats.predicted_time == min(auto["step_time"].values())
+    assert stats.auto_choice == auto.chosen and stats.auto_choice in {c.name for c in CANDIDATES}
+    assert stats.auto_speedup == auto.speedup_over_static and stats.auto_speedup >= 1.0
+    assert runtime.predict(stats).time == min(auto.step_time.values())
 
 
 def _auto_worker(rank: int, world: int) -> None:
@@ -49,8 +49,8 @@ def _auto_worker(rank: int, world: int) -> None:
     assert abs(stats.loss - ref_loss) <= 1e-5 * abs(ref_loss), (stats.loss, ref_loss)
     for name, p in model.named_parameters():
         assert rel_err(p, ref_params[name]) <= 1e-5, f"auto rank {rank} {name}"
-    assert set(stats.plan.meta["auto"]["step_time"]) == {c.name for c in CANDIDATES}
-    _check_choice(stats)
+    assert set(stats.plan.auto.step_time) == {c.name for c in CANDIDATES}
+    _check_choice(stats, runtime)
 
 
 def test_auto_step_on_two_ranks_equals_single_process_step():
@@ -62,7 +62,7 @@ def test_auto_choice_reaches_metrics_and_the_predicted_time_is_the_simulators():
     model = tiny()
     runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="auto", capacity=128)
     stats = runtime.step(_batch())
-    _check_choice(stats)
+    _check_choice(stats, runtime)
     record = StepRecord.from_stats(stats, 0.1, runtime.cost_model)
     assert record.predicted_time == simulate(stats.plan, runtime.cost_model).step_time
     line = record.to_dict()
@@ -76,7 +76,7 @@ def test_auto_on_a_model_that_cannot_be_sharded_plans_the_one_unsharded_plan():
         bsc.optimize(model, attention=False), torch.optim.SGD(model.parameters(), lr=0.1), strategy="auto", capacity=128
     )
     step_plan = runtime.plan(np.array(LENGTHS))
-    assert "unsharded" in step_plan.meta and "auto" not in step_plan.meta
+    assert step_plan.shard_blockers and step_plan.auto is None
 
 
 def test_runtime_names_auto_among_its_strategies():

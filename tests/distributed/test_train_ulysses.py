@@ -69,7 +69,7 @@ def test_a_split_the_heads_cannot_take_is_refused_before_any_step():
     """u = 3 does not divide Llama's 4 heads: the Runtime refuses such a plan, naming them, before it runs."""
     model = build("llama")
     runtime = bsc.Runtime(model, torch.optim.SGD(model.parameters(), lr=0.1), capacity=40)
-    step_plan = plan([120, 7], 4, 40, runtime.cost_model)
+    step_plan = plan([120, 7], world_size=4, capacity=40, cost_model=runtime.cost_model)
     assert {len(mb.ranks) for mb in step_plan.micro_batches if mb.shared} == {3}, step_plan
     with pytest.raises(PlanError, match="Ulysses degree u=3 .* does not divide the model.s 4 query heads"):
         runtime.step(

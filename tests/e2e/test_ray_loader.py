@@ -16,10 +16,10 @@ import bytescale_compile as bsc
 from bytescale_compile.data import GlobalBatchSampler, TokenDataset
 from bytescale_compile.engine.runtime import BatchError
 from bytescale_compile.models.llama import tiny
-from bytescale_compile.planner import CostModel, PlanError, plan
+from bytescale_compile.planner import CostModel, PlanError, PlanRequest, plan
 from bytescale_compile.train import remote
 from bytescale_compile.train.__main__ import main
-from bytescale_compile.train.remote import DataServerError, PlanSettings, RemoteBatches, scheduler_for
+from bytescale_compile.train.remote import DataServerError, RemoteBatches, scheduler_for
 from tests.trainer_runs import (
     GLOBAL_TOKENS,
     MAX_LEN,
@@ -55,9 +55,9 @@ def _scheduler(
     dataset: TokenDataset, tmp_path, world_size: int, servers: int = 2, prefetch: int = 2, capacity: int = CAPACITY
 ):
     sampler = GlobalBatchSampler(dataset, GLOBAL_TOKENS, seed=0, max_len=MAX_LEN)
-    settings = PlanSettings(world_size, capacity, COST, "balance")
+    request = PlanRequest(world_size=world_size, capacity=capacity, cost_model=COST, strategy="balance")
     return scheduler_for(
-        tmp_path, dataset, servers, GLOBAL_TOKENS, 0, MAX_LEN, sampler.state_dict(), 1, settings, prefetch
+        tmp_path, dataset, servers, GLOBAL_TOKENS, 0, MAX_LEN, sampler.state_dict(), 1, request, prefetch
     )
 
 
@@ -80,7 +80,7 @@ def test_scheduler_plans_like_local_and_sends_each_rank_only_its_sequences(works
     ranks = [RemoteBatches(scheduler, rank, 1) for rank in (0, 1)]
     try:
         for batch in zip(range(3), GlobalBatchSampler(dataset, GLOBAL_TOKENS, seed=0, max_len=MAX_LEN)):
-            expected = plan(batch[1].lengths, 2, CAPACITY, COST, strategy="balance")
+            expected = plan(batch[1].lengths, world_size=2, capacity=CAPACITY, cost_model=COST, strategy="balance")
             for rank, steps in enumerate(ranks):
                 loaded = next(steps)
                 assert loaded.plan.to_json() == expected.to_json()

@@ -24,8 +24,8 @@ from bytescale_compile.kernels import dispatch
 from bytescale_compile.kernels.attention_flash import FlashWindow, flash_visible, flash_window
 from bytescale_compile.kernels.attention_ref import AttentionMask
 from bytescale_compile.models.llama import tiny
-from bytescale_compile.runtime.dist_attn import packed_ring_attention
 from bytescale_compile.runtime.layout import zigzag_layout
+from bytescale_compile.runtime.ring_attention import packed_ring_attention
 from tests.helpers import protocol_batch
 
 CUDA = torch.device("cuda", 0)

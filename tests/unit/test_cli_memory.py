@@ -15,8 +15,8 @@ import torch
 
 from bytescale_compile import cli
 from bytescale_compile.passes.report import CompileReport, GraphReport, SavedActivation
-from bytescale_compile.planner.cost_model import ModelShape
 from bytescale_compile.planner.memory import DEVICE_HEADROOM, FRAGMENTATION, SEGMENT_GRANULES_BYTES, format_bytes
+from bytescale_compile.planner.model_shape import ModelShape
 from bytescale_compile.train import memory
 
 pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
 """Token ids held against the model's vocabulary: a sample of every dataset before step 1 (train/preflight.py),
 every id a micro-batch reads while it is still on the host (engine/batch.py), and `data check --vocab-size/--model`
-over all of them (cli.py). A Megatron dataset declares no vocabulary, so `?vocab_size=N` can be wrong."""
+over all of them (cli/data.py). A Megatron dataset declares no vocabulary, so `?vocab_size=N` can be wrong."""
 
 from __future__ import annotations
 

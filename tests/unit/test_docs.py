@@ -1,7 +1,7 @@
 """The documentation's links: every relative link and image resolves to a file of the repository, every
 `#anchor` to a heading of its page, and nothing points outside the repository.
 
-Checked: README.md, docs/**/*.md, benchmarks/*.md and tests/README.md when present. Links inside code
+Checked: README.md, docs/**/*.md, benchmarks/**/*.md and tests/README.md when present. Links inside code
 (fenced blocks, `inline code`) are not links and are skipped. Fast: no torch import.
 """
 
@@ -28,7 +28,7 @@ _HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")
 
 
 def doc_files() -> list[Path]:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
     files += [p for p in [ROOT / "tests" / "README.md"] if p.exists()]
     return [p for p in files if p.exists()]
 

@@ -199,8 +199,8 @@ def test_reference_holds_no_fp32_grad_weight_of_a_bf16_weight(softcap):
     modes = {}
     for name, impl, grad_dtype in [
         ("slices", ref.linear_cross_entropy_vocab_slices, None),
-        ("chunks", ref.linear_cross_entropy_chunked, None),
-        ("chunks, fp32 grad_weight", ref.linear_cross_entropy_chunked, torch.float32),
+        ("chunks", ref.linear_cross_entropy_token_chunks, None),
+        ("chunks, fp32 grad_weight", ref.linear_cross_entropy_token_chunks, torch.float32),
     ]:
         with _Fp32AndMatmuls() as modes[name]:
             got = impl(*inputs, -100, "mean", True, cap, 1.0, softcap, grad_dtype=grad_dtype)
@@ -238,20 +238,20 @@ def _dispatch_runs(monkeypatch, impls: list[str]) -> None:
         return run
 
     for module, names in [
-        (ref, ["linear_cross_entropy_chunked", "linear_cross_entropy_vocab_slices"]),
-        (ce_triton, ["linear_cross_entropy_chunked_triton", "linear_cross_entropy_vocab_slices_triton"]),
+        (ref, ["linear_cross_entropy_token_chunks", "linear_cross_entropy_vocab_slices"]),
+        (ce_triton, ["linear_cross_entropy_token_chunks_triton", "linear_cross_entropy_vocab_slices_triton"]),
     ]:
         for name in names:
             monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
 
 
-@pytest.mark.parametrize(("n_tokens", "want"), [(T, "vocab_slices"), (150, "chunked")])
+@pytest.mark.parametrize(("n_tokens", "want"), [(T, "vocab_slices"), (150, "token_chunks")])
 def test_dispatch_follows_the_rule_and_matches_eager(monkeypatch, n_tokens, want):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     impls: list[str] = []
     _dispatch_runs(monkeypatch, impls)
     inputs = make_inputs(n_tokens=n_tokens)
-    got = dispatch.linear_cross_entropy_chunked(*inputs, -100, "mean", True, CAP, 0.7, 2.0)
+    got = dispatch.linear_cross_entropy(*inputs, -100, "mean", True, CAP, 0.7, 2.0)
     assert impls == [f"linear_cross_entropy_{want}"]
     assert_matches(got, eager(*inputs, -100, "mean", 0.7, 2.0), torch.float32)
 
@@ -264,7 +264,7 @@ def test_dispatch_exports_both_implementations(monkeypatch):
     want = eager(*inputs, -100, "sum")
     assert_matches(dispatch.linear_cross_entropy_token_chunks(*inputs, -100, "sum", True, CAP), want, torch.float32)
     assert_matches(dispatch.linear_cross_entropy_vocab_slices(*inputs, -100, "sum", True, CAP), want, torch.float32)
-    assert impls == ["linear_cross_entropy_chunked", "linear_cross_entropy_vocab_slices"]
+    assert impls == ["linear_cross_entropy_token_chunks", "linear_cross_entropy_vocab_slices"]
 
 
 # --- Triton, in the interpreter -------------------------------------------------------------------
@@ -331,12 +331,26 @@ def test_triton_out_of_range_target_raises():
 
 
 @needs_interpreter
-@pytest.mark.parametrize(("n_tokens", "want"), [(T, "vocab_slices_triton"), (150, "chunked_triton")])
+@pytest.mark.parametrize(("n_tokens", "want"), [(T, "vocab_slices_triton"), (150, "token_chunks_triton")])
 def test_triton_dispatch_follows_the_rule_and_matches_eager(monkeypatch, n_tokens, want):
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     impls: list[str] = []
     _dispatch_runs(monkeypatch, impls)
     inputs = make_inputs(n_tokens=n_tokens)
-    got = dispatch.linear_cross_entropy_chunked(*inputs, -100, "sum", True, CAP, 0.7, 2.0)
+    got = dispatch.linear_cross_entropy(*inputs, -100, "sum", True, CAP, 0.7, 2.0)
     assert impls == [f"linear_cross_entropy_{want}"]
     assert_matches(got, eager(*inputs, -100, "sum", 0.7, 2.0), torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        (ref, "linear_cross_entropy_chunked", "linear_cross_entropy_token_chunks"),
+        (ce_triton, "linear_cross_entropy_chunked_triton", "linear_cross_entropy_token_chunks_triton"),
+        (dispatch, "linear_cross_entropy_chunked", "linear_cross_entropy"),
+    ],
+)
+def test_the_former_loss_names_warn_and_resolve_to_the_new_ones(module, old, new):
+    """`linear_cross_entropy_chunked` named both the token chunks and the choice between them and the slices."""
+    with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.{old} moved to {module.__name__}\.{new};"):
+        assert getattr(module, old) is getattr(module, new)

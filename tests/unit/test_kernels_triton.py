@@ -28,12 +28,12 @@ from bytescale_compile.kernels import attention_ref as ref
 from bytescale_compile.kernels import attention_triton as attn_triton
 from bytescale_compile.kernels import cross_entropy_triton as ce_triton
 from bytescale_compile.kernels import dispatch
-from bytescale_compile.kernels.cross_entropy_ref import linear_cross_entropy_chunked
+from bytescale_compile.kernels.cross_entropy_ref import linear_cross_entropy_token_chunks
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.passes.report import CompileReport
 from bytescale_compile.runtime.context import micro_batch
-from bytescale_compile.runtime.dist_attn import packed_ring_attention
 from bytescale_compile.runtime.layout import zigzag_layout
+from bytescale_compile.runtime.ring_attention import packed_ring_attention
 from tests.helpers import loss_and_grads, protocol_batch, rel_err
 
 IN_INTERPRETER = attn_triton.INTERPRETED and ce_triton.INTERPRETED
@@ -183,8 +183,8 @@ def test_linear_cross_entropy_matches_reference(dtype, reduction, with_bias, chu
     target = torch.randint(0, 70, (21,), generator=g)
     target[::4] = -100
     args = (hidden, weight, bias, target, -100, reduction, True, chunk * 70 * dtype.itemsize, scale, softcap)
-    got = ce_triton.linear_cross_entropy_chunked_triton(*args)
-    want = linear_cross_entropy_chunked(*args)
+    got = ce_triton.linear_cross_entropy_token_chunks_triton(*args)
+    want = linear_cross_entropy_token_chunks(*args)
     for name, a, b in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), got, want):
         if b is None:
             assert a is None
@@ -198,7 +198,7 @@ def test_linear_cross_entropy_all_ignored(reduction):
     """Like the reference (and eager): sum gives 0, mean gives nan; gradients are zero either way."""
     hidden, weight = torch.randn(5, 8), torch.randn(30, 8)
     target = torch.full((5,), -100)
-    loss, gh, gw, _ = ce_triton.linear_cross_entropy_chunked_triton(
+    loss, gh, gw, _ = ce_triton.linear_cross_entropy_token_chunks_triton(
         hidden, weight, None, target, -100, reduction, True, 2 * 30 * 4
     )
     assert loss.isnan() if reduction == "mean" else loss == 0
@@ -218,8 +218,8 @@ def test_linear_cross_entropy_fp32_grad_weight_of_fp16_inputs(reduction):
     target[::5] = -100
     half = [x.half() for x in (hidden, weight, bias)]
     args = (*half, target, -100, reduction, True, 8 * 60 * 2)
-    got = ce_triton.linear_cross_entropy_chunked_triton(*args, grad_dtype=torch.float32)
-    want = linear_cross_entropy_chunked(*args, grad_dtype=torch.float32)
+    got = ce_triton.linear_cross_entropy_token_chunks_triton(*args, grad_dtype=torch.float32)
+    want = linear_cross_entropy_token_chunks(*args, grad_dtype=torch.float32)
     assert [x.dtype for x in got] == [torch.float32, torch.float16, torch.float32, torch.float32]
     for name, a, b in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), got, want):
         _close(a, b, 1e-5 if name == "loss" else TOL[torch.float16], name)
@@ -240,7 +240,7 @@ def test_linear_cross_entropy_z_loss_matches_torch():
     lse = logits.logsumexp(dim=1)
     want = F.cross_entropy(logits, target, reduction="mean") + 1e-3 * (lse[valid] ** 2).mean()
     want.backward()
-    loss, gh, gw, _ = ce_triton.linear_cross_entropy_chunked_triton(
+    loss, gh, gw, _ = ce_triton.linear_cross_entropy_token_chunks_triton(
         hidden.detach(), weight.detach(), None, target, -100, "mean", True, 5 * 40 * 4, z_loss_weight=1e-3
     )
     _close(loss, want.detach(), 1e-6, "loss")
@@ -544,7 +544,7 @@ def test_interior_blocks_are_exactly_the_fully_visible_ones(fwd):
 
 @needs_interpreter
 def test_ring_of_one_rank_runs_triton_blocks(monkeypatch, triton_loads):
-    """dist_attn goes through dispatch: packed ring attention (diagonal and full blocks) on Triton = reference."""
+    """ring_attention goes through dispatch: packed ring attention (diagonal and full blocks) on Triton = reference."""
     layout = zigzag_layout([9, 1, 14], 1)
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(24, h, 16, generator=g) for h in (4, 2, 2))

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bytescale_compile.kernels.cross_entropy_ref import (
     CPU_CHUNK_BUDGET_BYTES,
     chunk_rows,
-    linear_cross_entropy_chunked,
+    linear_cross_entropy_token_chunks,
     logit_bytes,
 )
 from bytescale_compile.ops.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_op
@@ -270,7 +270,7 @@ def test_bf16_matmuls_run_in_bf16_and_write_grad_weight_in_place_per_chunk() -> 
     is bf16 and written by one in-place addmm per chunk (beta 0 for the first); the result stays close to fp32."""
     hidden, weight, bias, target = make_inputs((40,), bias=True, dtype=torch.bfloat16)
     with _MatmulDtypes() as mode:
-        loss, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_chunked(
+        loss, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_token_chunks(
             hidden.detach(), weight.detach(), bias.detach(), target, -100, "mean", True, rows_cap(8, torch.bfloat16)
         )
     operands = {dtype for call in mode.seen for dtype in call[-2:]}
@@ -288,13 +288,13 @@ def test_fp32_grad_weight_on_request(dtype: torch.dtype) -> None:
     """grad_dtype=torch.float32 writes grad_weight and grad_bias in fp32 (of a bf16 weight too), same values."""
     hidden, weight, bias, target = (x.detach() if x.is_floating_point() else x for x in make_inputs((40,), True, dtype))
     args = (hidden, weight, bias, target, -100, "sum", True, rows_cap(8, dtype))
-    own = linear_cross_entropy_chunked(*args)
-    fp32 = linear_cross_entropy_chunked(*args, grad_dtype=torch.float32)
+    own = linear_cross_entropy_token_chunks(*args)
+    fp32 = linear_cross_entropy_token_chunks(*args, grad_dtype=torch.float32)
     assert [g.dtype for g in fp32[2:]] == [torch.float32] * 2 and fp32[1].dtype == dtype
     for a, b in zip(fp32, own):
         assert rel_err(a.float(), b.float()) <= (1e-2 if dtype == torch.bfloat16 else 0.0)
     with pytest.raises(ValueError, match="grad_dtype"):
-        linear_cross_entropy_chunked(*args, grad_dtype=torch.float16)
+        linear_cross_entropy_token_chunks(*args, grad_dtype=torch.float16)
 
 
 def test_backward_scales_the_saved_gradients_in_place_once() -> None:
@@ -324,7 +324,7 @@ def test_loss_runs_without_a_host_sync_off_the_cpu() -> None:
     weight = torch.empty(1000, 64, dtype=torch.bfloat16, device="meta")
     target = torch.empty(300, dtype=torch.long, device="meta")
     for grad_dtype in (None, torch.float32):
-        loss, grad_hidden, grad_weight, _ = linear_cross_entropy_chunked(
+        loss, grad_hidden, grad_weight, _ = linear_cross_entropy_token_chunks(
             hidden, weight, None, target, -100, "mean", True, 128 * 1000 * 6, grad_dtype=grad_dtype
         )
         assert loss.dtype == torch.float32 and grad_hidden.shape == hidden.shape
@@ -378,7 +378,7 @@ def test_cuda_bf16_chunks_match_the_fp32_loss_without_a_host_sync(grad_dtype):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, grad_h, grad_w, _ = dispatch.linear_cross_entropy_chunked(
+        loss, grad_h, grad_w, _ = dispatch.linear_cross_entropy(
             h, w, None, target, -100, "mean", True, cap, 1.0, None, grad_dtype=grad_dtype
         )
     finally:

@@ -1,4 +1,4 @@
-"""Issue 19: every attention site of 33 more Hugging Face architectures is accounted for.
+"""Every attention site of 33 more Hugging Face architectures is accounted for.
 
 Each layer's attention is either rewritten into `bytescale::attention` (with its sliding window, where the
 model has one) or left alone with a reason that names what the model does (attention sinks, ALiBi, chunked

@@ -58,16 +58,24 @@ def _check_shared_order(plan: Plan) -> None:
         assert [i for i in a if i in both] == [i for i in b if i in both]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(batch=_batches(), offload=st.booleans(), delta=st.sampled_from([None, 0.0, 1.0]))
 def test_balance_keeps_its_invariants(batch, offload, delta):
     lengths, world, capacity, pp = batch
-    plan = plan_balance(np.array(lengths, dtype=np.int64), world, capacity, COST, pp, delta=delta, offload=offload)
-    assert plan.meta["balance"] == ("pp" if pp > 1 else "dp")
+    plan = plan_balance(
+        np.array(lengths, dtype=np.int64),
+        world_size=world,
+        capacity=capacity,
+        cost_model=COST,
+        pp_size=pp,
+        delta=delta,
+        offload=offload,
+    )
+    assert plan.balance.mode == ("pp" if pp > 1 else "dp")
     _check_invariants(plan, lengths)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(
     dataset=st.sampled_from(["byted", "github"]),
     seed=st.integers(0, 2**16),
@@ -80,5 +88,5 @@ def test_balance_keeps_its_invariants_on_skewed_batches(dataset, seed, world, ca
     """Byted-like and GitHub-like batches: a few sequences over many ranks, offloaded, chained, and gaps
     before chains with time left for more than one packed micro-batch."""
     lengths = sample_global_batch(dataset, 512 * K, seed=seed, max_len=min(world * capacity, 256 * K))
-    plan = plan_balance(lengths, world, capacity, COST, pp)
+    plan = plan_balance(lengths, world_size=world, capacity=capacity, cost_model=COST, pp_size=pp)
     _check_invariants(plan, lengths.tolist())

@@ -34,14 +34,22 @@ def _plan(lens, case, **changes):
     strategy, cost, world, capacity, pp, context, blocker = case
     settings = {"world_size": world, "capacity": capacity, "context_length": context, **changes}
     return plan(
-        lens, cost_model=cost, strategy=strategy, pp_size=pp, shard_blocker=blocker, step_time=step_time, **settings
+        lens,
+        cost_model=cost,
+        strategy=strategy,
+        pp_size=pp,
+        shard_blockers=(blocker,) if blocker else (),
+        step_time=step_time,
+        **settings,
     )
 
 
 def _limit(lens, case, **changes):
     strategy, cost, world, capacity, pp, context, blocker = case
     settings = {"world_size": world, "capacity": capacity, "context_length": context, **changes}
-    return length_limit(lens, cost_model=cost, strategy=strategy, pp_size=pp, shard_blocker=blocker, **settings)
+    return length_limit(
+        lens, cost_model=cost, strategy=strategy, pp_size=pp, shard_blockers=(blocker,) if blocker else (), **settings
+    )
 
 
 def _lengths(case) -> np.ndarray:
@@ -113,7 +121,9 @@ def test_a_gap_below_the_longest_shows_in_max_len_and_the_reason():
 
 def test_enough_capacity_is_the_least_though_a_larger_one_can_hold_less():
     """Eq. 2 offloads only where that frees a whole rank, which a larger capacity can undo."""
-    limit = length_limit(np.array([3000, 4800, 5000]), 2, 1024, COST, "balance", pp_size=4)
+    limit = length_limit(
+        np.array([3000, 4800, 5000]), world_size=2, capacity=1024, cost_model=COST, strategy="balance", pp_size=4
+    )
     assert limit.too_long.tolist() == [1, 2]
     over = np.array([4800, 5000])
     holds = [(COST.ranks_and_ratio(over, c, 8)[0] <= 2).all() for c in range(1025, 5001)]
@@ -122,7 +132,7 @@ def test_enough_capacity_is_the_least_though_a_larger_one_can_hold_less():
 
 
 def test_two_tiny_ranks_and_one_long_sequence():
-    limit = length_limit(np.array([8192]), 2, 1024, TINY, "balance")
+    limit = length_limit(np.array([8192]), world_size=2, capacity=1024, cost_model=TINY, strategy="balance")
     assert limit.too_long.tolist() == [0]
     assert (limit.longest, limit.max_len, limit.enough_capacity, limit.enough_ranks) == (2048, 2048, 4096, 8)
     assert limit.reason == (
@@ -132,13 +142,16 @@ def test_two_tiny_ranks_and_one_long_sequence():
 
 
 def test_nothing_too_long_suggests_nothing():
-    limit = length_limit(np.array([10, 2048]), 2, 1024, TINY, "balance")
+    limit = length_limit(np.array([10, 2048]), world_size=2, capacity=1024, cost_model=TINY, strategy="balance")
     assert limit.too_long.size == 0 and limit.reason == "" and limit.enough_capacity is limit.enough_ranks is None
 
 
 def test_a_million_lengths():
     lens = np.random.default_rng(0).integers(1, 2_000_000, 10**6)
-    limits = {s: length_limit(lens, 2, 1024, COST, s, pp_size=4) for s in ("balance", "static", "auto")}
+    limits = {
+        s: length_limit(lens, world_size=2, capacity=1024, cost_model=COST, strategy=s, pp_size=4)
+        for s in ("balance", "static", "auto")
+    }
     for limit in limits.values():
         assert lens[limit.too_long].min() > limit.max_len
     assert np.array_equal(limits["auto"].too_long, limits["balance"].too_long)
@@ -146,8 +159,8 @@ def test_a_million_lengths():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="strategy must be one of"):
-        length_limit([5], 4, 1024, COST, "fastest")
+        length_limit([5], world_size=4, capacity=1024, cost_model=COST, strategy="fastest")
     with pytest.raises(ValueError, match="pp_size"):
-        length_limit([5], 4, 1024, COST, "balance", pp_size=0)
+        length_limit([5], world_size=4, capacity=1024, cost_model=COST, strategy="balance", pp_size=0)
     with pytest.raises(ValueError, match="positive"):
-        length_limit([5, 0], 4, 1024, COST, "balance")
+        length_limit([5, 0], world_size=4, capacity=1024, cost_model=COST, strategy="balance")

@@ -7,8 +7,7 @@ from torch import nn
 import bytescale_compile as bsc
 from bytescale_compile.engine.runtime import default_cost_model
 from bytescale_compile.models.llama import LlamaConfig, LlamaForCausalLM
-from bytescale_compile.planner.cost_model import ModelShape
-from bytescale_compile.planner.model_shape import ModelConfigError, model_shape, shape_from_config
+from bytescale_compile.planner.model_shape import ModelConfigError, ModelShape, model_shape, shape_from_config
 
 transformers = pytest.importorskip("transformers")
 

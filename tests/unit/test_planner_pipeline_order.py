@@ -160,7 +160,7 @@ def test_validate_rejects_exactly_the_plans_that_deadlock_and_those_disagree_on_
 @pytest.mark.parametrize("seed,world", [(2, 16), (0, 4)])
 def test_planner_pipeline_plans_validate_and_run(strategy, pp, seed, world):
     lens = sample_global_batch("github", 2**18 if world == 4 else 1_000_000, seed=seed, max_len=64 * 1024)
-    piped = plan(lens, world, CAPACITY * pp, COST, strategy=strategy, pp_size=pp)
+    piped = plan(lens, world_size=world, capacity=CAPACITY * pp, cost_model=COST, strategy=strategy, pp_size=pp)
     piped.validate()
     assert _runs_to_completion(piped)
 
@@ -169,7 +169,9 @@ def test_static_rows_are_chained_so_its_pipelines_run_plain_1f1b():
     """A CP group's pipelines run the same rows in the same order: every row but the first follows the same
     row of the same ranks on all of them, so none waits for the previous one's backward."""
     lens = sample_global_batch("github", 2**20, seed=0, max_len=64 * 1024)
-    static = plan(lens, 8, CAPACITY, COST, strategy="static", pp_size=4, context_length=64 * 1024)
+    static = plan(
+        lens, world_size=8, capacity=CAPACITY, cost_model=COST, strategy="static", pp_size=4, context_length=64 * 1024
+    )
     shared = [m.id for m in static.micro_batches if m.shared]
     firsts = {ids[0] for ids in static.schedule if ids}
     assert shared and chained_micro_batches(static) == set(shared) - firsts

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from bytescale_compile.planner.plan import MicroBatch, Plan, PlanError, local_tokens, split_tokens
+from bytescale_compile.planner.plan import (
+    AutoChoice,
+    BalanceSettings,
+    MicroBatch,
+    Plan,
+    PlanError,
+    StaticMesh,
+    local_tokens,
+    split_tokens,
+)
 
 
 def _plan(ulysses: int, ranks: int = 4, lens: tuple[int, ...] = (1000,)) -> Plan:
@@ -65,3 +75,32 @@ def test_validate_refuses_a_bad_degree_and_a_wrong_token_count():
     plan.micro_batches[0] = MicroBatch(mb.id, mb.ranks, mb.sequences, 0.0, local_tokens([1000], 4) + 5, 1.0, 2)
     with pytest.raises(PlanError, match="tokens_per_rank"):
         plan.validate()
+
+
+def test_how_a_plan_was_planned_round_trips_through_json():
+    plan = dataclasses.replace(
+        _plan(ulysses=2),
+        sp="ulysses",
+        offload=True,
+        balance=BalanceSettings(delta=0.5, buckets=16, mode="pp"),
+        shard_blockers=("a", "b"),
+        auto=AutoChoice("balance", {"balance": 1.0, "static": 2.0}, 2.0, 1.5),
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+    static = dataclasses.replace(_plan(ulysses=1), mesh=StaticMesh(cp=4, dp=1, context_length=1000))
+    assert Plan.from_json(static.to_json()) == static
+
+
+def test_plans_written_with_a_meta_dict_load_into_the_typed_fields():
+    data = json.loads(_plan(ulysses=1).to_json())
+    for key in ("sp", "offload", "balance", "mesh", "shard_blockers", "auto"):
+        del data[key]
+    auto = {"chosen": "static", "step_time": {"static": 1.0}, "speedup_over_static": 1.0, "speedup_over_runner_up": 1.0}
+    old = {"sp": "ring", "offload": False, "delta": 0.25, "buckets": 8, "balance": "dp", "auto": auto}
+    back = Plan.from_json(json.dumps({**data, "meta": old}))
+    assert (back.sp, back.offload, back.balance) == ("ring", False, BalanceSettings(delta=0.25, buckets=8, mode="dp"))
+    assert back.auto == AutoChoice(**auto) and back.mesh is None and back.shard_blockers == ()
+    static = Plan.from_json(json.dumps({**data, "meta": {"cp": 4, "dp": 1, "context_length": 900}}))
+    assert static.mesh == StaticMesh(cp=4, dp=1, context_length=900) and static.sp == "auto"
+    unsharded = Plan.from_json(json.dumps({**data, "meta": {"unsharded": "attention pass disabled"}}))
+    assert unsharded.shard_blockers == ("attention pass disabled",)

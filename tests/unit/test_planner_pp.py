@@ -37,7 +37,10 @@ PP1_PLANS = {
 @pytest.mark.parametrize("dataset,seed", list(PP1_PLANS))
 def test_pp1_balance_plans_are_unchanged(dataset, seed):
     lens = sample_global_batch(dataset, 2 * 2**20, seed=seed, max_len=128 * K)
-    assert _digest(plan(lens, 16, 8 * K, COST, strategy="balance")) == PP1_PLANS[dataset, seed]
+    assert (
+        _digest(plan(lens, world_size=16, capacity=8 * K, cost_model=COST, strategy="balance"))
+        == PP1_PLANS[dataset, seed]
+    )
 
 
 @pytest.mark.parametrize("dataset", ["github", "byted"])
@@ -45,7 +48,17 @@ def test_pp4_auto_is_never_slower_than_balance_or_static(dataset):
     lens = sample_global_batch(dataset, 2 * 2**20, seed=0, max_len=128 * K)
     steps = {
         s: step_time(
-            plan(lens, 16, 32 * K, COST, strategy=s, pp_size=4, context_length=128 * K, step_time=step_time), COST
+            plan(
+                lens,
+                world_size=16,
+                capacity=32 * K,
+                cost_model=COST,
+                strategy=s,
+                pp_size=4,
+                context_length=128 * K,
+                step_time=step_time,
+            ),
+            COST,
         )
         for s in ("balance", "static", "auto")
     }
@@ -55,7 +68,7 @@ def test_pp4_auto_is_never_slower_than_balance_or_static(dataset):
 def test_pp4_balance_caps_micro_batches_below_the_balanced_time():
     """No pipeline runs one micro-batch that alone would be most of its step (Insight 1)."""
     lens = sample_global_batch("github", 2 * 2**20, seed=0, max_len=128 * K)
-    piped = plan(lens, 16, 32 * K, COST, strategy="balance", pp_size=4)
+    piped = plan(lens, world_size=16, capacity=32 * K, cost_model=COST, strategy="balance", pp_size=4)
     balanced = float(COST.seq_time(lens).sum()) / 16
     assert max(m.est_time for m in piped.micro_batches) <= balanced / 4
 
@@ -72,7 +85,7 @@ def test_sends_between_stages_are_charged_per_micro_batch_and_boundary():
 def test_simulator_charges_activation_sends_only_with_pipelines(cost):
     assert boundary_bytes_per_token(cost) == 2 * 4096  # LLaMA-7B's hidden size, bf16
     lens = sample_global_batch("github", 2**21, seed=2, max_len=64 * K)
-    piped = plan(lens, 8, 32 * K, cost, strategy="balance", pp_size=4)
+    piped = plan(lens, world_size=8, capacity=32 * K, cost_model=cost, strategy="balance", pp_size=4)
     sends = pipeline_sends(piped, cost, 0)
     tokens = [m.tokens_per_rank for m in piped.micro_batches_of(0)]
     assert len(sends) == len(tokens) and all(len(row) == 3 for row in sends)
@@ -81,7 +94,7 @@ def test_simulator_charges_activation_sends_only_with_pipelines(cost):
     assert sends[0][0] == pytest.approx(tokens[0] * 8192 / bandwidth + cost.latency)
     assert step_time(piped, cost) > step_time(piped, cost, sends=False)
     assert bubble_rates(piped, cost)[0] > bubble_rates(piped, cost, sends=False)[0]
-    flat = plan(lens, 8, 8 * K, cost, strategy="balance")
+    flat = plan(lens, world_size=8, capacity=8 * K, cost_model=cost, strategy="balance")
     assert step_time(flat, cost) == step_time(flat, cost, sends=False)
 
 
@@ -89,11 +102,18 @@ def test_simulator_charges_activation_sends_only_with_pipelines(cost):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_auto_picks_what_a_full_search_over_the_candidates_picks(seed, pp):
     lens = sample_global_batch("byted", 2 * 2**20, seed=seed, max_len=128 * K)
-    chosen = plan(lens, 16, 8 * K * pp, L20_COST, strategy="auto", pp_size=pp, step_time=step_time)
-    steps = {c.name: step_time(c.build(lens, 16, 8 * K * pp, L20_COST, pp, None), L20_COST) for c in CANDIDATES}
+    chosen = plan(
+        lens, world_size=16, capacity=8 * K * pp, cost_model=L20_COST, strategy="auto", pp_size=pp, step_time=step_time
+    )
+    steps = {
+        c.name: step_time(c.build(lens, world_size=16, capacity=8 * K * pp, cost_model=L20_COST, pp_size=pp), L20_COST)
+        for c in CANDIDATES
+    }
     best = min(steps, key=steps.__getitem__)
-    assert chosen.meta["auto"]["chosen"] == best
-    assert chosen.meta["auto"]["step_time"] == pytest.approx(steps)
+    assert chosen.auto.chosen == best
+    assert chosen.auto.step_time == pytest.approx(steps)
     assert _digest(chosen) == _digest(
-        next(c for c in CANDIDATES if c.name == best).build(lens, 16, 8 * K * pp, L20_COST, pp, None)
+        next(c for c in CANDIDATES if c.name == best).build(
+            lens, world_size=16, capacity=8 * K * pp, cost_model=L20_COST, pp_size=pp
+        )
     )

@@ -23,7 +23,7 @@ def _github(seed: int = 0) -> np.ndarray:
 def test_shared_micro_batches_chain_at_pp2():
     """Most shared micro-batches follow one of the same ranks on all their pipelines (before chains: 13 of 93
     in benchmarks/planner.py section 5)."""
-    piped = plan(_github(), 16, 16 * K, COST, strategy="balance", pp_size=2)
+    piped = plan(_github(), world_size=16, capacity=16 * K, cost_model=COST, strategy="balance", pp_size=2)
     shared = [m.id for m in piped.micro_batches if m.shared]
     chained = chained_micro_batches(piped)
     assert len(shared) >= 8 and len(chained) >= len(shared) // 2
@@ -35,7 +35,18 @@ def test_balance_is_no_slower_than_static(dataset, pp):
     """Static's CP rows chain; balance's chains let it keep its lead (it was 1.5-2.7x slower without them)."""
     lens = sample_global_batch(dataset, 2 * 2**20, seed=0, max_len=128 * K)
     steps = {
-        s: step_time(plan(lens, 16, 8 * K * pp, COST, strategy=s, pp_size=pp, context_length=128 * K), COST)
+        s: step_time(
+            plan(
+                lens,
+                world_size=16,
+                capacity=8 * K * pp,
+                cost_model=COST,
+                strategy=s,
+                pp_size=pp,
+                context_length=128 * K,
+            ),
+            COST,
+        )
         for s in ("balance", "static")
     }
     assert steps["balance"] <= steps["static"]
@@ -54,7 +65,14 @@ def test_random_batches_give_valid_plans_that_simulate(pp, world):
     rng = np.random.default_rng(world * 10 + pp)
     capacity = 4 * K * pp
     for _ in range(6):
-        piped = plan(_random_batch(rng, capacity), world, capacity, COST, strategy="balance", pp_size=pp)
+        piped = plan(
+            _random_batch(rng, capacity),
+            world_size=world,
+            capacity=capacity,
+            cost_model=COST,
+            strategy="balance",
+            pp_size=pp,
+        )
         piped.validate()  # every pipeline runs the shared micro-batches in one order: no deadlock
         assert step_time(piped, COST) > 0  # the simulator runs the same 1F1B order to the end
 
@@ -62,7 +80,7 @@ def test_random_batches_give_valid_plans_that_simulate(pp, world):
 def test_spread_groups_tile_the_ranks():
     """Sequences spread past the ranks that hold them get a divisor of the world size: no ranks left over."""
     lens = sample_global_batch("github", 8 * 2**20, seed=0, max_len=128 * K)
-    piped = plan(lens, 32, 32 * K, COST, strategy="balance", pp_size=4)
+    piped = plan(lens, world_size=32, capacity=32 * K, cost_model=COST, strategy="balance", pp_size=4)
     widths = {len(m.ranks) for m in piped.micro_batches if max(piped.sequences[s] for s in m.sequences) == 128 * K}
     assert widths and all(32 % w == 0 for w in widths)
 
@@ -71,7 +89,7 @@ def test_pipelines_with_shorter_micro_batches_get_more():
     """Insight 1: pipelines of short (spread) micro-batches run more of them than those of full packed ones."""
     rng = np.random.default_rng(0)
     lens = np.concatenate([[64 * K] * 4, rng.integers(K, 8 * K, 600)])
-    piped = plan(lens, 16, 32 * K, COST, strategy="balance", pp_size=4)
+    piped = plan(lens, world_size=16, capacity=32 * K, cost_model=COST, strategy="balance", pp_size=4)
     by_id = {m.id: m for m in piped.micro_batches}
     mean = [np.mean([by_id[i].est_time for i in ids]) for ids in piped.schedule]
     count = [len(ids) for ids in piped.schedule]
@@ -80,7 +98,7 @@ def test_pipelines_with_shorter_micro_batches_get_more():
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_unbalanced_deal_keeps_the_micro_batches_and_is_valid(pp):
-    balanced = plan(_github(1), 16, 8 * K * pp, COST, strategy="balance", pp_size=pp)
+    balanced = plan(_github(1), world_size=16, capacity=8 * K * pp, cost_model=COST, strategy="balance", pp_size=pp)
     dealt = deal_unbalanced(balanced)
     dealt.validate()
     before = {m.id: m for m in balanced.micro_batches}

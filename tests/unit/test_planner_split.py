@@ -42,7 +42,7 @@ def _times(cost_model: CostModel, ranks: tuple[int, ...] = tuple(range(8))) -> d
 
 def _shared(cost_model: CostModel, sp: str = "auto", world_size: int = 8):
     """The one shared micro-batch of a static plan of SEQ over `world_size` ranks of SEQ / 8 tokens."""
-    result = plan([SEQ], world_size, SEQ // 8, cost_model, strategy="static", sp=sp)
+    result = plan([SEQ], world_size=world_size, capacity=SEQ // 8, cost_model=cost_model, strategy="static", sp=sp)
     result.validate(heads=cost_model.heads, kv_heads=cost_model.kv_heads)
     (mb,) = result.micro_batches
     assert len(mb.ranks) == 8
@@ -96,16 +96,16 @@ def test_sp_forces_the_choice():
     fast = CostModel.analytic(MHA, _hardware(450e9))
     assert _shared(fast, sp="ulysses").ulysses == 8  # forced even where the ring is faster
     with pytest.raises(ValueError, match="sp must be one of"):
-        plan([SEQ], 8, SEQ // 8, cm, strategy="static", sp="tree")
+        plan([SEQ], world_size=8, capacity=SEQ // 8, cost_model=cm, strategy="static", sp="tree")
 
 
 def test_default_is_auto_and_the_ring_plan_is_the_planner_before_the_split():
     cm = CostModel.analytic(MHA, _hardware(10e9))
-    default = plan([SEQ, 300, 200], 8, SEQ // 8, cm, strategy="balance")
-    auto = plan([SEQ, 300, 200], 8, SEQ // 8, cm, strategy="balance", sp="auto")
-    ring = plan([SEQ, 300, 200], 8, SEQ // 8, cm, strategy="balance", sp="ring")
-    assert default == auto and "sp" not in default.meta
-    assert all(m.ulysses == 1 for m in ring.micro_batches) and ring.meta["sp"] == "ring"
+    default = plan([SEQ, 300, 200], world_size=8, capacity=SEQ // 8, cost_model=cm, strategy="balance")
+    auto = plan([SEQ, 300, 200], world_size=8, capacity=SEQ // 8, cost_model=cm, strategy="balance", sp="auto")
+    ring = plan([SEQ, 300, 200], world_size=8, capacity=SEQ // 8, cost_model=cm, strategy="balance", sp="ring")
+    assert default == auto and default.sp == "auto"
+    assert all(m.ulysses == 1 for m in ring.micro_batches) and ring.sp == "ring"
 
 
 @pytest.mark.parametrize("strategy", ["balance", "naive", "static"])
@@ -113,7 +113,7 @@ def test_every_planner_splits_by_the_cost_model(strategy):
     """Balance and naive choose their ranks first (the least loaded), then the split on those ranks."""
     cm = CostModel.analytic(MHA, _hardware(10e9))
     lens = [SEQ, 40000, 3000, 2000, 1000]
-    result = plan(lens, 8, SEQ // 8, cm, strategy=strategy, sp="auto")
+    result = plan(lens, world_size=8, capacity=SEQ // 8, cost_model=cm, strategy=strategy, sp="auto")
     result.validate(heads=16, kv_heads=16)
     for m in result.micro_batches:
         u, seconds = choose_split(cm, np.array([lens[i] for i in m.sequences]), m.ranks, m.offload_ratio)
@@ -123,9 +123,9 @@ def test_every_planner_splits_by_the_cost_model(strategy):
 
 def test_no_split_without_heads_or_with_mixers():
     cm = CostModel.analytic(MHA, _hardware(10e9))
-    assert allowed_ulysses(dataclasses.replace(cm, heads=None, kv_heads=None), tuple(range(8))) == [1]
-    assert allowed_ulysses(dataclasses.replace(cm, mixer_layers=1, mixer_state_bytes=1.0), tuple(range(8))) == [1]
-    assert allowed_ulysses(dataclasses.replace(cm, heads=12, kv_heads=4), tuple(range(8))) == [1, 2, 4]
+    assert allowed_ulysses(cm.replace(heads=None, kv_heads=None), tuple(range(8))) == [1]
+    assert allowed_ulysses(cm.replace(mixer_layers=1, mixer_state_bytes=1.0), tuple(range(8))) == [1]
+    assert allowed_ulysses(cm.replace(heads=12, kv_heads=4), tuple(range(8))) == [1, 2, 4]
     assert allowed_ulysses(cm, (3,)) == [1]
 
 
@@ -133,15 +133,15 @@ def test_under_tensor_parallelism_u_splits_each_devices_heads():
     """TP 4 leaves each device 4 of the 16 query heads: u divides those. An MQA model's one K/V head then goes
     to every member of every device's all-to-all, so the TP group moves more K/V than one device of 16 heads."""
     cm = CostModel.analytic(MQA, _hardware(10e9))
-    tp = dataclasses.replace(cm, head_shards=4)
+    tp = cm.replace(tp_size=4)
     assert (cm.device_heads, tp.device_heads) == ((16, 1), (4, 1))
     assert allowed_ulysses(tp, tuple(range(8))) == [1, 2, 4]
     assert tp.ulysses_bytes(1024, 4) > cm.ulysses_bytes(1024, 4)
     assert _shared(tp, sp="ulysses").ulysses == 4
     mha = CostModel.analytic(MHA, _hardware(10e9))  # K/V heads divide evenly: the same bytes as without TP
-    assert dataclasses.replace(mha, head_shards=4).ulysses_bytes(1024, 4) == mha.ulysses_bytes(1024, 4)
+    assert mha.replace(tp_size=4).ulysses_bytes(1024, 4) == mha.ulysses_bytes(1024, 4)
     with pytest.raises(ValueError, match="16 query heads cannot be split over 3 tensor-parallel devices"):
-        dataclasses.replace(cm, head_shards=3)
+        cm.replace(tp_size=3)
 
 
 def test_cli_plan_and_simulate_take_sp(capsys):
@@ -153,7 +153,7 @@ def test_cli_plan_and_simulate_take_sp(capsys):
     assert main([*args, "--sp", "ulysses", "--json"]) == 0
     forced = Plan.from_json(capsys.readouterr().out)
     forced.validate(heads=32, kv_heads=8)  # llama-7b
-    assert forced.meta["sp"] == "ulysses" and all(m.ulysses == 8 for m in forced.micro_batches if len(m.ranks) >= 8)
+    assert forced.sp == "ulysses" and all(m.ulysses == 8 for m in forced.micro_batches if len(m.ranks) >= 8)
     assert main([*args, "--sp", "ring"]) == 0
     assert "shared splits u x r (--sp ring): 1x32 100%" in capsys.readouterr().out
     assert main(["simulate", *common, "--strategies", "static", "--context", "256K", "--sp", "auto"]) == 0

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from bytescale_compile.planner import CostModel, plan
-from bytescale_compile.planner.common import PlanBuilder
-from bytescale_compile.planner.cost_model import EXPRS, STEP_TERMS, Hardware
+from bytescale_compile.planner.builder import PlanBuilder
+from bytescale_compile.planner.cost_model import STEP_TERMS, StepTerms
+from bytescale_compile.planner.equations import EXPRS
+from bytescale_compile.planner.hardware import Hardware
 from bytescale_compile.planner.profiler import (
     OptimizerPoint,
     StepFit,
@@ -27,7 +29,7 @@ from bytescale_compile.sim.simulator import simulate, step_time
 from bytescale_compile.train.profiling import step_shapes
 
 COEFFS = dict(alpha1=1e-9, beta1=1e-6, gamma=1e-3, beta_head=2e-6, beta_embed=1e-7, delta=5e-3, omega=1e-12, sigma=2e-3)
-MODEL = CostModel(
+MODEL = CostModel.from_terms(
     alpha2=10.0,
     beta2=0.0,
     layers=2,
@@ -68,7 +70,7 @@ def test_the_optimizer_steps_the_ranks_shard():
 def test_the_new_terms_are_sympy_expressions_over_named_coefficients():
     assert {str(s) for s in EXPRS["E"].free_symbols} == {"n", "l", "gamma", "beta_head", "beta_embed", "delta"}
     assert {str(s) for s in EXPRS["O"].free_symbols} == {"omega", "P", "shards", "sigma"}
-    assert set(STEP_TERMS) <= {f.name for f in dataclasses.fields(CostModel)}
+    assert set(STEP_TERMS) == {f.name for f in dataclasses.fields(StepTerms)}
 
 
 def test_the_simulated_step_is_the_sum_of_its_terms():
@@ -118,7 +120,7 @@ def test_json_keeps_the_new_terms_and_old_files_load_without_them(tmp_path, capl
 
 def test_negative_terms_are_refused():
     with pytest.raises(ValueError, match="omega"):
-        dataclasses.replace(MODEL, omega=-1.0)
+        MODEL.replace(omega=-1.0)
 
 
 TRUE = StepFit(
@@ -185,7 +187,19 @@ def test_step_shapes_pack_the_shorter_lengths_into_the_longest_row():
 
 def test_a_cost_model_of_fixed_costs_only_still_plans():
     """A profile on a loaded CPU may find no time that grows with tokens: every sequence's work is then 0."""
-    flat = CostModel(0.0, 0.0, 1e-3, 10.0, 0.0, 2, 4, 1e6, Hardware(), "flat", delta=1e-3)
+    flat = CostModel.from_terms(
+        alpha1=0.0,
+        beta1=0.0,
+        gamma=1e-3,
+        alpha2=10.0,
+        beta2=0.0,
+        layers=2,
+        kv_bytes_per_token=4,
+        param_bytes=1e6,
+        hardware=Hardware(),
+        source="flat",
+        delta=1e-3,
+    )
     lens = np.array([300, 200, 100, 50])
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -86,7 +86,7 @@ def test_bad_topologies_name_the_field():
 
 def _ring_model() -> CostModel:
     """Negligible compute, so a micro-batch's time is its ring P2P."""
-    return CostModel(
+    return CostModel.from_terms(
         alpha1=1e-18,
         beta1=1e-15,
         gamma=0.0,

@@ -3,7 +3,6 @@ intra-node links, nothing at TP 1, and the planner, simulator and CLI see it."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +10,8 @@ import pytest
 
 from bytescale_compile.cli import main
 from bytescale_compile.planner import CostModel, Hardware, Plan, plan
-from bytescale_compile.planner.cost_model import PRESETS, tp_all_reduce_time
+from bytescale_compile.planner.equations import tp_all_reduce_time
+from bytescale_compile.planner.model_shape import PRESETS
 from bytescale_compile.sim.simulator import simulate
 
 LENGTHS = np.array([1, 100, 4096, 32768, 1_000_000])
@@ -73,11 +73,11 @@ def test_more_tp_gives_a_larger_communication_share(model, cluster, sizes):
 def test_override_and_validation():
     cost = CostModel.preset("llama-7b", Hardware.preset("l20", tp_size=2))
     assert cost.tp_time_per_token > 0
-    uncharged = dataclasses.replace(cost, tp_comm_time=0.0)
+    uncharged = cost.replace(tp_comm_time=0.0)
     assert np.array_equal(uncharged.layer_time(LENGTHS), _compute_only(cost, LENGTHS.astype(np.float64)))
     assert cost.flops(4096) == uncharged.flops(4096)  # FLOPs are compute only
     with pytest.raises(ValueError, match="tp_comm_time must be None or a finite number >= 0"):
-        dataclasses.replace(cost, tp_comm_time=-1.0)
+        cost.replace(tp_comm_time=-1.0)
 
 
 def test_saved_models_round_trip_and_old_files_default_to_the_hardware(tmp_path):
@@ -96,14 +96,16 @@ def test_saved_models_round_trip_and_old_files_default_to_the_hardware(tmp_path)
 
 def test_simulator_charges_the_tp_term():
     cost = CostModel.preset("llama-7b", Hardware.preset("l20", tp_size=2))
-    uncharged = dataclasses.replace(cost, tp_comm_time=0.0)
+    uncharged = cost.replace(tp_comm_time=0.0)
     one = np.array([4096])  # one packed micro-batch on one rank, no gradient all-reduce
     extra = (
-        simulate(plan(one, 1, 8192, cost), cost).step_time
-        - simulate(plan(one, 1, 8192, uncharged), uncharged).step_time
+        simulate(plan(one, world_size=1, capacity=8192, cost_model=cost), cost).step_time
+        - simulate(plan(one, world_size=1, capacity=8192, cost_model=uncharged), uncharged).step_time
     )
     assert extra == pytest.approx(cost.layers * _hand_tp_seconds(4096, 4096, 2, 32e9), rel=1e-9)
-    shared = plan(np.array([200_000]), 32, 8192, cost, strategy="naive", offload=False)  # a ring of ranks
+    shared = plan(
+        np.array([200_000]), world_size=32, capacity=8192, cost_model=cost, strategy="naive", offload=False
+    )  # a ring of ranks
     (m,) = shared.micro_batches
     assert m.shared
     # with a topology the simulator times a shared micro-batch from the cost model it is given; here its

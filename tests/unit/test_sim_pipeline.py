@@ -33,10 +33,10 @@ def test_sends_between_stages_are_paid_on_the_critical_path():
 def test_simulator_reports_stage_level_bubbles():
     cost = CostModel.preset("llama-7b")
     lens = sample_global_batch("github", 2**21, seed=2, max_len=64 * 1024)
-    piped = plan(lens, 8, 8192 * 4, cost, strategy="balance", pp_size=4)
+    piped = plan(lens, world_size=8, capacity=8192 * 4, cost_model=cost, strategy="balance", pp_size=4)
     staged, first = bubble_rates(piped, cost)
     assert 0 < staged < 1 and 0 < first < 1
-    flat = plan(lens, 8, 8192, cost, strategy="balance")
+    flat = plan(lens, world_size=8, capacity=8192, cost_model=cost, strategy="balance")
     assert bubble_rates(flat, cost) == (0.0, 0.0)
     per_rank_work = max(sum(m.est_time for m in piped.micro_batches if r in m.ranks) for r in range(8)) / 4
     assert simulate(piped, cost).step_time > per_rank_work

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from bytescale_compile.models.llama import tiny
-from bytescale_compile.planner.cost_model import ModelShape
-from bytescale_compile.planner.model_shape import model_shape
+from bytescale_compile.planner.model_shape import ModelShape, model_shape
 from bytescale_compile.train.flops import PEAK_TFLOPS, achieved, model_flops, peak_tflops
 
 LENGTHS = [5, 100, 37]

@@ -8,9 +8,11 @@ import types
 
 import pytest
 
+from bytescale_compile.engine.diagnostics import StepPrediction
 from bytescale_compile.engine.runtime import StepStats
 from bytescale_compile.planner import CostModel, plan
-from bytescale_compile.planner.cost_model import ModelShape
+from bytescale_compile.planner.model_shape import ModelShape
+from bytescale_compile.sim.simulator import busy_times, p2p_bytes, simulate, step_time, ulysses_bytes
 from bytescale_compile.train import metrics
 from bytescale_compile.train.flops import achieved, model_flops
 from bytescale_compile.train.metrics import (
@@ -28,7 +30,7 @@ LENGTHS = [5, 100, 37]
 
 
 def _stats(step: int = 1) -> StepStats:
-    planned = plan(LENGTHS, 2, 256, COST_MODEL)
+    planned = plan(LENGTHS, world_size=2, capacity=256, cost_model=COST_MODEL)
     return StepStats(
         step=step,
         strategy="balance",
@@ -50,6 +52,53 @@ def _stats(step: int = 1) -> StepStats:
 
 def _record(step: int = 1, **changes) -> StepRecord:
     return dataclasses.replace(StepRecord.from_stats(_stats(step), 1e-3, COST_MODEL), **changes)
+
+
+def test_a_line_is_the_steps_figures_beside_the_simulators_for_its_plan():
+    """Every field of a metrics.jsonl line, against the step's stats and one simulation of its plan by hand."""
+    planned = plan([300, 40, 90, 7], world_size=2, capacity=256, cost_model=COST_MODEL, pp_size=2)
+    stats = dataclasses.replace(
+        _stats(3), plan=planned, p2p_bytes=7, offloaded_bytes=9, stage_bytes=11, bubbles=[0.25, 0.5], reduce_time=0.02
+    )
+    timeline = simulate(planned, COST_MODEL)
+    busy = busy_times(timeline)
+    line = StepRecord.from_stats(stats, 1e-3, COST_MODEL, 0.5).to_dict()
+    assert line == {
+        "step": 3,
+        "strategy": "balance",
+        "loss": 2.5,
+        "tokens": sum(LENGTHS),
+        "tokens_per_second": sum(LENGTHS) / 0.25,
+        "lr": 1e-3,
+        "time": 0.25,
+        "grad_norm": 1.5,
+        "skipped": False,
+        "busy_spread": 2.0,
+        "micro_batches": [1, 2],
+        "p2p_bytes": 7,
+        "offloaded_bytes": 9,
+        "predicted_time": step_time(planned, COST_MODEL),
+        "predicted_busy_spread": float(busy[busy > 0].max() / busy[busy > 0].min()),
+        "predicted_p2p_bytes": p2p_bytes(planned, COST_MODEL) + ulysses_bytes(planned, COST_MODEL),
+        "data_wait_s": 0.5,
+        "plan_time_s": 0.01,
+        "stage_bytes": 11,
+        "bubbles": [0.25, 0.5],
+        "predicted_bubbles": timeline.bubbles,
+        "reduce_time": 0.02,
+        "reduce_overlap": 0.0,
+        "splits": planned.splits(),
+        "checkpoint_stall_s": None,
+    }
+    assert list(line)[:16] == list(StepRecord.__dataclass_fields__)[:16], "the line's fields in their order"
+
+
+def test_a_given_prediction_is_taken_as_it_is(monkeypatch):
+    monkeypatch.setattr(metrics, "predict", lambda *a: pytest.fail("the record simulated a step it was given"))
+    given = StepPrediction(time=0.5, busy_spread=1.25, p2p_bytes=3.0, bubbles=None)
+    record = StepRecord.from_stats(_stats(), 1e-3, COST_MODEL, prediction=given)
+    assert (record.predicted_time, record.predicted_busy_spread, record.predicted_p2p_bytes) == (0.5, 1.25, 3.0)
+    assert record.predicted_bubbles is None and "(predicted 0.50)" in record.summary()
 
 
 def test_from_stats_without_a_shape_leaves_the_new_fields_out():
@@ -274,7 +323,7 @@ def test_a_failing_logger_is_dropped_with_a_warning_and_metrics_go_on(monkeypatc
 
 def test_a_step_that_shares_a_sequence_records_its_splits():
     assert _record().splits is None and "splits" not in _record().to_dict()  # no sequence shared
-    planned = plan([400, 5], 2, 256, COST_MODEL, sp="ulysses")
+    planned = plan([400, 5], world_size=2, capacity=256, cost_model=COST_MODEL, sp="ulysses")
     assert planned.splits() == {"2x1": 1}
     record = StepRecord.from_stats(dataclasses.replace(_stats(), plan=planned), 1e-3, COST_MODEL)
     assert record.to_dict()["splits"] == {"2x1": 1} and record.scalars()["splits/2x1"] == 1.0

@@ -279,3 +279,25 @@ def test_fused_torch_optimizer_resumes_a_checkpoint_of_the_foreach_one(tmp_path)
         _reference_step(resumed_model, fused, step, None)
         _reference_step(reference, foreach, step, None)
         _assert_near(resumed_model, reference)
+
+
+@pytest.mark.parametrize("grad_reduce_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_weights_get_the_distributed_optimizer(grad_reduce_dtype):
+    """`build_optimizer` chooses the optimizer from the weights' dtype: for bf16 the distributed optimizer, whose
+    steps equal one built directly, bit for bit."""
+    model, reference = _model(), _model()
+    built = build_optimizer(model, LR, DECAY, BETAS, dtype=torch.bfloat16, grad_reduce_dtype=grad_reduce_dtype)
+    direct = DistributedOptimizer(reference, LR, DECAY, BETAS, grad_reduce_dtype=grad_reduce_dtype)
+    assert isinstance(built, DistributedOptimizer)
+    for step in range(STEPS):
+        _sharded_step(model, built, step, MAX_NORM)
+        _sharded_step(reference, direct, step, MAX_NORM)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert p.dtype == torch.bfloat16 and torch.equal(p, q), name
+
+
+def test_weights_no_optimizer_trains_are_refused():
+    with pytest.raises(ValueError, match="always shards: drop zero"):
+        build_optimizer(_model(), LR, DECAY, BETAS, zero=True, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not torch.float16"):
+        build_optimizer(_model(), LR, DECAY, BETAS, dtype=torch.float16)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..strategies import NAIVE
-from .common import PlanBuilder, best_fit_pack
-from .cost_model import CEIL_RTOL
+from .builder import PlanBuilder, best_fit_pack
+from .equations import CEIL_RTOL
 from .limits import eq2_reason, layers_per_stage, refuse
 from .plan import Plan
 from .split import DEFAULT_SP
@@ -62,6 +62,7 @@ def naive_ranks(
 
 def plan_naive(
     lens: np.ndarray,
+    *,
     world_size: int,
     capacity: int,
     cost_model: CostModel,
@@ -69,6 +70,8 @@ def plan_naive(
     offload: bool = True,
     sp: str = DEFAULT_SP,
 ) -> Plan:
+    """Algorithm 1: `offload=False` is the ablation that gives every long sequence its D(s, 0) ranks; `sp` how
+    shared micro-batches split u x r."""
     layers = layers_per_stage(cost_model, pp_size)
     if offload and lens.size:
         ranks, ratio = naive_ranks(lens, world_size, capacity, cost_model, layers)

@@ -4,188 +4,46 @@ Each group rank holds its zigzag tokens of every sequence of the micro-batch (`l
 (1..N-1) group rank i sends straight to rank i+s, and receives from rank i-s, only the K/V rows the
 receiver's blocks read (`ZigzagLayout.transfer`): under a plain causal mask the sender's chunks that
 precede one of the receiver's, under a sliding window at most the window-1 tokens before each of the
-receiver's chunks, so a rank whose chunks lie more than a window behind another's gets nothing from it. Only the `Hkv` heads travel, K and V side by side in one row-major buffer (any head
-dims). Each rank attends its queries to every block and merges the partial results through their
-log-sum-exp in fp32. The next step's transfer is posted before the current step is computed, so on a
+receiver's chunks, so a rank whose chunks lie more than a window behind another's gets nothing from it.
+Only the `Hkv` heads travel, K and V side by side in one row-major buffer (any head dims). Each rank
+attends its queries to every block and merges the partial results through their log-sum-exp in fp32. The next step's transfer is posted before the current step is computed, so on a
 GPU communication hides behind compute.
 
 The backward moves K/V the same way; each rank computes its contribution to the received rows' dK/dV
 and sends exactly those rows (fp32) straight back to their owner, which accumulates them.
 
-All P2P goes over the default process group (`batch_isend_irecv`): the group changes every
-micro-batch, and creating a process group per micro-batch would allocate communicator buffers each
-time (the paper's NCCL-buffer point). Sender and receiver derive every transfer from the layout, so
-a pair with nothing to exchange posts nothing on either side, and both post a pair's transfers in the
-same order (K/V of step s+1, then dK/dV of step s), as in-order P2P matching needs.
+All P2P goes over the default process group through `Peers` (`p2p.py`): sender and receiver derive every
+transfer from the layout, so a pair with nothing to exchange posts nothing on either side, and both post a
+pair's transfers in the same order (K/V of step s+1, then dK/dV of step s), as in-order P2P matching needs.
+
+`bytescale_compile.runtime.dist_attn`, the former module of this code and of `p2p.py`, resolves here for one
+release; its names that moved to `p2p.py` resolve through this module with a `DeprecationWarning`.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..kernels.dispatch import block_attention_bwd, block_attention_fwd
+from ..lazy import lazy_getattr
 from .layout import Block, LayoutError, Transfer, ZigzagLayout, validate_window
+from .p2p import DEFAULT_TIMEOUT_S, P2PError, P2PStats, Peers, check_group_agrees, make_peers
 
 __all__ = [
     "packed_ring_attention",
     "ring_attention_fwd",
     "ring_attention_bwd",
-    "RingStats",
-    "RingError",
-    "RingTimeoutError",
-    "DEFAULT_TIMEOUT_S",
-    "Peers",
-    "Shapes",
     "Ring",
-    "make_peers",
     "make_ring",
+    "descriptor",
+    "local_problem",
 ]
-
-DEFAULT_TIMEOUT_S = 300.0
-_CLOCK_SLACK_S = 1e-3
-"""Backends count a wait's timeout in whole milliseconds: a wait that fails this close to it has timed out."""
-
-
-class RingError(RuntimeError):
-    """The ring cannot run: bad arguments, or inputs that differ across the group."""
-
-
-class RingTimeoutError(RingError, TimeoutError):
-    """A peer of the ring did not send in time."""
-
-
-@dataclass
-class RingStats:
-    """Counters the runtime and the simulator report; accumulate over calls.
-
-    Bytes count the K/V rows (forward and backward) and the fp32 dK/dV rows (backward) this rank
-    sent and received. `sends_skipped` / `receives_skipped` count the steps at which the layout left
-    this rank nothing to send to / receive from that step's peer (a window can empty a pair).
-    """
-
-    calls: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    blocks_computed: int = 0
-    blocks_skipped: int = 0
-    sends_skipped: int = 0
-    receives_skipped: int = 0
-    mixer_bytes_sent: int = 0
-    """Of `bytes_sent`: the convolution halos and scan state summaries of `dist_mixers`, and their gradients."""
-    ulysses_bytes_sent: int = 0
-    """Of `bytes_sent`: the Ulysses all-to-all's token and head shards (`runtime/ulysses.py`), both ways."""
-
-
-Shapes = dict[int, tuple[tuple[int, ...], torch.dtype]]
-"""Group index -> (shape, dtype) of the tensor to receive from that member."""
-
-
-@dataclass(frozen=True)
-class Peers:
-    """This rank's P2P with an ordered group of global ranks over the default process group, with timeouts and
-    named faults: the ring's, the recurrent mixers' halos and states (`runtime/dist_mixers.py`) and the Ulysses
-    all-to-all (`runtime/ulysses.py`) all move through it."""
-
-    group: tuple[int, ...]
-    index: int
-    timeout: datetime.timedelta
-    stats: RingStats
-    label: str = field(default="group", kw_only=True)
-    """What the group is called in error messages."""
-
-    @property
-    def size(self) -> int:
-        return len(self.group)
-
-    @property
-    def me(self) -> int:
-        return self.group[self.index]
-
-    def post(self, send: Tensor | None, dst: int, recv: Tensor | None, src: int, what: str) -> list[Any]:
-        """Send `what` to `dst` and receive it from `src` without waiting; None on a side that has nothing to move."""
-        ops = []
-        if send is None:
-            self.stats.sends_skipped += 1
-        else:
-            self.stats.bytes_sent += send.numel() * send.element_size()
-            ops.append(dist.P2POp(dist.isend, send, dst))
-        if recv is None:
-            self.stats.receives_skipped += 1
-        else:
-            self.stats.bytes_received += recv.numel() * recv.element_size()
-            ops.append(dist.P2POp(dist.irecv, recv, src))
-        return self.start(ops, what, (dst, src))
-
-    def exchange(
-        self, sends: dict[int, Tensor], receives: Shapes, what: str, device: torch.device
-    ) -> dict[int, Tensor]:
-        """Send `sends[i]` to group member i and receive a tensor of the given shape and dtype from each member in
-        `receives`; one batch of P2P on `device`, waited on with the group's timeout."""
-        got = {src: torch.empty(shape, dtype=dtype, device=device) for src, (shape, dtype) in receives.items()}
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.group[dst]) for dst, t in sends.items()]
-        ops += [dist.P2POp(dist.irecv, t, self.group[src]) for src, t in got.items()]
-        self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
-        self.stats.bytes_received += sum(t.numel() * t.element_size() for t in got.values())
-        peers = tuple(self.group[i] for i in {*sends, *receives})
-        self.wait(self.start(ops, what, peers), what, peers)
-        return got
-
-    def start(self, ops: list[Any], what: str, peers: tuple[int, ...]) -> list[Any]:
-        """Post `ops`; a peer already lost (gloo refuses to post to a closed connection) raises `RingError`."""
-        if not ops:
-            return []
-        try:
-            return dist.batch_isend_irecv(ops)
-        except RuntimeError as e:
-            raise self.fault(e, what, peers, timed_out=False, stream_ordered=False) from e
-
-    def wait(self, works: list[Any], what: str, peers: tuple[int, ...]) -> None:
-        """Wait for posted P2P; a timeout raises `RingTimeoutError`, a lost peer `RingError`.
-
-        Off NCCL each wait is bounded by the ring's timeout. A backend reports a wait that timed out and one
-        whose peer is gone alike (gloo: a RuntimeError either way), so the ring tells them apart by its own
-        deadline, never by the words of the message: a wait that failed once its timeout had passed timed out.
-        On NCCL the wait is stream-ordered (the CPU goes on queueing compute): `wait(timeout=...)` there would
-        block the CPU for the whole transfer, so the timeout is the process group's, enforced by NCCL's
-        watchdog, and whatever NCCL reports (a timeout or a lost peer) is a `RingError` quoting it.
-        """
-        stream_ordered = dist.is_initialized() and dist.get_backend() == "nccl"
-        for work in works:
-            began = time.monotonic()
-            try:
-                work.wait() if stream_ordered else work.wait(timeout=self.timeout)
-            except RuntimeError as e:
-                waited = time.monotonic() - began
-                timed_out = not stream_ordered and waited >= self.timeout.total_seconds() - _CLOCK_SLACK_S
-                raise self.fault(e, what, peers, timed_out, stream_ordered) from e
-
-    def fault(
-        self, error: RuntimeError, what: str, peers: tuple[int, ...], timed_out: bool, stream_ordered: bool
-    ) -> RingError:
-        """The ring error of a backend error: `RingTimeoutError` when the ring's own timeout ran out."""
-        where = f"{self.label} {list(self.group)}: rank {self.me}"
-        if timed_out:
-            return RingTimeoutError(
-                f"{where} waited {self.timeout.total_seconds():.0f}s for {what} (peers "
-                f"{list(peers)}); a peer never joined this ring step or is stuck elsewhere"
-            )
-        reported = str(error).splitlines()[0] if str(error) else type(error).__name__
-        if stream_ordered:
-            return RingError(
-                f"{where}: NCCL failed exchanging {what} with peers {list(peers)} (a lost peer, or the "
-                f"process group's timeout): {reported}"
-            )
-        return RingError(f"{where} lost a peer while exchanging {what}: {reported}")
 
 
 @dataclass(frozen=True)
@@ -216,38 +74,14 @@ class Ring(Peers):
         self.stats.blocks_skipped += pairs - len(blocks)
 
 
-def make_peers(
-    group: list[int] | tuple[int, ...], size: int, timeout_s: float, stats: RingStats | None, label: str
-) -> Peers:
-    """This rank's `Peers` in `group` (global ranks), checked: distinct ranks in the world, this rank among them,
-    as many as the layout's `size`."""
-    group = tuple(int(r) for r in group)
-    if len(set(group)) != len(group):
-        raise RingError(f"{label} {list(group)} lists a rank twice")
-    if len(group) != size:
-        raise RingError(f"{label} {list(group)} has {len(group)} ranks but the layout was made for {size}")
-    if len(group) > 1 and not dist.is_initialized():
-        raise RingError(f"{label} {list(group)} needs torch.distributed to be initialised")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    outside = [r for r in group if not 0 <= r < world]
-    if len(group) > 1 and outside:
-        raise RingError(
-            f"{label} {list(group)} names rank(s) {outside} outside the world of {world} ranks "
-            f"(valid: 0 to {world - 1})"
-        )
-    me = dist.get_rank() if dist.is_initialized() else group[0]
-    if me not in group:
-        raise RingError(f"rank {me} is not in {label} {list(group)}")
-    return Peers(group, group.index(me), datetime.timedelta(seconds=timeout_s), stats or RingStats(), label=label)
-
-
 def make_ring(
     layout: ZigzagLayout,
     group: list[int] | tuple[int, ...],
     timeout_s: float,
-    stats: RingStats | None,
+    stats: P2PStats | None,
     window: int | None,
 ) -> Ring:
+    """This rank's `Ring` in `group`, checked as `make_peers` checks a group against the layout's size."""
     peers = make_peers(group, layout.group_size, timeout_s, stats, "ring group")
     return Ring(peers.group, peers.index, peers.timeout, peers.stats, layout, window)
 
@@ -320,58 +154,7 @@ def _check_inputs(ring: Ring, q: Tensor, k: Tensor, v: Tensor, softcap: float | 
         mine = descriptor(ring.group, ring.layout.seq_lens, ring.window, q, k, v, softcap)
         check_group_agrees(ring, mine, problem, q.device)
     if problem:
-        raise RingError(problem)
-
-
-def check_group_agrees(
-    peers: Peers,
-    mine: dict[str, Any],
-    problem: str | None,
-    device: torch.device,
-    error: type[RingError] = RingError,
-) -> None:
-    """Exchange descriptors and local problems with every group member; raise the same `error` on all of them."""
-    theirs = _exchange_with_group(peers, json.dumps({"descriptor": mine, "problem": problem}).encode(), device)
-    received = {r: json.loads(payload) for r, payload in sorted(theirs.items())}
-    differences = []
-    for name in mine:
-        values = {r: got["descriptor"].get(name) for r, got in received.items()}
-        if len({json.dumps(x) for x in values.values()}) > 1:
-            shown = ", ".join(f"rank {r}: {_shown(x)}" for r, x in values.items())
-            differences.append(f"{name} differs ({shown})")
-    problems = [f"rank {r}: {got['problem']}" for r, got in received.items() if got["problem"]]
-    if differences or problems:
-        raise error(
-            f"{peers.label} {sorted(peers.group)}: {'inputs differ across ranks, ' if differences else ''}"
-            f"nothing was sent: " + "; ".join(differences + problems)
-        )
-
-
-def _shown(value: Any, limit: int = 8) -> str:
-    """A descriptor value for a message; long lists keep their head and say how long they are."""
-    if isinstance(value, list) and len(value) > limit:
-        return "[" + ", ".join(map(str, value[:limit])) + f", ... ({len(value)} values)]"
-    return "none" if value is None else str(value)
-
-
-def _exchange_with_group(ring: Peers, payload: bytes, device: torch.device) -> dict[int, bytes]:
-    """Every group member's `payload` (this rank's included): sizes first, then the bytes.
-
-    The buffers live on the inputs' device: NCCL takes no CPU tensors.
-    """
-    peers = tuple(r for r in ring.group if r != ring.me)
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    sizes = {r: torch.empty_like(size) for r in peers}
-    ring.wait(_all_to_peers(ring, size, sizes), "the input descriptor", peers)
-    data = {r: torch.empty(int(sizes[r]), dtype=torch.uint8, device=device) for r in peers}
-    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    ring.wait(_all_to_peers(ring, mine, data), "the input descriptor", peers)
-    return {ring.me: payload, **{r: bytes(data[r].cpu().tolist()) for r in peers}}
-
-
-def _all_to_peers(ring: Peers, mine: Tensor, theirs: dict[int, Tensor]) -> list[Any]:
-    ops = [dist.P2POp(dist.isend, mine, r) for r in theirs] + [dist.P2POp(dist.irecv, t, r) for r, t in theirs.items()]
-    return ring.start(ops, "the input descriptor", tuple(theirs))
+        raise P2PError(problem)
 
 
 # --- K/V steps ------------------------------------------------------------------------------------
@@ -490,7 +273,7 @@ def ring_attention_fwd(
     group: list[int] | tuple[int, ...],
     scale: float | None = None,
     *,
-    stats: RingStats | None = None,
+    stats: P2PStats | None = None,
     check: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     window: int | None = None,
@@ -500,7 +283,7 @@ def ring_attention_fwd(
 
     `window` is Hugging Face's sliding window (a query sees itself and the window-1 keys before it),
     `softcap` Gemma2's logit soft-capping. `check` trades a descriptor with the group first, so inputs
-    that differ across ranks raise `RingError` on all of them before any K/V moves.
+    that differ across ranks raise `P2PError` on all of them before any K/V moves.
     """
     ring = make_ring(layout, group, timeout_s, stats, window)
     _check_inputs(ring, q, k, v, softcap, exchange=check)
@@ -538,7 +321,7 @@ def ring_attention_bwd(
     group: list[int] | tuple[int, ...],
     scale: float | None = None,
     *,
-    stats: RingStats | None = None,
+    stats: P2PStats | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     window: int | None = None,
     softcap: float | None = None,
@@ -631,7 +414,7 @@ class _PackedRingAttention(torch.autograd.Function):
         layout: ZigzagLayout,
         group: tuple[int, ...],
         scale: float | None,
-        stats: RingStats | None,
+        stats: P2PStats | None,
         timeout_s: float,
         window: int | None,
         softcap: float | None,
@@ -659,7 +442,7 @@ def packed_ring_attention(
     group: list[int] | tuple[int, ...],
     scale: float | None = None,
     *,
-    stats: RingStats | None = None,
+    stats: P2PStats | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     window: int | None = None,
     softcap: float | None = None,
@@ -671,3 +454,17 @@ def packed_ring_attention(
     [T_local, Hq, Dv]. `window` and `softcap` as in `ring_attention_fwd`.
     """
     return _PackedRingAttention.apply(q, k, v, layout, tuple(group), scale, stats, timeout_s, window, softcap)
+
+
+if not TYPE_CHECKING:  # mypy sees only the current names
+    __getattr__ = lazy_getattr(
+        __name__,
+        {},
+        globals(),
+        renamed={
+            "RingStats": "bytescale_compile.runtime.p2p:P2PStats",
+            "RingError": "bytescale_compile.runtime.p2p:P2PError",
+            "RingTimeoutError": "bytescale_compile.runtime.p2p:P2PTimeoutError",
+            "Shapes": "bytescale_compile.runtime.p2p:Shapes",
+        },
+    )

@@ -1,4 +1,5 @@
-"""What the three planners share: input checks, best-fit packing, micro-batch time, plan assembly."""
+"""What the planners build a plan with: best-fit packing, the time of a micro-batch, the group size past which a
+sequence gets no faster, and `PlanBuilder`, which collects micro-batches in one global order."""
 
 from __future__ import annotations
 
@@ -8,52 +9,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..strategies import RUNTIME_STRATEGIES
-from .plan import MicroBatch, Plan, local_tokens, split_tokens
+from .plan import BalanceSettings, MicroBatch, Plan, StaticMesh, local_tokens, split_tokens
 from .split import DEFAULT_SP, SP_RING, check_sp, choose_split
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
 __all__ = [
-    "check_arguments",
-    "check_lengths",
     "best_fit_pack",
     "fastest_group",
     "fastest_time",
     "micro_batch_time",
     "PlanBuilder",
 ]
-
-
-def check_arguments(
-    lengths: Sequence[int] | np.ndarray, strategy: str, world_size: int, capacity: int, pp_size: int
-) -> np.ndarray:
-    """What `plan()` and `length_limit` are given, checked; the lengths as int64 (`check_lengths`)."""
-    if strategy not in RUNTIME_STRATEGIES:
-        raise ValueError(f"strategy must be one of {RUNTIME_STRATEGIES}, got {strategy!r}")
-    for name, value in (("world_size", world_size), ("capacity", capacity), ("pp_size", pp_size)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return check_lengths(lengths)
-
-
-def check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Lengths as int64; non-integers or lengths <= 0 raise ValueError naming the first offender."""
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"lengths must be a flat list of sequence lengths, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        as_int = arr.astype(np.int64) if np.issubdtype(arr.dtype, np.floating) else None
-        if as_int is None or (as_int != arr).any():
-            i = 0 if as_int is None else int(np.flatnonzero(as_int != arr)[0])
-            raise ValueError(f"sequence lengths must be integers; sequence {i} has {arr[i]!r}")
-        arr = as_int
-    arr = arr.astype(np.int64)
-    if (arr <= 0).any():
-        i = int(np.flatnonzero(arr <= 0)[0])
-        raise ValueError(f"sequence lengths must be positive; sequence {i} has {int(arr[i])}")
-    return arr
 
 
 def best_fit_pack(lens: np.ndarray, ids: np.ndarray, capacity: int) -> list[list[int]]:
@@ -178,15 +146,20 @@ class PlanBuilder:
         """`micro_batch_time` of one sequence, without numpy's per-call overhead."""
         cm, n, d = self.cost_model, self._lens_list[seq], group_size
         compute = self._seq_time_list[seq] / d
-        offload = cm.layers * (cm.alpha2 * n + cm.beta2) * ratio / cm.offload_bandwidth / d if ratio > 0 else 0.0
+        act, comm = cm.memory, cm.comm
+        offload = (
+            cm.model.layers * (act.alpha2 * n + act.beta2) * ratio / cm.offload_bandwidth / d if ratio > 0 else 0.0
+        )
         if d == 1:
             return max(compute, offload)
         if d not in self._bandwidth:
             self._bandwidth[d] = float(cm.hardware.ring_bandwidth(d))
         held = _one_local_tokens(n, d)
-        ring_bytes = cm.ring_layers * 3 * (d - 1) * held * cm.kv_bytes_per_token + 6 * (d - 1) * cm.mixer_state_bytes
-        ring = ring_bytes / self._bandwidth[d] + (cm.ring_layers * 3 * (d - 1) + 3 * cm.mixer_layers) * cm.latency
-        return max(compute + cm.ring_layers * (d - 1) * held * cm.ring_overhead, ring, offload)
+        ring_bytes = (
+            cm.ring_layers * 3 * (d - 1) * held * comm.kv_bytes_per_token + 6 * (d - 1) * comm.mixer_state_bytes
+        )
+        ring = ring_bytes / self._bandwidth[d] + (cm.ring_layers * 3 * (d - 1) + 3 * cm.model.mixer_layers) * cm.latency
+        return max(compute + cm.ring_layers * (d - 1) * held * cm.time.ring_overhead, ring, offload)
 
     def add(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float = 0.0) -> MicroBatch:
         """A micro-batch of `sequences` on `ranks`; a shared one gets its u × r split (`choose_split`, on these
@@ -227,9 +200,18 @@ class PlanBuilder:
         self.micro_batches.append(mb)
         return mb
 
-    def build(self, schedule: list[list[int]] | None = None, **meta: object) -> Plan:
+    def build(
+        self,
+        schedule: list[list[int]] | None = None,
+        *,
+        offload: bool | None = None,
+        balance: BalanceSettings | None = None,
+        mesh: StaticMesh | None = None,
+        shard_blockers: tuple[str, ...] = (),
+    ) -> Plan:
         """The plan; `schedule` is each rank's order of micro-batch ids, by default creation order
-        (which keeps shared micro-batches in one global order: deadlock-free)."""
+        (which keeps shared micro-batches in one global order: deadlock-free). The keywords say how it was
+        planned (`Plan`'s fields of the same names)."""
         if schedule is None:
             schedule = [[] for _ in range(self.world_size)]
             for mb in self.micro_batches:
@@ -244,5 +226,9 @@ class PlanBuilder:
             micro_batches=self.micro_batches,
             schedule=schedule,
             layers_per_rank=self.layers_per_rank,
-            meta=dict(meta) if self.sp == DEFAULT_SP else {**meta, "sp": self.sp},
+            sp=self.sp,
+            offload=offload,
+            balance=balance,
+            mesh=mesh,
+            shard_blockers=shard_blockers,
         )

@@ -1,0 +1,7 @@
+"""`python -m bytescale_compile.cli`: the `bytescale-compile` command."""
+
+import sys
+
+from .commands import main
+
+sys.exit(main())

@@ -1,0 +1,214 @@
+"""`bytescale-compile plan` and `simulate`: plan one global batch, or simulate strategies over context lengths, on a
+cost model (a preset or a profiled JSON file) of a cluster of HDP ranks. Neither imports torch."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from ..strategies import DEFAULT_SP, SP_MODES
+from .arguments import CLIError, Subparsers, created, int_at_least, output_file, size, sizes
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..sim.experiments import Outcome
+
+__all__ = ["register"]
+
+
+def register(sub: Subparsers) -> None:
+    datasets = ("byted", "github", "python")
+    p = sub.add_parser("plan", help="plan one global batch and print a summary or the plan JSON")
+    p.add_argument("--dataset", choices=datasets, default="byted")
+    p.add_argument("--global-tokens", type=size, default="32M")
+    _add_cluster_arguments(p)
+    p.add_argument("--strategy", default="balance", help="the planner's strategy (an unknown name lists them)")
+    p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
+    p.add_argument(
+        "--context", type=size, default=None, help="context length (truncates longer samples; the static mesh's row)"
+    )
+    p.add_argument("--pp", type=int_at_least(1), default=1, help="pipeline stages per HDP rank")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="simulate strategies over context lengths and print tokens/s")
+    p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
+    p.add_argument("--dataset", choices=datasets, default="github")
+    p.add_argument("--context", type=sizes, default="256K,512K,1M,2M")
+    _add_cluster_arguments(p)
+    p.add_argument("--global-tokens", type=size, default="32M")
+    p.add_argument(
+        "--strategies",
+        default="static,naive,balance",
+        help="comma-separated planner strategies (an unknown name lists them)",
+    )
+    p.add_argument("--pp", type=int_at_least(1), default=1)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--plot", default=None, help="write a throughput-vs-context PNG here (missing folders are created)")
+    p.add_argument("--timeline", default=None, help="write per-rank timelines of the last context here (PNG)")
+    p.set_defaults(func=cmd_simulate)
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """plan's and simulate's cluster: --ranks counts HDP ranks (the planner's world size), each a TP group of
+    --tp GPUs of the --hardware preset, as `Hardware.preset` builds one rank, holding C tokens."""
+    p.add_argument(
+        "--ranks",
+        type=int_at_least(1),
+        default=1024,
+        help="HDP ranks, the planner's world size; each is a TP group of --tp GPUs, so ranks x tp GPUs in all",
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="cluster preset for the ranks: l20 | h100-nvlink (default: private 25 GB/s links per rank)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int_at_least(1),
+        default=1,
+        help="GPUs per HDP rank on the --hardware cluster (needed when > 1; must divide the GPUs per switch): "
+        "each layer's TP all-reduces are charged on their intra-node links",
+    )
+    p.add_argument("--capacity", type=size, default="8K", help="tokens per HDP rank (its TP group's), C")
+    p.add_argument(
+        "--sp",
+        choices=SP_MODES,
+        default=DEFAULT_SP,
+        help="how a sequence shared by D(s) ranks splits them u x r: ring (u = 1), ulysses (the largest u: an "
+        "all-to-all over heads in groups of u ranks inside a node, the ring between the groups), auto (per "
+        f"micro-batch, the split the cost model predicts fastest; default {DEFAULT_SP})",
+    )
+
+
+def _cost_model(name: str, hardware: str | None = None, tp: int = 1) -> Any:
+    """A preset or profiled cost model; `hardware` puts its ranks on a cluster preset of TP `tp`, whose
+    all-reduces T(s) charges on the cluster's intra-node links. TP > 1 without a cluster is refused: there
+    is no link to charge them on, and ignoring --tp would plan a TP group as one GPU."""
+    import dataclasses
+
+    from ..planner import CostModel, Hardware
+
+    if tp > 1 and not hardware:
+        raise CLIError(
+            f"--tp {tp} needs --hardware (l20 | h100-nvlink): the cluster preset gives the TP group's devices "
+            f"and the intra-node link its all-reduces run on"
+        )
+    try:
+        cluster = Hardware.preset(hardware, tp_size=tp) if hardware else None
+    except ValueError as e:
+        raise CLIError(f"--hardware {hardware} --tp {tp}: {e}") from e
+    try:
+        cost = CostModel.load(name) if name.endswith(".json") else CostModel.preset(name, cluster)
+    except (OSError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    return dataclasses.replace(cost, hardware=cluster) if cluster and name.endswith(".json") else cost
+
+
+def _strategy(name: str) -> str:
+    """A strategy `run_strategy` knows, checked before any planning or output."""
+    from ..planner import STRATEGY_SPECS
+
+    if name not in STRATEGY_SPECS:
+        raise CLIError(f"unknown strategy {name!r}; strategies: {', '.join(STRATEGY_SPECS)}")
+    return name
+
+
+def _cluster(args: argparse.Namespace, cost_model: Any) -> dict[str, Any]:
+    """`run_strategy`'s cluster arguments from plan's and simulate's options."""
+    return {
+        "world_size": args.ranks,
+        "capacity": args.capacity,
+        "cost_model": cost_model,
+        "pp_size": args.pp,
+        "sp": args.sp,
+    }
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ..planner import PlanError
+    from ..sim.experiments import run_strategy
+    from ..sim.lengths import sample_global_batch
+
+    tokens, context, strategy = args.global_tokens, args.context, _strategy(args.strategy)
+    cost_model = _cost_model(args.model, args.hardware, args.tp)
+    lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
+    try:
+        outcome = run_strategy(strategy, lens, **_cluster(args, cost_model), context_length=context)
+        outcome.plan.validate()
+    except (PlanError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    print(outcome.plan.to_json() if args.json else "\n".join(_summary(args, lens, outcome)))
+    return 0
+
+
+def _summary(args: argparse.Namespace, lens: np.ndarray, outcome: Outcome) -> list[str]:
+    """plan's lines: the batch and cluster, the micro-batches, the simulated step, and auto's choice."""
+    mbs = outcome.plan.micro_batches
+    shared = [m for m in mbs if m.shared]
+    where = f"{args.ranks} HDP ranks" + (f" x TP {args.tp} ({args.ranks * args.tp} GPUs)" if args.tp > 1 else "")
+    largest = max((len(m.ranks) for m in shared), default=1)
+    lines = [
+        f"{args.strategy}: {len(lens)} sequences, {int(lens.sum())} tokens over {where} (C={args.capacity})",
+        f"  micro-batches: {len(mbs)} ({len(shared)} shared, largest group {largest})",
+        f"  per-rank micro-batches: {min(map(len, outcome.plan.schedule))}..{max(map(len, outcome.plan.schedule))}",
+    ]
+    if shared:
+        splits = outcome.plan.splits()
+        lines.append(
+            f"  shared splits u x r (--sp {args.sp}): "
+            + ", ".join(f"{k} {n / len(shared):.0%}" for k, n in splits.items())
+        )
+    lines.append(
+        f"  planned in {outcome.plan_seconds * 1e3:.1f} ms; simulated step {outcome.step_time:.3f} s, "
+        f"{outcome.tokens_per_second:,.0f} tokens/s, busy spread {outcome.busy_spread:.2f}"
+    )
+    auto = outcome.plan.auto
+    if auto is not None:
+        over_static = auto.speedup_over_static
+        lines.append(
+            f"  auto chose {auto.chosen}: "
+            + (f"{over_static:.2f}x static, " if over_static is not None else "static cannot plan this batch, ")
+            + f"{auto.speedup_over_runner_up:.3f}x the runner-up; simulated step per candidate: "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in auto.step_time.items())
+        )
+    return lines
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from ..planner import PlanError
+    from ..sim.experiments import run_strategy
+    from ..sim.lengths import sample_global_batch
+    from ..sim.timeline import plot_throughput, plot_timelines
+
+    plot = output_file(args.plot, "--plot") if args.plot else None
+    timeline = output_file(args.timeline, "--timeline") if args.timeline else None
+    tokens, contexts = args.global_tokens, args.context
+    strategies = [_strategy(s) for s in args.strategies.split(",") if s]
+    cost_model = _cost_model(args.model, args.hardware, args.tp)
+    table: dict[str, list[float]] = {s: [] for s in strategies}
+    print(f"{'context':>8} " + " ".join(f"{s + ' tok/s':>22}" for s in strategies) + "   speedup over first")
+    last: list[Outcome] = []
+    for context in contexts:
+        lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
+        try:
+            last = [run_strategy(s, lens, **_cluster(args, cost_model), context_length=context) for s in strategies]
+        except (PlanError, ValueError) as e:
+            raise CLIError(str(e)) from e
+        for o in last:
+            table[o.name].append(o.tokens_per_second)
+        speedups = " ".join(f"{o.tokens_per_second / last[0].tokens_per_second:.2f}x" for o in last)
+        print(f"{context // 1024:>7}K " + " ".join(f"{o.tokens_per_second:>22,.0f}" for o in last) + f"   {speedups}")
+    if plot:
+        plot_throughput(contexts, table, str(created(plot)), title=f"{args.model}, {args.dataset}, {args.ranks} ranks")
+        print(f"throughput plot: {plot}")
+    if timeline and last:
+        plot_timelines(
+            [o.timeline for o in last],
+            str(created(timeline)),
+            title=f"{args.model}, {args.dataset}, context {contexts[-1] // 1024}K, {args.ranks} ranks",
+        )
+        print(f"timelines: {timeline}")
+    return 0
