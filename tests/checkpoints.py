@@ -11,7 +11,7 @@ import torch
 
 from bytescale_compile.data import write_dataset
 from bytescale_compile.train.config import TrainConfig, to_toml
-from bytescale_compile.train.trainer import CONFIG_FILE
+from bytescale_compile.train.inputs import CONFIG_FILE
 
 SHARD = "__0_0.distcp"
 """Rank 0's shard of a checkpoint."""

@@ -13,7 +13,8 @@ from ..lazy import alias_moved_modules, lazy_getattr
 
 if TYPE_CHECKING:
     from .config import ConfigError, TrainConfig, load_config
-    from .trainer import RunResult, run, setup
+    from .inputs import setup
+    from .trainer import RunResult, run
 
 _EXPORTS = {
     "ConfigError": ".config",
@@ -21,7 +22,7 @@ _EXPORTS = {
     "load_config": ".config",
     "RunResult": ".trainer",
     "run": ".trainer",
-    "setup": ".trainer",
+    "setup": ".inputs",
 }
 """Public name -> the module that defines it."""
 

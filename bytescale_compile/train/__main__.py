@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     import torch
 
     from .checkpoint import CheckpointSaveError
-    from .trainer import RunInputs, RunResult
+    from .inputs import RunInputs
+    from .trainer import RunResult
 
 PROG = "python -m bytescale_compile.train"
 _ARG_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "str": str, "str | None": str}
@@ -175,17 +176,25 @@ def main(argv: Sequence[str] | None = None, entry: Entry | None = None) -> int:
         from .launch import launch_local
 
         return launch_local(nproc, entry.module, _without_nproc(argv))
+    from .config import check_one_strategy, load_config
+
+    try:  # the TOML and the settings, before torch loads: a mistake there is reported at once
+        config = load_config(args.pop("config"), **args)
+        if not entry.every_strategy:
+            check_one_strategy(config)
+    except (FileNotFoundError, ValueError) as e:
+        _error(str(e), prog=entry.prog)
+        return USAGE_EXIT
     # torch loads only now, so that --help and argparse's errors are instant
     from .checkpoint import CheckpointError
-    from .config import load_config
-    from .trainer import setup
+    from .inputs import setup
 
     _warnings_once(entry.prog)
     alike = (FileNotFoundError, ValueError, CheckpointError)
     """Found by every rank alike before anything runs: missing files (FileNotFoundError names them) and
     ConfigError, VocabularyError, ModelSourceError, TokenizerError, DatasetError (ValueErrors)."""
     try:
-        inputs = setup(load_config(args.pop("config"), **args), every_strategy=entry.every_strategy)
+        inputs = setup(config, every_strategy=entry.every_strategy)
     except alike as e:
         _error(str(e), prog=entry.prog)
         return USAGE_EXIT

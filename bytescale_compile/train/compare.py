@@ -23,14 +23,16 @@ from .summary import StrategySummary, comparison, summarize
 if TYPE_CHECKING:
     import torch
 
-    from .trainer import RunInputs, RunResult
+    from .inputs import RunInputs
+    from .trainer import RunResult
 
 __all__ = ["COMPARE", "StrategySummary", "compare", "comparison", "main", "summarize"]
 
 
 def compare(inputs: RunInputs, device: torch.device) -> list[RunResult]:
     """Train each strategy of the config in turn on `device`, from the same prepared model and initial weights."""
-    from .trainer import prepare, session, train
+    from .prepared import prepare
+    from .trainer import session, train
 
     prepared = prepare(inputs, device)
     with session(inputs.config) as stop:

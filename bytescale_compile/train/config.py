@@ -31,6 +31,7 @@ __all__ = [
     "RESUME_AUTO",
     "SIZES",
     "TrainConfig",
+    "check_one_strategy",
     "check_resume_config",
     "config_changes",
     "load_config",
@@ -469,3 +470,13 @@ def _toml_value(value: bool | int | float | str) -> str:
     if isinstance(value, float):
         return repr(value)
     return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+
+
+def check_one_strategy(config: TrainConfig) -> None:
+    """The trainer trains one strategy; every strategy from the same weights is the comparison's entry point."""
+    if config.strategy == ALL_STRATEGIES:
+        raise ConfigError(
+            f"strategy = {ALL_STRATEGIES} retrains every strategy from the same weights to compare them, which the "
+            "trainer does not: run `torchrun --nproc_per_node=N -m bytescale_compile.train.compare` with the same "
+            f"options for that, or give one of {', '.join(RUNTIME_STRATEGIES)}"
+        )

@@ -29,8 +29,8 @@ from .checkpoint import (
     select_checkpoint,
     verify_checkpoint,
 )
+from .inputs import CHECKPOINTS_DIR
 from .models import ModelSourceError, load_model
-from .trainer import CHECKPOINTS_DIR
 
 __all__ = ["ExportError", "ExportResult", "export_checkpoint"]
 

@@ -39,7 +39,7 @@ from bytescale_compile.train.checkpoint import (
     save_checkpoint,
 )
 from bytescale_compile.train.config import TrainConfig, load_config
-from bytescale_compile.train.trainer import CONFIG_FILE, setup
+from bytescale_compile.train.inputs import CONFIG_FILE, setup
 from tests.checkpoints import SHARD, flip_byte, tiny_step
 
 # === checkpoints: several ranks, and resumes through the trainer ===================================

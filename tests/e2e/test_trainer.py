@@ -22,7 +22,7 @@ from bytescale_compile.planner import CostModel
 from bytescale_compile.train.__main__ import PROG, main
 from bytescale_compile.train.checkpoint import COMPLETE_MARKER
 from bytescale_compile.train.config import load_config
-from bytescale_compile.train.trainer import CALIBRATED_COST_MODEL
+from bytescale_compile.train.inputs import CALIBRATED_COST_MODEL
 from tests.trainer_runs import (
     ENV,
     GLOBAL_TOKENS,

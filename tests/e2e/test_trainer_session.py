@@ -17,7 +17,7 @@ import pytest
 from bytescale_compile.data import TokenDataset
 from bytescale_compile.train.__main__ import PROG, main
 from bytescale_compile.train.config import load_config
-from bytescale_compile.train.trainer import setup
+from bytescale_compile.train.inputs import setup
 from tests.trainer_runs import (
     ENV,
     MAX_LEN,

@@ -150,3 +150,18 @@ def test_the_checker_catches_what_it_should(tmp_path):
     )
     assert links(sample) == [(7, "other.md"), (7, "pic.png"), (9, "ref.md")]
     assert anchors(sample) == {"a", "a-1", "the---pp-flag"}
+
+
+CURRENT_RESULTS_MAX_BYTES = 25_000
+"""The current section of benchmarks/RESULTS.md stays readable in one sitting; older figures go to history/."""
+
+
+def test_the_current_results_stay_short():
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    start = text.index("\n## Current")
+    end = text.find("\n## ", start + 1)
+    current = text[start : end if end != -1 else len(text)]
+    assert len(current.encode()) <= CURRENT_RESULTS_MAX_BYTES, (
+        f"RESULTS.md's current section is {len(current.encode()):,} bytes, over {CURRENT_RESULTS_MAX_BYTES:,}: move "
+        "superseded tables to benchmarks/history/"
+    )

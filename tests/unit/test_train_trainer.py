@@ -10,7 +10,7 @@ import pytest
 
 from bytescale_compile.train.checkpoint import COMPLETE_MARKER
 from bytescale_compile.train.config import ConfigError, TrainConfig, load_config, to_toml
-from bytescale_compile.train.trainer import CONFIG_FILE, setup
+from bytescale_compile.train.inputs import CONFIG_FILE, setup
 
 
 @pytest.fixture
