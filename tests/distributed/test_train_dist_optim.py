@@ -20,7 +20,8 @@ from bytescale_compile.testing import run_distributed
 from bytescale_compile.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from tests.helpers import hf_llama, rel_err
 
-LENGTHS = [64, 60, 10, 12, 7, 20, 3, 5]  # with C = 32: two sequences over 2 ranks, packed short ones, unequal counts
+LENGTHS = [90, 60, 10, 12, 7, 20, 3, 5]  # with C = 32: sequences over 3 and 2 ranks, packed short ones
+UNEQUAL_LENGTHS = [64, 60, 10, 12, 7, 20, 3, 5]  # on 4 ranks: micro-batch counts [1, 1, 2, 2]
 CAPACITY = 32
 STEPS = 5
 BUCKET_BYTES = 40_000  # several buckets for a tiny model
@@ -32,7 +33,9 @@ def _batch(step: int, lengths: list[int] = LENGTHS) -> list[torch.Tensor]:
     return [torch.randint(0, 128, (n,), generator=g) for n in lengths]
 
 
-def _reference(model: torch.nn.Module, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(
+    model: torch.nn.Module, steps: int, lengths: list[int] = LENGTHS
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The loop the distributed optimizer must equal: a bf16 model whose gradients are summed in fp32 over the
     whole batch, token-level loss, clipped to norm 1, and torch's AdamW on an fp32 master copy."""
     params = dict(model.named_parameters())
@@ -46,7 +49,7 @@ def _reference(model: torch.nn.Module, steps: int) -> tuple[list[float], dict[st
         p.data = p.data.to(torch.bfloat16)
     losses = []
     for step in range(steps):
-        batch = _batch(step)
+        batch = _batch(step, lengths)
         grads = {n: torch.zeros_like(m) for n, m in master.items()}
         num_items = num_targets([len(s) for s in batch])
         total = 0.0
@@ -100,19 +103,19 @@ def _bf16_worker(rank: int, world: int) -> None:
     grad_buffer.reduce_scatter_single = counted
     try:
         runtime = bsc.Runtime(model, optimizer, capacity=CAPACITY, mixed_precision=torch.bfloat16)
-        counts = [len(s) for s in runtime.plan(np.array(LENGTHS)).schedule]
+        counts = [len(s) for s in runtime.plan(np.array(UNEQUAL_LENGTHS)).schedule]
         assert len(set(counts)) > 1, counts  # unequal micro-batch counts
         losses, overlaps = [], []
         for step in range(STEPS):
             calls.clear()
-            stats = runtime.step(_batch(step))
+            stats = runtime.step(_batch(step, UNEQUAL_LENGTHS))
             assert len(calls) == len(optimizer.buckets) > 2, (len(calls), len(optimizer.buckets))
             losses.append(stats.loss)
             overlaps.append(stats.reduce_overlap)
     finally:
         grad_buffer.reduce_scatter_single = original
     assert max(overlaps) > 0, overlaps  # buckets leave during the backward
-    ref_losses, ref_weights = _reference(reference, STEPS)
+    ref_losses, ref_weights = _reference(reference, STEPS, UNEQUAL_LENGTHS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
     for name, p in model.named_parameters():
         # bf16 rounds each micro-batch's gradient, and Adam's m / sqrt(v) turns that rounding on near-zero
