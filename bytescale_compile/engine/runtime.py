@@ -58,9 +58,8 @@ from .dist_optim import DistributedOptimizer
 from .executor import Executor
 from .mesh import tp_group
 from .optim import StepGuard, guarded_step
-from .probe import SetupProbe, default_cost_model, executor_for, probe_executor
+from .probe import SetupProbe, default_cost_model, executor_for, fitted_cost_model, probe_executor
 from .routing import RouterTraining
-from .stages import checkpointed
 
 __all__ = [
     "Runtime",
@@ -317,7 +316,7 @@ class Runtime:
         if self.tp_size > 1 and type(optimizer) is ZeroRedundancyOptimizer:
             raise ValueError(
                 f"torch's ZeroRedundancyOptimizer broadcasts whole parameters, which c10d cannot do for tensor-parallel "
-                f"(DTensor) ones (tp {self.tp_size}): build ZeRO-1 with train.optim.build_optimizer(model, ..., "
+                f"(DTensor) ones (tp {self.tp_size}): build ZeRO-1 with engine.optim.build_optimizer(model, ..., "
                 f"zero=True), which broadcasts local shards"
             )
 
@@ -340,7 +339,7 @@ class Runtime:
             pp_size=self.pp_size,
             context_length=self.context_length,
             sp=self.sp,
-            shard_blockers=tuple(self.shard_blockers()),
+            shard_blockers=self.probe.shard_blockers,
             step_time=step_time,
         )
 
@@ -353,9 +352,7 @@ class Runtime:
 
     @cost_model.setter
     def cost_model(self, cost_model: CostModel) -> None:
-        recompute = checkpointed(self.model)
-        if (cost_model.model.tp_size, cost_model.model.recompute) != (self.tp_size, recompute):
-            cost_model = cost_model.replace(tp_size=self.tp_size, recompute=recompute)
+        cost_model = fitted_cost_model(cost_model, self.model, self.tp_size)
         if self._probe is not None:  # set after the probe: charged the model's mixer costs alike
             cost_model = self._probe.charged(cost_model)
         self._cost_model = cost_model

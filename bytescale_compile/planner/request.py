@@ -39,6 +39,16 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
+def _check_step_time(strategy: str, step_time: StepTime | None, shard_blockers: Sequence[str]) -> None:
+    """ "auto" ranks its candidates by `step_time`, which the planner cannot import (it sits below the simulator);
+    a model that cannot be sharded has one plan and needs none."""
+    if strategy == AUTO and step_time is None and not shard_blockers:
+        raise ValueError(
+            f"strategy {AUTO!r} ranks its candidates by simulated step time: pass "
+            f"step_time=bytescale_compile.sim.simulator.step_time (or another StepTime)"
+        )
+
+
 def plan(
     lengths: Sequence[int] | np.ndarray,
     *,
@@ -69,6 +79,7 @@ def plan(
     """
     lens = check_arguments(lengths, strategy, world_size, capacity, pp_size)
     check_sp(sp)
+    _check_step_time(strategy, step_time, shard_blockers)
     with _no_cyclic_gc():
         if shard_blockers:  # one plan for every strategy: "auto" has nothing to choose, and a plan
             named = BALANCE if strategy == AUTO else strategy  # names a planner strategy
@@ -102,11 +113,7 @@ def plan(
                 sp=sp,
             )
         if strategy == AUTO:
-            if step_time is None:
-                raise ValueError(
-                    f"strategy {AUTO!r} ranks its candidates by simulated step time: pass "
-                    f"step_time=bytescale_compile.sim.simulator.step_time (or another StepTime)"
-                )
+            assert step_time is not None  # _check_step_time
             return plan_auto(
                 lens,
                 world_size=world_size,
@@ -152,11 +159,7 @@ class PlanRequest:
         if isinstance(self.shard_blockers, str) or not all(isinstance(b, str) for b in self.shard_blockers):
             raise TypeError(f"shard_blockers must be a tuple of strings, got {self.shard_blockers!r}")
         object.__setattr__(self, "shard_blockers", tuple(self.shard_blockers))
-        if self.strategy == AUTO and self.step_time is None and not self.shard_blockers:
-            raise ValueError(
-                f"strategy {AUTO!r} ranks its candidates by simulated step time: pass "
-                f"step_time=bytescale_compile.sim.simulator.step_time (or another StepTime)"
-            )
+        _check_step_time(self.strategy, self.step_time, self.shard_blockers)
 
     def plan(self, lengths: Sequence[int] | np.ndarray) -> Plan:
         """The plan of one global batch of sequence `lengths`, validated (every Ulysses degree divides each TP

@@ -74,6 +74,9 @@ class Prepared:
     settings_at_commit: TrainConfig | None
     """A resume's settings as given (`--capacity auto`, not the C it resolved to), written as config.toml when its
     first checkpoint commits, so a resume that fails before keeps the saved run's (None: written already)."""
+    probe: SetupProbe | None
+    """What planning reads of `model` (`engine.probe`), taken once here for every strategy's Runtime (None: a
+    pipeline stage of a calibrated run, which probed the whole model; its Runtime probes the stage)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ def prepare(inputs: RunInputs, device: torch.device) -> Prepared:
     if config.tp > 1:  # the user's model object, sharded in place: final/ is saved from it
         tensor_parallel(model.to(device), config.tp)
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    optimized, fit, cost = _compiled(inputs, device)
+    optimized, fit, cost, probed = _compiled(inputs, device)
     resuming = any(latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR) for s in config.strategies)
     if is_rank0() and not resuming:
         write_config(config)
@@ -118,16 +121,19 @@ def prepare(inputs: RunInputs, device: torch.device) -> Prepared:
         memory_budget=fit.budget,
         peak_tflops=peak_tflops(device, config.dtype, config.peak_tflops),
         settings_at_commit=config if resuming else None,
+        probe=probed,
     )
     _notes(inputs, prepared, device)
     return prepared
 
 
-def _compiled(inputs: RunInputs, device: torch.device) -> tuple[OptimizedModule, _MemoryFit, CostModel]:
+def _compiled(
+    inputs: RunInputs, device: torch.device
+) -> tuple[OptimizedModule, _MemoryFit, CostModel, SetupProbe | None]:
     """The model the steps train (the whole model, or with pipelines this rank's stage), compiled; the memory fit
     of the whole model where it runs or calibrates, else of the stage; and the cost model, calibrated with the
     whole model on every rank at once (`--calibrate`). The data is checked against both cost models: the
-    calibrated T(s) decides where offloading pays."""
+    calibrated T(s) decides where offloading pays. Last, the probe of the model returned, where one was taken."""
     config, model, cost = inputs.config, inputs.model.module, inputs.cost_model
     whole = optimize(model.to(device)) if config.pp == 1 or config.calibrates else None
     fit = None
@@ -139,14 +145,15 @@ def _compiled(inputs: RunInputs, device: torch.device) -> tuple[OptimizedModule,
             cost = _calibrated(fit.resolve(config), whole, cost)
             _preflight(inputs, fit.resolve(config), probed, cost)
         if config.pp == 1:
-            return whole, fit, cost
+            return whole, fit, cost, probed
     model.to("cpu")
     stage = optimize(pipeline_stage(model, config.pp).to(device))
-    if fit is None:
-        probed = probe(stage, cost)  # every rank at once: the stages' shard blockers are gathered
-        fit = _fit_memory(inputs, stage, probed.hdp, device)
-        _preflight(inputs, fit.resolve(config), probed, cost)
-    return stage, fit, cost
+    if fit is not None:
+        return stage, fit, cost, None
+    staged = probe(stage, cost)  # every rank at once: the stages' shard blockers are gathered
+    fit = _fit_memory(inputs, stage, staged.hdp, device)
+    _preflight(inputs, fit.resolve(config), staged, cost)
+    return stage, fit, cost, staged
 
 
 def write_config(config: TrainConfig) -> None:

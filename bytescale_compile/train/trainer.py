@@ -189,6 +189,7 @@ class Trainer:
             memory_budget=prepared.memory_budget,
             sp=config.sp,
             expert_bias_update=config.expert_bias_update,
+            probe=prepared.probe,
         )
         self.sampler = _sampler(inputs, config)
         """The local loader's, and in either case what a checkpoint's batch position is checked against."""
