@@ -5,10 +5,14 @@ the projection) imports it from here, so a new strategy is added in one place.""
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 __all__ = [
     "AUTO",
     "BALANCE",
     "DEFAULT_SP",
+    "EXPERT_LAYOUTS",
+    "ExpertLayout",
     "NAIVE",
     "RUNTIME_STRATEGIES",
     "SP_AUTO",
@@ -43,3 +47,8 @@ SP_MODES = (SP_RING, SP_ULYSSES, SP_AUTO)
 takes the largest u allowed, "auto" the cheapest the cost model predicts."""
 DEFAULT_SP = SP_AUTO
 """Per micro-batch, the split the cost model predicts fastest: a Ulysses degree only where it wins."""
+
+ExpertLayout = Literal["auto", "ep", "tp"]
+"""How a TP group holds an MoE layer's experts (`capture/tp_experts.py`): "ep" E/tp whole experts per rank, "tp"
+a 1/tp slice of every expert, "auto" "ep" where tp divides E, else "tp"."""
+EXPERT_LAYOUTS: tuple[str, ...] = get_args(ExpertLayout)

@@ -6,6 +6,8 @@ the sequence's share n_s / N of the global batch's targets (what its token-level
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 import bytescale_compile as bsc
+from bytescale_compile.capture.routers import bias_routers, expert_bias
 from bytescale_compile.engine.protocol import packed_row
 from tests.hf_models import VOCAB, _common, build
 
@@ -37,6 +40,42 @@ def deepseek_v3(seed: int = 0) -> nn.Module:
     return build("deepseek-v3", seed)
 
 
+AUX_LOSS_ARCHS = ("qwen3-moe", "mixtral", "olmoe", "gpt-oss")
+"""tests/hf_models.py's MoE causal LMs that add Hugging Face's load-balancing loss (DeepSeek-V3 has none: its
+routers balance with an expert bias instead)."""
+
+
+def moe_model(name: str, *, aux: bool, seed: int = 0) -> nn.Module:
+    """tests/hf_models.py's MoE `name`, with its load-balancing loss on (coefficient AUX_COEF) or off."""
+    if aux and name not in AUX_LOSS_ARCHS:
+        raise ValueError(f"{name} has no load-balancing loss (those with one: {AUX_LOSS_ARCHS})")
+    model = build(name, seed)
+    model.config.output_router_logits = aux
+    if aux:  # the causal LM copies the coefficient at construction
+        model.config.router_aux_loss_coef = model.router_aux_loss_coef = AUX_COEF
+    return model
+
+
+@contextmanager
+def routed_counts(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Per expert-bias router (DeepSeek-V3's), the tokens it routes to each expert over the calls made inside."""
+    routers = bias_routers(model)
+    counts = [torch.zeros_like(expert_bias(r)) for r in routers]
+
+    def count(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: tuple[torch.Tensor, ...]) -> None:
+            counts[i] += torch.bincount(out[-1].reshape(-1), minlength=counts[i].numel()).to(counts[i].dtype)
+
+        return hook
+
+    handles = [r.register_forward_hook(count(i)) for i, r in enumerate(routers)]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def batch(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
@@ -55,14 +94,15 @@ def per_sequence_step(model: nn.Module, sequences: list[torch.Tensor], lr: float
     """One SGD step of `model` trained on each sequence alone (its own forward, Hugging Face's loss), weighted by
     n_s / N."""
     total_items = sum(len(s) - 1 for s in sequences)
-    coef = model.config.router_aux_loss_coef
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)
     loss_sum, aux_sum = 0.0, 0.0
     for seq in sequences:
         share = (len(seq) - 1) / total_items
         out = model(**packed_row(seq, [len(seq)]).kwargs(labels=True))
         (out.loss * share).backward()
         loss_sum += float(out.loss.detach()) * share
-        aux_sum += float(out.aux_loss.detach()) * coef * share
+        aux = getattr(out, "aux_loss", None)  # None without the load-balancing loss
+        aux_sum += float(aux.detach()) * coef * share if aux is not None else 0.0
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     torch.optim.SGD(model.parameters(), lr=lr).step()
     return Step(loss_sum, aux_sum, weights_of(model))

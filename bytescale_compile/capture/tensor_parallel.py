@@ -14,6 +14,8 @@ graphs never see a DTensor. For each call:
     rowwise Linear     y = tp_all_reduce(linear(x_i, W_i)) + b     [x replicated: x_i = split_to_tp(x)]
     rowwise Embedding  vocabulary-parallel lookup: out-of-shard ids give zeros, then tp_all_reduce
     colwise Embedding  y = embedding(ids, W_i)                      [gathered: tp_all_gather(y, -1)]
+    MoE experts        y = tp_all_reduce(experts(copy_to_tp(x), ids_i, copy_to_tp(w)))
+                       (ids_i: the rank's own experts' ids, others a sentinel it skips, under expert-parallel)
 
 The swap is undone after the call, so outside it the model is exactly the user's DTensor model.
 Styles this does not know (sequence parallel, `PrepareModuleInput`, ...) are refused by name.
@@ -36,13 +38,25 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..ops.tensor_parallel import copy_to_tp, split_to_tp, tp_all_gather, tp_all_reduce
 
-__all__ = ["TensorParallelError", "TPModule", "TPLayout", "LocalRunner", "find_tp_layout", "check_tp_innermost"]
+__all__ = [
+    "EXPERTS_LAYOUT",
+    "TensorParallelError",
+    "TPModule",
+    "TPLayout",
+    "LocalRunner",
+    "find_tp_layout",
+    "check_tp_innermost",
+]
 
 
 GRAD_ALL_REDUCE = "tp_grad_all_reduce"
 """Attribute marking a plain (replicated) parameter whose gradient each TP rank computes only in part, like a
 per-head norm applied to the rank's local heads (Hugging Face's `replicated_with_grad_allreduce`): it enters each
 call through `copy_to_tp`, so its gradient is summed over the TP group."""
+
+EXPERTS_LAYOUT = "tp_experts_layout"
+"""Attribute `tensor_parallel` sets on a Hugging Face MoE experts module it sharded (`capture/tp_experts.py`):
+"ep" (the rank holds E/tp whole experts) or "tp" (a slice of every expert)."""
 
 
 class TensorParallelError(ValueError):
@@ -56,7 +70,7 @@ class TPModule:
     path: str
     style: str
     """colwise, colwise_gather_output, rowwise, rowwise_split_input, vocab_parallel_embedding, colwise_embedding,
-    colwise_embedding_gather."""
+    colwise_embedding_gather, replicated_with_grad_allreduce, experts_ep, experts_tp."""
 
     def describe(self) -> str:
         return {
@@ -68,6 +82,8 @@ class TPModule:
             "colwise_embedding": "column-parallel embedding (hidden sharded)",
             "colwise_embedding_gather": "column-parallel embedding, output gathered",
             "replicated_with_grad_allreduce": "replicated, gradient summed over the TP group",
+            "experts_ep": "MoE experts, E/tp whole experts per rank (all-reduce)",
+            "experts_tp": "MoE experts, every expert split like an MLP (all-reduce)",
         }[self.style]
 
 
@@ -126,7 +142,9 @@ def find_tp_layout(model: nn.Module) -> TPLayout | None:
     modules: list[TPModule] = []
     for path, module in model.named_modules():
         style = _style(path, module)
-        if style is not None:
+        if getattr(module, EXPERTS_LAYOUT, None) is not None:
+            modules.append(TPModule(path, f"experts_{getattr(module, EXPERTS_LAYOUT)}"))
+        elif style is not None:
             modules.append(TPModule(path, style))
         elif _grad_summed(module):
             modules.append(TPModule(path, "replicated_with_grad_allreduce"))
@@ -136,7 +154,8 @@ def find_tp_layout(model: nn.Module) -> TPLayout | None:
         if not all(isinstance(pl, Replicate) for pl in p.placements) and owner not in sharded:
             raise TensorParallelError(
                 f"parameter `{name}` is sharded ({p.placements}) but its module `{owner}` has no tensor-parallel "
-                f"style this compiler knows (ColwiseParallel or RowwiseParallel on nn.Linear / nn.Embedding)"
+                f"style this compiler knows (ColwiseParallel or RowwiseParallel on nn.Linear / nn.Embedding, or "
+                f"Hugging Face MoE experts sharded by bytescale_compile.tensor_parallel)"
             )
     return TPLayout(mesh, modules)
 
@@ -250,8 +269,10 @@ def _colwise(module: nn.Linear, x: Tensor, *, group: str, gather: bool) -> Tenso
     return tp_all_gather(y, y.dim() - 1, group) if gather else y
 
 
-def _rowwise(module: nn.Linear, x: Tensor, *, group: str, split: bool, bias: Tensor | None) -> Tensor:
-    y = tp_all_reduce(F.linear(split_to_tp(x, group) if split else x, module.weight), group)
+def _rowwise(module: nn.Linear, x: Tensor, *, group: str, split: tuple[int, int] | None, bias: Tensor | None) -> Tensor:
+    """`split`: (rank, size) of the TP group when `x` is replicated and this rank takes its slice."""
+    x = split_to_tp(x, group, rank=split[0], size=split[1]) if split is not None else x
+    y = tp_all_reduce(F.linear(x, module.weight), group)
     return y + bias if bias is not None else y
 
 
@@ -273,6 +294,19 @@ def _local_padding(module: nn.Embedding, start: int) -> int | None:
     return p - start if p is not None and 0 <= p - start < module.weight.shape[0] else None
 
 
+def _experts(
+    module: nn.Module, x: Tensor, ids: Tensor, weights: Tensor, *, group: str, start: int, count: int | None
+) -> Tensor:
+    """The experts' own forward on the rank's shards; under expert-parallel (`count` local experts from `start`)
+    another rank's expert id becomes the sentinel `count`, which Hugging Face's experts skip, with weight 0."""
+    x, weights = copy_to_tp(x, group), copy_to_tp(weights, group)  # each rank's gradients are partial
+    if count is not None:
+        local = ids - start
+        foreign = (local < 0) | (local >= count)
+        ids, weights = local.masked_fill(foreign, count), weights.masked_fill(foreign, 0)
+    return tp_all_reduce(type(module).forward(module, x, ids, weights), group)
+
+
 @dataclass
 class _Swap:
     """What `localized` changes on one module, made once so every call sees the same hook dicts (no recompiles)."""
@@ -286,6 +320,8 @@ class _Swap:
     """A row-parallel linear with a (replicated) bias: added after the all-reduce, not by every rank's linear."""
     grad_summed: list[str] = field(default_factory=list)
     """Plain parameters marked `GRAD_ALL_REDUCE`, entering the call through `copy_to_tp`."""
+    attributes: dict[str, Any] = field(default_factory=dict)
+    """Plain attributes set for the call (an expert-parallel module's local expert count)."""
 
 
 class LocalRunner:
@@ -320,15 +356,24 @@ class LocalRunner:
             return functools.partial(_colwise, module, group=group, gather=style == "colwise_gather_output")
         if style in ("rowwise", "rowwise_split_input"):
             swap.bias_after_reduce = module.bias is not None
-            return functools.partial(self._rowwise, module, swap, group=group, split=style == "rowwise_split_input")
+            split = (self.layout.rank, self.layout.size) if style == "rowwise_split_input" else None
+            return functools.partial(self._rowwise, module, swap, group=group, split=split)
         if style == "vocab_parallel_embedding":
             start = self.layout.rank * module.weight.to_local().shape[0]
             return functools.partial(_vocab_parallel_embedding, module, group=group, start=start)
         if style in ("colwise_embedding", "colwise_embedding_gather"):
             return functools.partial(_colwise_embedding, module, group=group, gather=style.endswith("gather"))
+        if style == "experts_ep":
+            count = module.gate_up_proj.to_local().shape[0] if module.has_gate else module.up_proj.to_local().shape[0]
+            swap.attributes = {"num_experts": count, "_is_expert_parallel": True}
+            return functools.partial(_experts, module, group=group, start=self.layout.rank * count, count=count)
+        if style == "experts_tp":
+            return functools.partial(_experts, module, group=group, start=0, count=None)
         return None
 
-    def _rowwise(self, module: nn.Linear, swap: _Swap, x: Tensor, *, group: str, split: bool) -> Tensor:
+    def _rowwise(
+        self, module: nn.Linear, swap: _Swap, x: Tensor, *, group: str, split: tuple[int, int] | None
+    ) -> Tensor:
         return _rowwise(module, x, group=group, split=split, bias=self._bias_locals.get(id(swap)))
 
     @contextmanager
@@ -339,8 +384,17 @@ class LocalRunner:
             for swap in self._swaps:
                 m = swap.module
                 saved.append(
-                    (m, dict(m._parameters), m._forward_pre_hooks, m._forward_hooks, m.__dict__.get("forward"))
+                    (
+                        m,
+                        dict(m._parameters),
+                        m._forward_pre_hooks,
+                        m._forward_hooks,
+                        m.__dict__.get("forward"),
+                        {k: getattr(m, k) for k in swap.attributes},
+                    )
                 )
+                for k, v in swap.attributes.items():
+                    setattr(m, k, v)
                 params = cast(dict[str, Any], m._parameters)  # local tensors, not Parameters, for the call
                 for name in swap.dtensors:
                     params[name] = params[name].to_local()
@@ -355,8 +409,10 @@ class LocalRunner:
             yield
         finally:
             self._bias_locals.clear()
-            for m, params, pre, post, forward in saved:
+            for m, params, pre, post, forward, attributes in saved:
                 m._parameters.update(params)
+                for k, v in attributes.items():
+                    setattr(m, k, v)
                 m._forward_pre_hooks, m._forward_hooks = pre, post
                 if forward is None:
                     m.__dict__.pop("forward", None)

@@ -10,6 +10,11 @@ The plan comes from, in order: the `plan` argument; a Hugging Face model's `conf
     rowwise_split_input     RowwiseParallel(input_layouts=Replicate())
     embedding_rowwise       RowwiseParallel(input_layouts=Replicate()) a vocabulary-parallel embedding
     replicated_with_grad_allreduce    whole on every rank, gradient summed (a per-head norm on local heads)
+    moe_tp_experts          a Hugging Face MoE experts module, in the `expert_layout` of `capture/tp_experts.py`
+                            (its parameters' own entries, `packed_colwise` and `rowwise`, are what that layout does)
+
+A Hugging Face config's `base_model_ep_plan` adds its `ep_dispatch_experts` modules as `moe_tp_experts` where the
+TP plan has none (gpt-oss).
 
 Everything is checked before any parameter moves: the heads and KV heads of every attention layer
 divide by tp, and each sharded dimension does.
@@ -29,7 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from ..strategies import EXPERT_LAYOUTS, ExpertLayout
 from .tensor_parallel import GRAD_ALL_REDUCE, TensorParallelError, check_tp_innermost
+from .tp_experts import EXPERTS_STYLE, ExpertsStyle, experts_style, shard_experts
 
 __all__ = ["tensor_parallel", "check_tensor_parallel", "tp_plan_of", "tp_mesh"]
 
@@ -55,20 +62,29 @@ STYLES: dict[str, Any] = {
 def tp_plan_of(model: nn.Module) -> dict[str, str | ParallelStyle]:
     """The model's known plan, keys relative to `model`; `TensorParallelError` when it has none."""
     own = getattr(model, "tp_plan", None)
-    if isinstance(own, dict) and own:
-        return dict(own)
+    if isinstance(own, dict) and own:  # a Hugging Face model's merged plans (`tp_plan`, `ep_plan`), or our LLaMA's
+        return {**_ep_experts(getattr(model, "ep_plan", None)), **own}
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None)
     if base:
         prefix = getattr(model, "base_model_prefix", "")
         nested = prefix and hasattr(model, prefix)
-        plan: dict[str, str | ParallelStyle] = {f"{prefix}.{k}" if nested else k: v for k, v in base.items()}
+        experts = _ep_experts(getattr(config, "base_model_ep_plan", None))
+        plan: dict[str, str | ParallelStyle] = {
+            f"{prefix}.{k}" if nested else k: v for k, v in {**experts, **base}.items()
+        }
         plan.update(getattr(model, "_tp_plan", None) or {})
         return plan
     raise TensorParallelError(
         f"{type(model).__name__} has no known tensor-parallel plan (no `tp_plan`, no Hugging Face "
         f"`config.base_model_tp_plan`); pass one: tensor_parallel(model, tp, plan={{'layers.*.q_proj': 'colwise', ...}})"
     )
+
+
+def _ep_experts(ep_plan: Any) -> dict[str, str | ParallelStyle]:
+    """An expert-parallel plan's experts modules (`ep_dispatch_experts`), as `moe_tp_experts` entries."""
+    plan = ep_plan if isinstance(ep_plan, dict) else {}
+    return {k: EXPERTS_STYLE for k, v in plan.items() if v == "ep_dispatch_experts"}
 
 
 def tp_mesh(tp_size: int, device_type: str = "cpu", pp_size: int = 1) -> DeviceMesh:
@@ -97,12 +113,15 @@ def tensor_parallel(
     tp_size: int,
     plan: dict[str, str | ParallelStyle] | None = None,
     mesh: DeviceMesh | None = None,
+    *,
+    expert_layout: ExpertLayout = "auto",
 ) -> nn.Module:
     """Shard `model` in place over a TP group of `tp_size` ranks (a new (hdp, tp) mesh unless `mesh` is the 1-D TP
-    mesh to use) and return it; tp 1 returns it untouched."""
+    mesh to use) and return it; tp 1 returns it untouched. `expert_layout` places MoE experts: "ep" (E/tp whole
+    experts per rank), "tp" (every expert split), or "auto" ("ep" where tp divides E, else "tp")."""
     if tp_size == 1 and mesh is None:
         return model
-    styles = check_tensor_parallel(model, tp_size, plan)
+    styles = check_tensor_parallel(model, tp_size, plan, expert_layout=expert_layout)
     if mesh is None:
         device = next(model.parameters()).device.type
         mesh = tp_mesh(tp_size, "cpu" if device == "meta" else device)
@@ -114,22 +133,34 @@ def tensor_parallel(
             for p in model.get_submodule(path).parameters(recurse=False):
                 setattr(p, GRAD_ALL_REDUCE, True)
             del styles[path]
+        elif isinstance(style, ExpertsStyle):
+            shard_experts(model.get_submodule(path), style, mesh)
+            del styles[path]
     parallelize_module(model, mesh, styles)
     log.info("tensor parallel over %d ranks: %d modules sharded", tp_size, len(styles))
     return model
 
 
 def check_tensor_parallel(
-    model: nn.Module, tp_size: int, plan: dict[str, str | ParallelStyle] | None = None
+    model: nn.Module,
+    tp_size: int,
+    plan: dict[str, str | ParallelStyle] | None = None,
+    *,
+    expert_layout: ExpertLayout = "auto",
 ) -> dict[str, Any]:
-    """The style of every module `plan` (default: the model's) shards over `tp_size` ranks (a `ParallelStyle`, or
-    `GradAllReduce`), after refusing what would split a head or a row unevenly: no process group needed, so a job
-    checks before any work."""
+    """The style of every module `plan` (default: the model's) shards over `tp_size` ranks (a `ParallelStyle`,
+    `GradAllReduce` or `ExpertsStyle`), after refusing what would split a head, a row or the experts unevenly: no
+    process group needed, so a job checks before any work."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise TensorParallelError(f"expert_layout {expert_layout!r} is not one of {EXPERT_LAYOUTS}")
     styles = _resolve(model, dict(plan) if plan is not None else tp_plan_of(model))
     for path in _tied_embeddings(model) & styles.keys():
         del styles[path]
         log.warning("`%s` shares its weight with another module (tied embeddings): it stays replicated", path)
-    check_divisible(model, styles, tp_size)
+    check_divisible(model, styles, tp_size)  # heads first: a layout's advice must not lead into a heads error
+    for path, style in styles.items():
+        if style == EXPERTS_STYLE:
+            styles[path] = experts_style(path, model.get_submodule(path), tp_size, expert_layout)
     return styles
 
 
@@ -145,14 +176,22 @@ def _tied_embeddings(model: nn.Module) -> set[str]:
 
 
 def _resolve(model: nn.Module, plan: dict[str, str | ParallelStyle]) -> dict[str, Any]:
-    """Plan patterns (`layers.*.q_proj`) -> the style of every module path they match."""
+    """Plan patterns (`layers.*.q_proj`) -> the style of every module path they match (`EXPERTS_STYLE` for an
+    experts module)."""
     names = [name for name, _ in model.named_modules() if name]
     styles: dict[str, Any] = {}
+    experts = [pattern for pattern, style in plan.items() if style == EXPERTS_STYLE]
+    for pattern in experts:
+        for name in names:
+            if fnmatch.fnmatchcase(name, pattern) and _same_depth(name, pattern):
+                styles[name] = EXPERTS_STYLE  # its layout once the heads are checked
     for pattern, style in plan.items():
+        if pattern in experts or any(pattern.startswith(f"{e}.") for e in experts):
+            continue  # an experts module, or one of its parameters: sharded by its layout
         if isinstance(style, str):
             if style not in STYLES:
                 raise TensorParallelError(
-                    f"tensor-parallel plan entry `{pattern}`: style {style!r} is not supported (known: {sorted(STYLES)})"
+                    f"tensor-parallel plan entry `{pattern}`: style {style!r} is not supported (known: {sorted([*STYLES, EXPERTS_STYLE])})"
                 )
             make = STYLES[style]
         else:

@@ -1,5 +1,6 @@
 """`bytescale-compile memory`: predict one rank's memory and the capacity C a device budget allows, from a
-meta-device compilation (`train/memory.py`): no weights, no device memory."""
+meta-device compilation (`train/memory.py`), or for a preset shape from its counts alone
+(`planner.memory.shape_memory_model`): no weights, no device memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import functools
 from typing import TYPE_CHECKING
 
+from ..strategies import EXPERT_LAYOUTS
 from .arguments import CLIError, Subparsers, int_at_least
 from .targets import meta_model, sample_inputs
 
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..planner.memory import MemoryModel
+    from ..planner.model_shape import ModelShape
 
 __all__ = ["register"]
 
@@ -31,7 +34,8 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "target",
         metavar="MODEL",
-        help="a directory with a Hugging Face config.json (compiled as a 2-layer copy), or MODULE:FACTORY",
+        help="a directory with a Hugging Face config.json (compiled as a 2-layer copy), MODULE:FACTORY, or a "
+        "preset shape (llama-7b ... mistral-8x22b: counted, not compiled)",
     )
     p.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--pp", type=int_at_least(1), default=1, help="pipeline stages (default 1)")
@@ -58,6 +62,13 @@ def register(sub: Subparsers) -> None:
         default=None,
         help="the C with (--offload) or without (--no-offload) activation offloading (default: both)",
     )
+    p.add_argument(
+        "--expert-layout",
+        choices=EXPERT_LAYOUTS,
+        default="auto",
+        help="a preset MoE's experts in the TP group: ep (E/tp whole experts per rank), tp (every expert split "
+        "like a dense MLP), auto (ep where tp divides the experts; default)",
+    )
     p.set_defaults(func=cmd_memory)
 
 
@@ -66,12 +77,25 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     budget = _budget(args.device_memory)
     _check_options(args)
-    model, total_layers = meta_model(args.target, args.dtype)
-    if args.pp > total_layers:
-        raise CLIError(f"--pp {args.pp} is larger than the model's {total_layers} decoder layers")
-    memory = _memory_model(args, model, total_layers=total_layers, budget=budget)
+    shape = _preset(args.target)
+    if shape is not None:
+        memory, total_layers, note = _shape_memory_model(args, shape, budget), shape.layers, None
+    else:
+        if args.expert_layout != "auto":
+            raise CLIError(
+                "--expert-layout applies to a preset shape (mistral-8x7b, mistral-8x22b); a compiled model is "
+                "counted as it is built, every matrix split over --tp"
+            )
+        model, total_layers = meta_model(args.target, args.dtype)
+        if args.pp > total_layers:
+            raise CLIError(f"--pp {args.pp} is larger than the model's {total_layers} decoder layers")
+        memory, note = _memory_model(args, model, total_layers=total_layers, budget=budget)
     where = f"tp {args.tp}, pp {args.pp}, {args.hdp} HDP ranks"
     print(f"{args.target}: {total_layers} decoder layers, {args.dtype}, {where}, budget {format_bytes(budget)}")
+    if shape is not None:
+        print(_shape_line(args, shape))
+    elif note is not None:
+        print(note)
     print(memory.describe())
     modes = [args.offload] if args.offload is not None else [False, True]
     try:
@@ -84,6 +108,51 @@ def cmd_memory(args: argparse.Namespace) -> int:
     except MemoryBudgetError as e:
         raise CLIError(f"--device-memory: {e}") from e
     return 0
+
+
+def _preset(target: str) -> ModelShape | None:
+    """The preset shape MODEL names, None for a directory or MODULE:FACTORY."""
+    from pathlib import Path
+
+    from ..planner.model_shape import PRESETS
+
+    return PRESETS.get(target) if not Path(target).exists() else None
+
+
+def _shape_memory_model(args: argparse.Namespace, shape: ModelShape, budget: int) -> MemoryModel:
+    """A preset's memory model from its counts, the layout refused with the fix where it cannot split."""
+    from ..planner.memory import MemoryBudgetError, ParallelLayout, shape_memory_model
+    from ..train.memory import trainer_expandable_segments
+
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, hdp=args.hdp, expert_layout=args.expert_layout)
+    try:
+        memory = shape_memory_model(
+            shape,
+            layout,
+            dtype=args.dtype,
+            zero=args.zero,
+            grad_reduce_dtype=args.grad_reduce_dtype,
+            budget=budget,
+            expandable=trainer_expandable_segments(),
+        )
+        memory.available(budget)
+    except MemoryBudgetError as e:
+        raise CLIError(f"--device-memory: {e}") from e
+    except ValueError as e:
+        raise CLIError(f"--tp {args.tp} --pp {args.pp} --expert-layout {args.expert_layout}: {e}") from e
+    return memory
+
+
+def _shape_line(args: argparse.Namespace, shape: ModelShape) -> str:
+    """What the preset's counts give per device: parameters, and an MoE's experts."""
+    tp = args.tp
+    line = f"preset {shape.name}, counted: {shape.params_per_device(tp=tp, pp=args.pp):,} parameters per device"
+    if not shape.moe:
+        return line
+    layout = shape.resolve_expert_layout(tp, args.expert_layout)
+    per = shape.experts // tp
+    held = f"{per} whole expert{'s' * (per > 1)}" if layout == "ep" else f"1/{tp} of each of {shape.experts} experts"
+    return f"{line}; experts: {held} (layout {layout}), router replicated, top-{shape.top_k} routing"
 
 
 def _budget(device_memory: str | None) -> int:
@@ -108,9 +177,12 @@ def _check_options(args: argparse.Namespace) -> None:
         raise CLIError("--grad-reduce-dtype bf16 applies to --dtype bf16")
 
 
-def _memory_model(args: argparse.Namespace, model: nn.Module, *, total_layers: int, budget: int) -> MemoryModel:
+def _memory_model(
+    args: argparse.Namespace, model: nn.Module, *, total_layers: int, budget: int
+) -> tuple[MemoryModel, str | None]:
     """The memory model of `model` (on the meta device) in the run's layout: its static bytes checked against
-    `budget` first, then its activations from a compilation of one short row."""
+    `budget` first, then its activations from a compilation of one short row; and a note where the compilation
+    missed an MoE's experts (`_unseen_experts`)."""
     from ..planner.memory import MemoryBudgetError
     from ..train.memory import compile_on_meta, memory_model, trainer_expandable_segments
 
@@ -129,10 +201,32 @@ def _memory_model(args: argparse.Namespace, model: nn.Module, *, total_layers: i
     inputs = sample_inputs(model, _PROBE_TOKENS)
     try:
         layout(model, activations=False).available(budget)  # budget and tp refused before compiling
-        return layout(compile_on_meta(model, inputs))
+        compiled = compile_on_meta(model, inputs)
+        return layout(compiled), _unseen_experts(compiled)
     except MemoryBudgetError as e:
         raise CLIError(f"--device-memory: {e}") from e
     except ValueError as e:
         raise CLIError(str(e)) from e
     except Exception as e:  # compiling someone's model on the meta device: name what failed, not a traceback
         raise CLIError(f"compiling {args.target} on the meta device failed: {type(e).__name__}: {e}") from e
+
+
+def _unseen_experts(compiled: nn.Module) -> str | None:
+    """A note for an MoE whose experts saved nothing in the compile report, so that the activations printed are
+    not taken for the whole layer's."""
+    from ..passes.report import CompileReport
+    from ..planner.model_shape import ModelConfigError, model_shape
+
+    try:
+        shape = model_shape(compiled)
+    except ModelConfigError:
+        return None
+    saved = CompileReport(graphs=getattr(compiled, "compiled_graphs", [])).saved_activations
+    if not shape.moe or any(".experts" in a.source for a in saved):
+        return None
+    return (
+        f"note: {shape.experts} experts, top-{shape.top_k}: the compile report lists no saved activation of the "
+        f"experts (a meta-device compilation of their data-dependent routing records none), so the activations "
+        f"below leave them out; a preset MODEL (mistral-8x7b, mistral-8x22b) or planner.memory.shape_memory_model "
+        f"counts them"
+    )

@@ -69,7 +69,8 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         "--tp",
         type=int_at_least(1),
         default=1,
-        help="GPUs per HDP rank on the --hardware cluster (needed when > 1; must divide the GPUs per switch): "
+        help="GPUs per HDP rank on the --hardware cluster (needed when > 1; must divide the GPUs per switch, or "
+        "span whole switches of a node): "
         "each layer's TP all-reduces are charged on their intra-node links",
     )
     p.add_argument("--capacity", type=size, default="8K", help="tokens per HDP rank (its TP group's), C")
@@ -107,6 +108,15 @@ def _cost_model(name: str, hardware: str | None = None, tp: int = 1) -> Any:
     return dataclasses.replace(cost, hardware=cluster) if cluster and name.endswith(".json") else cost
 
 
+def _check_layout(args: argparse.Namespace, cost_model: Any) -> None:
+    """A pipeline deeper than the model's layers, refused before planning (the planner would give stages none)."""
+    if args.pp > cost_model.layers:
+        raise CLIError(
+            f"--pp {args.pp} is larger than the model's {cost_model.layers} decoder layers: every pipeline stage "
+            f"needs at least one layer"
+        )
+
+
 def _strategy(name: str) -> str:
     """A strategy `run_strategy` knows, checked before any planning or output."""
     from ..planner import STRATEGY_SPECS
@@ -134,6 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     tokens, context, strategy = args.global_tokens, args.context, _strategy(args.strategy)
     cost_model = _cost_model(args.model, args.hardware, args.tp)
+    _check_layout(args, cost_model)
     lens = sample_global_batch(args.dataset, tokens, seed=args.seed, max_len=context)
     try:
         outcome = run_strategy(strategy, lens, **_cluster(args, cost_model), context_length=context)
@@ -188,6 +199,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     tokens, contexts = args.global_tokens, args.context
     strategies = [_strategy(s) for s in args.strategies.split(",") if s]
     cost_model = _cost_model(args.model, args.hardware, args.tp)
+    _check_layout(args, cost_model)
     table: dict[str, list[float]] = {s: [] for s in strategies}
     print(f"{'context':>8} " + " ".join(f"{s + ' tok/s':>22}" for s in strategies) + "   speedup over first")
     last: list[Outcome] = []

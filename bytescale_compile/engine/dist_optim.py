@@ -19,12 +19,14 @@ fp32 run, read back by whatever fragments the loading ranks hold.
 
 Under tensor parallelism a DTensor parameter stays a DTensor, its local tensor the bf16 view into the buffer: the
 layout is of local shards, the group the HDP ranks of this rank's TP index (`mesh.replica_group`), and a piece's
-box sits at its TP shard's offset in the global tensor. Every TP index needs the same layout (its pieces are
-named for each TP rank at once), so TP shards must be even.
+box sits at its TP shard's offset in the global tensor (`TPSplit`; a strided shard's chunks, Hugging Face's fused
+gate/up experts, in boxes that never cross a chunk). Every TP index needs the same layout (its pieces are named for
+each TP rank at once), so TP shards must be even.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Iterator
@@ -39,13 +41,14 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as TPShard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .adamw import IMPLEMENTATION_FLAGS, StepGuard, fused_supported, guarded_step, param_groups
 from .collectives import BUCKET_BYTES, local
 from .grad_buffer import Bucket, GradBuffer, all_gather_single, bucket_layout
 from .mesh import replica_group
 
-__all__ = ["DistributedOptimizer", "DistributedOptimizerError", "restore_fp32_"]
+__all__ = ["DistributedOptimizer", "DistributedOptimizerError", "TPSplit", "restore_fp32_"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -327,10 +330,9 @@ class DistributedOptimizer:
             fragment = self._fragment(i, rank)
             if fragment is None:
                 continue
-            for holder, origin in self._tp.holders(i, self._group_ranks[rank]):
-                for offsets, sizes, start in _boxes(self._tp.shapes[i], fragment.lo, fragment.hi):
-                    at = [o + d for o, d in zip(offsets, origin)]
-                    meta = ShardMetadata(at, list(sizes), f"rank:{holder}/{shard.device}")
+            for holder, index in self._tp.holders(i, self._group_ranks[rank]):
+                for at, sizes, start in self._tp.boxes(i, index, fragment.lo, fragment.hi):
+                    meta = ShardMetadata(list(at), list(sizes), f"rank:{holder}/{shard.device}")
                     every.append(meta)
                     if holder == dist.get_rank():
                         first = fragment.shard + start - fragment.lo
@@ -341,6 +343,73 @@ class DistributedOptimizer:
 
 
 @dataclass(frozen=True)
+class TPSplit:
+    """How a tensor-parallel parameter's local tensor sits in its global one: sharded on `dim` over `size` TP ranks,
+    in `chunks` strided chunks (`_StridedShard`'s split factor: Hugging Face's fused gate/up experts hold a slice of
+    each half; 1: one contiguous shard)."""
+
+    dim: int
+    chunks: int
+    size: int
+
+    @classmethod
+    def of(cls, p: torch.Tensor, name: str) -> TPSplit | None:
+        """Read from a DTensor on a 1-D TP mesh (None: replicated or a plain tensor); `DistributedOptimizerError`
+        for a placement, or an uneven shard, whose pieces this cannot place."""
+        if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
+            return None
+        placement, size = p.placements[0], p.device_mesh.size()
+        if len(p.placements) == 1 and isinstance(placement, _StridedShard):  # first: in some torch versions a Shard
+            split = cls(placement.dim % p.ndim, int(placement.split_factor), size)
+        elif len(p.placements) == 1 and isinstance(placement, TPShard):
+            split = cls(placement.dim % p.ndim, 1, size)
+        else:
+            raise DistributedOptimizerError(
+                f"parameter `{name}` has placements {p.placements}; the distributed optimizer and checkpoints take "
+                f"Shard, _StridedShard or Replicate on a 1-D TP mesh"
+            )
+        if p.shape[split.dim] % (size * split.chunks):
+            raise DistributedOptimizerError(
+                f"parameter `{name}` {tuple(p.shape)} is sharded on dim {split.dim} unevenly over tp {size}"
+                f"{f' in {split.chunks} strided chunks' if split.chunks > 1 else ''}: every TP rank must hold the "
+                f"same shard shape; pick a tp that divides {p.shape[split.dim] // split.chunks}"
+            )
+        return split
+
+    def boxes(
+        self, shape: tuple[int, ...], index: int, lo: int, hi: int
+    ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """The flat range [lo, hi) of TP index `index`'s local tensor of `shape` as rectangular boxes of the global
+        tensor, each contiguous in the local one: (global offsets, sizes, local flat start). A strided shard's
+        chunks are apart in the global tensor, so a box never crosses from one chunk to the next."""
+        dim, width = self.dim, shape[self.dim] // self.chunks
+        if self.chunks == 1:
+            for offsets, sizes, start in _boxes(shape, lo, hi):
+                yield tuple(o + index * width if d == dim else o for d, o in enumerate(offsets)), sizes, start
+            return
+        split = (*shape[:dim], self.chunks, width, *shape[dim + 1 :])  # the same row-major order, chunks apart
+        for offsets, sizes, start in _one_chunk_each(split, dim, _boxes(split, lo, hi)):
+            at = offsets[dim] * width * self.size + index * width + offsets[dim + 1]
+            yield (*offsets[:dim], at, *offsets[dim + 2 :]), (*sizes[:dim], sizes[dim + 1], *sizes[dim + 2 :]), start
+
+
+def _one_chunk_each(
+    shape: tuple[int, ...], axis: int, boxes: Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """`_boxes`' boxes of `shape` cut so that each spans one index of dimension `axis`. A `_boxes` box is one index
+    on its leading dimensions, a range on one, and whole on the rest: one spanning several indices of `axis` is
+    whole past it, and falls apart into whole blocks, one per index of the dimensions up to `axis`."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    for offsets, sizes, start in boxes:
+        if sizes[axis] == 1:
+            yield offsets, sizes, start
+            continue
+        for lead in itertools.product(*(range(o, o + n) for o, n in zip(offsets[: axis + 1], sizes[: axis + 1]))):
+            flat = sum(i * stride for i, stride in zip(lead, strides))
+            yield (*lead, *offsets[axis + 1 :]), (*[1] * (axis + 1), *sizes[axis + 1 :]), flat
+
+
+@dataclass(frozen=True)
 class _TPShards:
     """Where the parameters' local tensors sit in their global ones under tensor parallelism (tp 1: in place)."""
 
@@ -348,51 +417,37 @@ class _TPShards:
     rank: int
     shapes: list[tuple[int, ...]]
     """Each parameter's local shape: the same at every TP index (even shards)."""
-    dims: list[int | None]
-    """The dimension each parameter is sharded on over its TP group; None: replicated (or a plain tensor)."""
+    splits: list[TPSplit | None]
+    """How each parameter is sharded over its TP group; None: replicated (or a plain tensor)."""
 
     @classmethod
     def of(cls, params: list[nn.Parameter], names: list[str]) -> _TPShards:
         """Read from the DTensor parameters; `DistributedOptimizerError` for a layout the buffer cannot share."""
         mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
         size = mesh.size() if mesh is not None else 1
-        dims = [_shard_dim(p, name, size) for p, name in zip(params, names)]
+        splits = [TPSplit.of(p, name) for p, name in zip(params, names)]
         return cls(
-            size, mesh.get_local_rank() if mesh is not None else 0, [tuple(local(p).shape) for p in params], dims
+            size, mesh.get_local_rank() if mesh is not None else 0, [tuple(local(p).shape) for p in params], splits
         )
 
     def counted(self, i: int) -> bool:
         """Whether this rank's squares of parameter `i` enter the norm: each TP shard's, a replicated one's once."""
-        return self.dims[i] is not None or self.rank == 0
+        return self.splits[i] is not None or self.rank == 0
 
-    def holders(self, i: int, global_rank: int) -> list[tuple[int, tuple[int, ...]]]:
+    def holders(self, i: int, global_rank: int) -> list[tuple[int, int]]:
         """The global ranks holding the fragments that `global_rank` holds of parameter `i` at their own TP index,
-        each with where its local tensor begins in the global one: itself for a replicated parameter, every rank
-        of its TP group (adjacent ranks: tp is the innermost mesh dimension) for a sharded one."""
-        dim, shape = self.dims[i], self.shapes[i]
-        if dim is None:
-            return [(global_rank, (0,) * len(shape))]
+        each with that TP index: itself for a replicated parameter, every rank of its TP group (adjacent ranks: tp
+        is the innermost mesh dimension) for a sharded one."""
+        if self.splits[i] is None:
+            return [(global_rank, self.rank)]
         first = global_rank - self.rank
-        return [(first + t, tuple(t * n if d == dim else 0 for d, n in enumerate(shape))) for t in range(self.size)]
+        return [(first + t, t) for t in range(self.size)]
 
-
-def _shard_dim(p: nn.Parameter, name: str, tp: int) -> int | None:
-    """The dimension `p` is evenly sharded on (None: replicated or plain); `DistributedOptimizerError` otherwise."""
-    if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
-        return None
-    placement = p.placements[0]
-    if len(p.placements) != 1 or not isinstance(placement, TPShard):
-        raise DistributedOptimizerError(
-            f"parameter `{name}` has placements {p.placements}; the distributed optimizer takes Shard or Replicate "
-            f"on a 1-D TP mesh"
-        )
-    dim = placement.dim % p.ndim
-    if p.shape[dim] % tp:
-        raise DistributedOptimizerError(
-            f"parameter `{name}` {tuple(p.shape)} is sharded on dim {dim} unevenly over tp {tp}: the distributed "
-            f"optimizer needs every TP rank to hold the same shard shape; pick a tp that divides {p.shape[dim]}"
-        )
-    return dim
+    def boxes(self, i: int, index: int, lo: int, hi: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """The flat range [lo, hi) of parameter `i`'s local tensor at TP index `index` as boxes of the global tensor:
+        (global offsets, sizes, local flat start)."""
+        split = self.splits[i]
+        return _boxes(self.shapes[i], lo, hi) if split is None else split.boxes(self.shapes[i], index, lo, hi)
 
 
 def _rebind(p: nn.Parameter, data: torch.Tensor) -> None:

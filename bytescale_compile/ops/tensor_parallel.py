@@ -105,14 +105,14 @@ class _CopyToTP(torch.autograd.Function):
 
 class _SplitToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group_name: str) -> Tensor:
+    def forward(ctx: Any, x: Tensor, group_name: str, rank: int, size: int) -> Tensor:
         ctx.group_name = group_name
-        local = x.shape[-1] // tp_size(group_name)
-        return x.narrow(-1, tp_rank(group_name) * local, local).contiguous()
+        local = x.shape[-1] // size
+        return x.narrow(-1, rank * local, local).contiguous()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return tp_all_gather(grad, grad.dim() - 1, ctx.group_name), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return tp_all_gather(grad, grad.dim() - 1, ctx.group_name), None, None, None
 
 
 def copy_to_tp(x: Tensor, group_name: str) -> Tensor:
@@ -120,6 +120,7 @@ def copy_to_tp(x: Tensor, group_name: str) -> Tensor:
     return _CopyToTP.apply(x, group_name)
 
 
-def split_to_tp(x: Tensor, group_name: str) -> Tensor:
-    """This rank's slice of the last dim of replicated `x` (a row-parallel linear's input)."""
-    return _SplitToTP.apply(x, group_name)
+def split_to_tp(x: Tensor, group_name: str, *, rank: int, size: int) -> Tensor:
+    """This rank's slice of the last dim of replicated `x` (a row-parallel linear's input). The rank and size are
+    the caller's plain ints: resolving the group inside a traced forward would break the graph."""
+    return _SplitToTP.apply(x, group_name, rank, size)

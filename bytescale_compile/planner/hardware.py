@@ -115,7 +115,7 @@ def _l20_cluster(tp_size: int) -> Hardware:
         nic_bandwidth=50e9,
         nics_per_node=8,
     )
-    offload = topology.switch_uplink / topology.ranks_per_switch
+    offload = topology.rank_uplink / topology.ranks_per_switch
     return Hardware(
         name=f"l20-tp{tp_size}",
         matmul_flops=tp_size * 119.5e12,

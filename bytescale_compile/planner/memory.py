@@ -21,7 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import loss_chunk_tokens
+from ..config import CompileConfig, loss_chunk_tokens
+from ..strategies import ExpertLayout
+from .model_shape import ModelShape
 
 __all__ = [
     "BUCKET_BYTES",
@@ -32,8 +34,10 @@ __all__ = [
     "LossWorkspace",
     "MemoryBudgetError",
     "MemoryModel",
+    "ParallelLayout",
     "StaticBytes",
     "format_bytes",
+    "shape_memory_model",
 ]
 
 BUCKET_BYTES = 25 * 2**20
@@ -433,3 +437,66 @@ class MemoryModel:
                 )
             lines.append(f"  longest per rank (offload r = 1): {self.longest_per_rank(budget):,} tokens")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """Where one device sits: a TP group of `tp`, a pipeline of `pp` stages, `hdp` HDP ranks, and how the TP
+    group holds an MoE's experts."""
+
+    tp: int = 1
+    pp: int = 1
+    hdp: int = 1
+    expert_layout: ExpertLayout = "auto"
+
+
+def shape_memory_model(
+    shape: ModelShape,
+    layout: ParallelLayout,
+    *,
+    dtype: str,
+    zero: bool = False,
+    grad_reduce_dtype: str = "fp32",
+    budget: int | None = None,
+    expandable: bool = True,
+) -> MemoryModel:
+    """The `MemoryModel` of one device of the largest pipeline stage training `shape`, from its counts alone (no
+    model, no compilation), planned for CUDA: parameters `ModelShape.params_per_device` (experts split over tp in
+    either layout, the router whole), activations `ModelShape.layer_act_bytes_per_token` in the dtype's element
+    size, two hidden-wide tensors per token outside the layers (the final norm's input and the lm_head's), pp
+    micro-batches in flight (1F1B's first stage), one layer's backward, the Triton fused loss (its chunk's logits
+    alone), `DEVICE_HEADROOM` of `budget` and the allocator's granules, and `FRAGMENTATION` by `expandable`.
+    ValueError, naming the fix, for a tp the heads or experts cannot be split over and a pp over the layers."""
+    if layout.pp > shape.layers:
+        raise ValueError(
+            f"pp {layout.pp} is larger than {shape.name}'s {shape.layers} decoder layers: every pipeline stage "
+            f"needs at least one layer"
+        )
+    experts = shape.resolve_expert_layout(layout.tp, layout.expert_layout)
+    element = _FP32 if dtype == "fp32" else _BF16
+    tp = layout.tp
+    loss = LossWorkspace(
+        vocab=shape.vocab,
+        hidden=shape.hidden,
+        hidden_bytes=element,
+        logit_bytes=element,
+        head_grad_bytes=2 * shape.vocab * shape.hidden * element,
+        tp=tp,
+        max_buffer_bytes=CompileConfig().loss_workspace_bytes,
+    )
+    return MemoryModel(
+        params=shape.params_per_device(tp=tp, pp=layout.pp),
+        hdp_size=layout.hdp,
+        dtype=dtype,
+        zero=zero,
+        grad_reduce_dtype=grad_reduce_dtype,
+        largest_param=shape.largest_param_per_device(tp),
+        layers=math.ceil(shape.layers / layout.pp),
+        layer_bytes_per_token=shape.layer_act_bytes_per_token(tp, experts, element),
+        other_bytes_per_token=float(2 * shape.hidden * element),
+        workspace_bytes=(round(DEVICE_HEADROOM * budget) if budget else 0) + SEGMENT_GRANULES_BYTES,
+        in_flight=layout.pp,
+        backward_bytes_per_token=shape.backward_bytes_per_token(tp, element),
+        loss=loss,
+        fragmentation=FRAGMENTATION[expandable],
+    )

@@ -53,15 +53,25 @@ class Topology:
                 f"Topology: devices_per_node {self.devices_per_node} is not a multiple of "
                 f"devices_per_switch {self.devices_per_switch}"
             )
-        if self.devices_per_switch % self.tp_size:
+        fits = self.devices_per_switch % self.tp_size == 0
+        spans = self.tp_size % self.devices_per_switch == 0 and self.devices_per_node % self.tp_size == 0
+        if not (fits or spans):
             raise ValueError(
-                f"Topology: a TP group of {self.tp_size} devices must fit one switch of "
-                f"{self.devices_per_switch} devices (tp_size must divide devices_per_switch)"
+                f"Topology: a TP group of {self.tp_size} devices must fit one switch of {self.devices_per_switch} "
+                f"devices or span whole switches of one node of {self.devices_per_node} (tp_size must divide "
+                f"devices_per_switch, or be a multiple of it that divides devices_per_node)"
             )
 
     @property
     def ranks_per_switch(self) -> int:
-        return self.devices_per_switch // self.tp_size
+        """Ranks behind one switch; 1 for a rank that spans several (its switches' uplinks are its own)."""
+        return max(1, self.devices_per_switch // self.tp_size)
+
+    @property
+    def rank_uplink(self) -> float:
+        """An "up" link's bandwidth: one switch's uplink, shared by the ranks behind it; a rank spanning k
+        switches has their k uplinks to itself."""
+        return self.switch_uplink * max(1, self.tp_size // self.devices_per_switch)
 
     @property
     def ranks_per_node(self) -> int:
@@ -79,7 +89,7 @@ class Topology:
 
     @cached_property
     def _bandwidths(self) -> dict[str, float]:
-        return {"dev": self.rank_link, "rail": self.rank_rail, "up": self.switch_uplink}
+        return {"dev": self.rank_link, "rail": self.rank_rail, "up": self.rank_uplink}
 
     def bandwidth(self, link: Link) -> float:
         return self._bandwidths[link[0]]
@@ -114,7 +124,7 @@ class Topology:
         spans_switches = d > self.ranks_per_switch
         spans_nodes = d > self.ranks_per_node
         bw = np.full(d.shape, self.rank_link)
-        bw = np.where(spans_switches, np.minimum(bw, self.switch_uplink), bw)
+        bw = np.where(spans_switches, np.minimum(bw, self.rank_uplink), bw)
         return np.where(spans_nodes, np.minimum(bw, self.rank_rail), bw)
 
     def split_ring_flows(self, ranks: Sequence[int], ulysses: int) -> Counter[Link]:

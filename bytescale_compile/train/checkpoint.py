@@ -13,7 +13,10 @@ DCP saves one `Stateful`, the model and its optimizer (`_AppState` under "app"),
 - a ZeRO-1 `ZeroRedundancyOptimizer` holds its rank's parameters' state only: DCP's helpers run on its local
   optimizer, so each rank writes the state of its own parameters and nothing is gathered;
 - the distributed optimizer writes its fp32 main weights and moments as `ShardedTensor`s of the global shapes;
-- under tensor parallelism the tensors are DTensors of the global shapes.
+- under tensor parallelism the tensors are DTensors of the global shapes, except those with a strided shard (Hugging
+  Face's fused gate/up experts split by TP: a slice of each half), which DCP cannot place: they go as
+  `ShardedTensor`s of their boxes, views into the local tensor (`_as_boxes`), so the saved tensor is the natural
+  global one and a load writes in place.
 
 So a checkpoint is stored by parameter name and global shape, never by rank, and loads on any number of ranks,
 pipeline stages, TP size and ZeRO setting: each loading rank asks DCP for the names and pieces it holds, and DCP
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import shutil
 import time
 import traceback
@@ -53,7 +57,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -64,8 +69,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..engine.dist_optim import DistributedOptimizer
+from ..engine.dist_optim import DistributedOptimizer, TPSplit
 from ..engine.mesh import tp_size_of
 from ..engine.optim import keeping_implementation
 from ..engine.stages import full_model_name, stage_spec
@@ -209,9 +216,38 @@ def _sync_hyperparameters(zero: ZeroRedundancyOptimizer, to_local: bool) -> None
             group.update({key: local[key] for key in keys})
 
 
+def _strided(value: object) -> bool:
+    """A DTensor with a strided shard (`_StridedShard`), whose chunks DCP's planner places wrongly."""
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def _as_boxes(name: str, tensor: DTensor) -> ShardedTensor:
+    """A strided DTensor as a ShardedTensor of the same global shape: the boxes of every TP rank's local tensor
+    (`TPSplit.boxes`), this rank's as views into its own, so a save copies nothing and a load writes in place."""
+    split = TPSplit.of(tensor, name)
+    assert split is not None
+    local = tensor.to_local()
+    if not local.is_contiguous():
+        raise CheckpointError(f"`{name}`: the local tensor of a strided shard must be contiguous to save in place")
+    mesh = tensor.device_mesh
+    holders = mesh.mesh.flatten().tolist()  # global ranks by TP index
+    every, mine = [], []
+    for index, holder in enumerate(holders):
+        for at, sizes, start in split.boxes(tuple(local.shape), index, 0, local.numel()):
+            meta = ShardMetadata(list(at), list(sizes), f"rank:{holder}/{local.device}")
+            every.append(meta)
+            if index == mesh.get_local_rank():
+                count = math.prod(sizes)
+                mine.append(Shard(local.view(-1)[start : start + count].view(sizes), meta))
+    properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False)
+    metadata = ShardedTensorMetadata(every, tensor.shape, properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, metadata)
+
+
 class _AppState(Stateful):
     """The model and optimizer as DCP saves and loads them: DCP's state dicts (optimizer state per parameter)
-    under the whole model's names. A ZeRO optimizer contributes its local optimizer, this rank's parameters."""
+    under the whole model's names. A ZeRO optimizer contributes its local optimizer, this rank's parameters.
+    Strided DTensors go as ShardedTensors of their boxes (`_as_boxes`), read back in place."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
         self.model = _model_for_dcp(model)
@@ -221,6 +257,8 @@ class _AppState(Stateful):
         """The torch optimizer DCP's helpers read (unused with the distributed optimizer)."""
         self.spec = stage_spec(self.model)
         self.layout = _Layout.of(self.model, optimizer)
+        self._boxed: dict[int, DTensor] = {}
+        """The strided DTensor behind each ShardedTensor of boxes the last `state_dict` gave, by the latter's id."""
 
     def _local_state(self) -> dict[str, dict[str, Any]]:
         """DCP's state dicts under this module's names (a stage's layers from 0). `get_state_dict`
@@ -258,17 +296,27 @@ class _AppState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         if self.zero is not None:
             _sync_hyperparameters(self.zero, to_local=True)
+        self._boxed = {}
         return {
-            part: {self._saved_name(part, key): value for key, value in state.items()}
+            part: {self._saved_name(part, key): self._savable(key, value) for key, value in state.items()}
             for part, state in self._local_state().items()
         }
+
+    def _savable(self, key: str, value: Any) -> Any:
+        """`value` as DCP can save it: a strided DTensor as its boxes, remembered for the load."""
+        if not _strided(value):
+            return value
+        boxes = _as_boxes(key, value)
+        self._boxed[id(boxes)] = value
+        return boxes
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         local = {
             part: {self._saved_name(part, key): key for key in state} for part, state in self._local_state().items()
         }
         model_state, optim_state = (
-            {local[part][key]: value for key, value in state_dict[part].items()} for part in ("model", "optim")
+            {local[part][key]: self._boxed.get(id(value), value) for key, value in state_dict[part].items()}
+            for part in ("model", "optim")
         )
         if self.sharded is not None:  # DCP read the main weights and moments in place
             buffers = {k: v for k, v in model_state.items() if not isinstance(v, ShardedTensor)}

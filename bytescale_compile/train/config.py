@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..strategies import BALANCE, DEFAULT_SP, RUNTIME_STRATEGIES, SP_MODES
+from ..strategies import BALANCE, DEFAULT_SP, EXPERT_LAYOUTS, RUNTIME_STRATEGIES, SP_MODES
 from ..units import parse_size
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "CAPACITY_AUTO",
     "ConfigError",
     "DTYPES",
+    "EXPERT_LAYOUTS",
     "LOADERS",
     "MODEL_PRESETS",
     "NEVER_CHANGED",
@@ -43,6 +44,8 @@ DTYPES = ("fp32", "bf16")
 weights and optimizer (`engine/dist_optim.py`), fp32 loss."""
 CAPACITY_AUTO = "auto"
 """capacity = "auto": the largest C the memory model fits in the memory budget."""
+"""How --tp places a Mixture-of-Experts model's experts (`capture/tp_experts.py`): ep, whole experts per TP rank; tp,
+every expert split; auto, ep where tp divides the number of experts, else tp."""
 LOADERS = ("local", "ray")
 """local: every rank samples and plans; ray: the remote dataloader of train/remote.py (paper §6)."""
 ALL_STRATEGIES = "all"
@@ -87,7 +90,7 @@ steps run so far do not depend on them, nor on the loader, which draws the same 
 decay_steps unless it sets one, so a longer --steps does not change the schedule)."""
 NEVER_CHANGED = ("model",)
 """Refused on resume even with allow_config_change: the checkpoints hold this model's weights."""
-TOPOLOGY = ("pp", "tp", "zero")
+TOPOLOGY = ("pp", "tp", "zero", "expert_layout")
 """How the ranks split the work. A resume may change them without allow_config_change, as it may the number of
 ranks: checkpoints hold every tensor by parameter name and global shape and are resharded on load, and the
 gradient of a step does not depend on the split (token-level loss over a global batch fixed in tokens)."""
@@ -193,6 +196,14 @@ class TrainConfig:
         "tensor parallelism: each HDP rank is a group of tp processes (adjacent ranks, one node) sharding the "
         "model's heads and MLP columns (its Hugging Face base_model_tp_plan); processes = pp x HDP ranks x tp",
     )
+    expert_layout: str = _setting(
+        "auto",
+        "with --tp, how a Mixture-of-Experts model's experts are split over the TP ranks: ep (expert-parallel: each "
+        "TP rank holds experts/tp whole experts and computes their share for every token routed to them; tp must "
+        "divide the number of experts), tp (every expert split like a dense MLP, its gate/up columns and down rows "
+        "over the TP ranks; tp must divide the experts' intermediate size), auto (ep where tp divides the number of "
+        "experts, else tp). Either way one all-reduce per layer sums the shares",
+    )
     sp: str = _setting(
         DEFAULT_SP,
         "how a sequence shared by D(s) ranks splits them: ring (the zigzag ring), ulysses (an all-to-all over heads "
@@ -268,6 +279,7 @@ class TrainConfig:
             _check_int("memory_budget", self.memory_budget, 1)
         _check_choice("loader", self.loader, LOADERS)
         _check_choice("sp", self.sp, SP_MODES)
+        _check_choice("expert_layout", self.expert_layout, EXPERT_LAYOUTS)
         for key in ("steps", "global_tokens", "pp", "tp"):
             _check_int(key, getattr(self, key), 1)
         _check_int("max_len", self.max_len, 2)

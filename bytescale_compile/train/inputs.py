@@ -34,6 +34,7 @@ from ..engine.runtime import default_cost_model
 from ..engine.stages import UnsupportedModelError, split_stages
 from ..planner import CostModel, ModelShape
 from ..planner.model_shape import ModelConfigError, model_shape
+from ..strategies import ExpertLayout
 from .checkpoint import (
     latest_checkpoint,
 )
@@ -144,7 +145,7 @@ def setup(config: TrainConfig, *, every_strategy: bool = False) -> RunInputs:
     if config.pp > 1:
         _check_pipeline(config.pp, model)
     if config.tp > 1:
-        _check_tensor_parallel(config.tp, model)
+        _check_tensor_parallel(config.tp, model, config.expert_layout)
     tokenizer = _final_tokenizer(config, train_data, model)
     cost = CostModel.load(config.cost_model) if config.cost_model else _analytic_cost_model(model, config.dtype)
     if config.loader == "ray":
@@ -272,10 +273,11 @@ def _check_pipeline(pp: int, model: LoadedModel) -> None:
         raise ConfigError(f"pp = {pp}: model {model.spec} cannot be split into pipeline stages: {e}") from e
 
 
-def _check_tensor_parallel(tp: int, model: LoadedModel) -> None:
-    """The model has a tensor-parallel plan that splits its heads evenly over `tp`."""
+def _check_tensor_parallel(tp: int, model: LoadedModel, expert_layout: str) -> None:
+    """The model has a tensor-parallel plan that splits its heads, and its experts in `expert_layout`, evenly over
+    `tp`."""
     try:
-        check_tensor_parallel(model.module, tp)
+        check_tensor_parallel(model.module, tp, expert_layout=cast(ExpertLayout, expert_layout))
     except TensorParallelError as e:
         raise ConfigError(f"tp = {tp}: model {model.spec}: {e}") from e
 

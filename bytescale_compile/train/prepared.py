@@ -8,6 +8,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from ..engine.probe import SetupProbe, probe
 from ..engine.runtime import Runtime
 from ..planner import CostModel
 from ..planner.memory import MemoryBudgetError, MemoryModel, format_bytes
+from ..strategies import ExpertLayout
 from .calibrate import calibrate
 from .checkpoint import (
     latest_checkpoint,
@@ -106,7 +108,7 @@ def prepare(inputs: RunInputs, device: torch.device) -> Prepared:
         )
     model = inputs.model.module
     if config.tp > 1:  # the user's model object, sharded in place: final/ is saved from it
-        tensor_parallel(model.to(device), config.tp)
+        tensor_parallel(model.to(device), config.tp, expert_layout=cast(ExpertLayout, config.expert_layout))
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     optimized, fit, cost, probed = _compiled(inputs, device)
     resuming = any(latest_checkpoint(run_dir(config, s) / CHECKPOINTS_DIR) for s in config.strategies)

@@ -42,7 +42,9 @@ def test_what_cannot_be_split_evenly_is_refused_naming_the_layer_and_both_number
         check_tensor_parallel(torch.nn.ModuleDict({"mlp": torch.nn.Linear(4, 6)}), 4, plan={"mlp": "colwise"})
     with pytest.raises(TensorParallelError, match="Sequential has no known tensor-parallel plan"):
         check_tensor_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2)
-    with pytest.raises(TensorParallelError, match="style 'moe_tp_experts' is not supported"):
+    with pytest.raises(
+        TensorParallelError, match=r"experts `model.layers.0.mlp` \(LlamaMLP\): not a Hugging Face experts module"
+    ):
         check_tensor_parallel(hf_llama(), 2, plan={"model.layers.*.mlp": "moe_tp_experts"})
 
 

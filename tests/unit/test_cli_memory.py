@@ -267,3 +267,59 @@ def test_the_trainer_sets_expandable_segments_unless_the_user_set_the_allocator(
     said = "set PYTORCH_ALLOC_CONF=expandable_segments:True" in done.stderr
     assert said is logged, done.stderr
     assert memory.expandable_segments({"PYTORCH_ALLOC_CONF": expected}) is (expected == "expandable_segments:True")
+
+
+def test_a_preset_is_counted_not_compiled_with_its_experts_split_over_tp(capsys, monkeypatch):
+    """`memory mistral-8x7b --tp 8 --pp 4`: the paper's layout from the preset's counts; nothing is compiled."""
+    monkeypatch.setattr(memory, "compile_on_meta", lambda *a: pytest.fail("a preset must not be compiled"))
+    argv = ["memory", "mistral-8x7b", "--tp", "8", "--pp", "4", "--hdp", "384", "--dtype", "bf16"]
+    assert cli.main([*argv, "--device-memory", "48G"]) == 0
+    out = capsys.readouterr().out
+    layer = (2 * 4096 * 4096 + 2 * 4096 * 1024 + 8 * 3 * 4096 * 14336) // 8 + 4096 * 8 + 2 * 4096
+    assert f"{8 * layer + 32000 * 4096 // 8 + 4096:,} parameters per device" in out
+    assert "experts: 1 whole expert (layout ep), router replicated, top-2 routing" in out
+    assert "x 8 layers" in out and "4 micro-batches in flight" in out and "C with offload:" in out
+    assert cli.main([*argv, "--expert-layout", "tp", "--device-memory", "48G"]) == 0
+    assert "1/8 of each of 8 experts (layout tp)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["mistral-8x7b", "--tp", "16", "--expert-layout", "ep"], "8 experts are not divisible by tp 16"),
+        (["mistral-8x7b", "--pp", "33"], "pp 33 is larger than mistral-8x7b's 32 decoder layers"),
+        (["mistral-8x7b", "--tp", "3"], "tp 3 does not divide its 32 attention heads"),
+        (["llama-7b", "--tp", "2", "--expert-layout", "ep"], "'ep' needs an MoE model"),
+        (["mistral-8x22b", "--tp", "8", "--pp", "4"], "does not hold this rank's static bytes"),
+    ],
+)
+def test_bad_preset_layouts_exit_2_naming_the_fix(capsys, args, match):
+    assert cli.main(["memory", *args, "--device-memory", "48G"]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_the_expert_layout_is_refused_for_a_compiled_model(config_dir, capsys):
+    assert cli.main(["memory", str(config_dir), "--expert-layout", "tp", "--device-memory", "80G"]) == 2
+    assert "--expert-layout applies to a preset shape" in capsys.readouterr().err
+
+
+def test_a_compiled_moe_whose_experts_saved_nothing_says_so(tmp_path, capsys, run):
+    """On the meta device the experts' data-dependent routing runs none of them: the figures would leave their
+    activations out without a word. A dense model gets no note."""
+    from transformers import MixtralConfig
+
+    MixtralConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+    ).save_pretrained(tmp_path)
+    assert cli.main(["memory", str(tmp_path), "--dtype", "bf16", "--device-memory", "1G"]) == 0
+    assert "note: 4 experts, top-2: the compile report lists no saved activation of the experts" in (
+        capsys.readouterr().out
+    )
+    assert "note:" not in run[1]

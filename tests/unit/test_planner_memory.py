@@ -16,8 +16,11 @@ from bytescale_compile.planner.memory import (
     LossWorkspace,
     MemoryBudgetError,
     MemoryModel,
+    ParallelLayout,
     format_bytes,
+    shape_memory_model,
 )
+from bytescale_compile.planner.model_shape import PRESETS
 
 GiB = 2**30
 P = 8_030_261_248
@@ -269,3 +272,33 @@ def test_capacity_with_transients_is_the_largest_that_fits():
     by_hand = m.static.total + 1.02 * (8 * 140_000 + 9_000 + 131_072) * c + m.workspace_bytes
     assert m.peak(c) == pytest.approx(by_hand, rel=1e-12)
     assert "transients: 131,072 bytes/token" in m.describe() and "fragmentation: 2%" in m.describe()
+
+
+# --- from a shape's counts (`shape_memory_model`) --------------------------------------------------------------
+
+
+def test_a_mixtral_device_at_tp_8_pp_4_holds_an_eighth_of_its_experts_by_hand():
+    """Mixtral-8x7B on the paper's TP 8 x PP 4, bf16 over 384 HDP ranks: 8 layers per stage, each with 1/8 of
+    its attention and experts and the whole router, one 32000 x 4096 end over 8 and the final norm."""
+    m = shape_memory_model(
+        PRESETS["mistral-8x7b"], ParallelLayout(tp=8, pp=4, hdp=384), dtype="bf16", budget=48 * GiB, expandable=True
+    )
+    layer = (2 * 4096 * 4096 + 2 * 4096 * 1024 + 8 * 3 * 4096 * 14336) // 8 + 4096 * 8 + 2 * 4096
+    params = 8 * layer + 32000 * 4096 // 8 + 4096
+    assert m.params == params == 1_467_944_960
+    padded = params + 384 * math.ceil(4 * params / BUCKET_BYTES)
+    assert (m.static.weights, m.static.gradients) == (2 * params, 4 * padded)
+    assert m.static.master + m.static.optimizer == 12 * math.ceil(padded / 384)
+    assert (m.layers, m.in_flight, m.largest_param) == (8, 4, 2 * 14336 * 4096)
+    # ep: each device runs 1 of the 8 experts, so a quarter of a token's 2 routed copies (module docstring)
+    assert m.layer_bytes_per_token == 2 * (5 * 4096 + 512 + 256 + 3 * 14336 * 2 / 8 + 2 * 2 * 4096 / 8) + 32
+    assert m.backward_bytes_per_token == 2 * (4 * 14336 * 2 / 8 + 2 * 4096)
+    assert m.loss is not None and m.loss.tp == 8 and m.loss.head_grad_bytes == 2 * 32000 * 4096 * 2
+
+
+def test_a_shape_memory_model_refuses_what_cannot_split():
+    mixtral = PRESETS["mistral-8x7b"]
+    with pytest.raises(ValueError, match="pp 33 is larger than mistral-8x7b's 32 decoder layers"):
+        shape_memory_model(mixtral, ParallelLayout(pp=33), dtype="bf16")
+    with pytest.raises(ValueError, match="not divisible by tp 16.*'tp' expert layout"):
+        shape_memory_model(mixtral, ParallelLayout(tp=16, expert_layout="ep"), dtype="bf16")

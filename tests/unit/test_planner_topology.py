@@ -75,7 +75,7 @@ def test_hardware_round_trips_through_json(tmp_path):
 
 def test_bad_topologies_name_the_field():
     with pytest.raises(ValueError, match="tp_size must divide devices_per_switch"):
-        Hardware.preset("l20", tp_size=8)
+        Hardware.preset("l20", tp_size=6)
     with pytest.raises(ValueError, match="devices_per_node 10 is not a multiple"):
         dataclasses.replace(L20.topology, devices_per_node=10)
     with pytest.raises(ValueError, match="switch_uplink must be a positive number"):
