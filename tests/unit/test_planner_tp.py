@@ -138,8 +138,8 @@ def test_cli_refuses_tp_groups_that_do_not_fit(capsys):
     assert main(["plan", *SMALL, "--hardware", "h100-nvlink", "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert "--tp 3" in err and "3 devices" in err and "8 devices" in err
-    assert main(["simulate", *SMALL, "--hardware", "l20", "--tp", "8"]) == 2
+    assert main(["simulate", *SMALL, "--hardware", "l20", "--tp", "3"]) == 2  # 8 spans two switches of 4
     err = capsys.readouterr().err
-    assert "8 devices" in err and "4 devices" in err
+    assert "3 devices" in err and "switch of 4 devices" in err
     assert main(["plan", *SMALL, "--tp", "2"]) == 2
     assert "--tp 2 needs --hardware" in capsys.readouterr().err
