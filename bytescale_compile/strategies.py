@@ -13,6 +13,8 @@ __all__ = [
     "DEFAULT_SP",
     "EXPERT_LAYOUTS",
     "ExpertLayout",
+    "chosen_expert_layout",
+    "ExpertLayout",
     "NAIVE",
     "RUNTIME_STRATEGIES",
     "SP_AUTO",
@@ -52,3 +54,10 @@ ExpertLayout = Literal["auto", "ep", "tp"]
 """How a TP group holds an MoE layer's experts (`capture/tp_experts.py`): "ep" E/tp whole experts per rank, "tp"
 a 1/tp slice of every expert, "auto" "ep" where tp divides E, else "tp"."""
 EXPERT_LAYOUTS: tuple[str, ...] = get_args(ExpertLayout)
+
+
+def chosen_expert_layout(layout: ExpertLayout, *, experts: int, tp: int) -> Literal["ep", "tp"]:
+    """The layout "auto" stands for: whole experts per rank where tp divides them."""
+    if layout != "auto":
+        return layout
+    return "ep" if experts % tp == 0 else "tp"

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..strategies import ExpertLayout
+from ..strategies import ExpertLayout, chosen_expert_layout
 from .tensor_parallel import EXPERTS_LAYOUT, TensorParallelError
 
 __all__ = ["ExpertLayout", "ExpertsStyle", "EXPERTS_STYLE", "experts_style", "shard_experts"]
@@ -72,10 +72,10 @@ def experts_style(path: str, module: nn.Module, tp_size: int, layout: ExpertLayo
             f"its gradient over the experts, which neither layout does; train this model without tp"
         )
     experts = int(module.num_experts)  # type: ignore[arg-type]
+    chosen = chosen_expert_layout(layout, experts=experts, tp=tp_size)
     if layout == "auto":
-        layout = "ep" if experts % tp_size == 0 else "tp"
-        log.info("%s: %s layout (%d experts, tp %d)", where, layout, experts, tp_size)
-    if layout == "ep":
+        log.info("%s: %s layout (%d experts, tp %d)", where, chosen, experts, tp_size)
+    if chosen == "ep":
         if experts % tp_size:
             raise TensorParallelError(
                 f"{where}: {experts} experts are not divisible by tp {tp_size}, so the TP ranks cannot hold whole "

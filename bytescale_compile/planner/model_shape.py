@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..strategies import EXPERT_LAYOUTS, ExpertLayout
+from ..strategies import EXPERT_LAYOUTS, ExpertLayout, chosen_expert_layout
 
 __all__ = ["BF16", "PRESETS", "ModelConfigError", "ModelShape", "model_shape", "shape_from_config"]
 
@@ -169,7 +169,7 @@ class ModelShape:
             if expert_layout == "ep":
                 raise ValueError(f"{self.name}: expert layout 'ep' needs an MoE model; {self.name} has no experts")
             return "tp"
-        layout = expert_layout if expert_layout != "auto" else ("ep" if self.experts % tp == 0 else "tp")
+        layout = chosen_expert_layout(expert_layout, experts=self.experts, tp=tp)
         if layout == "ep" and self.experts % tp:
             raise ValueError(
                 f"{self.name}: {self.experts} experts are not divisible by tp {tp}, so the TP ranks cannot hold "
