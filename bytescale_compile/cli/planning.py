@@ -4,6 +4,7 @@ cost model (a preset or a profiled JSON file) of a cluster of HDP ranks. Neither
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ..strategies import DEFAULT_SP, SP_MODES
@@ -63,7 +64,8 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hardware",
         default=None,
-        help="cluster preset for the ranks: l20 | h100-nvlink (default: private 25 GB/s links per rank)",
+        help="cluster preset for the ranks: l20 | h100-nvlink (default: the hardware a --model JSON file saved, "
+        "e.g. a calibrated topology, else private 25 GB/s links per rank; given with a JSON file, it replaces it)",
     )
     p.add_argument(
         "--tp",
@@ -87,7 +89,9 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def _cost_model(name: str, hardware: str | None = None, tp: int = 1) -> Any:
     """A preset or profiled cost model; `hardware` puts its ranks on a cluster preset of TP `tp`, whose
     all-reduces T(s) charges on the cluster's intra-node links. TP > 1 without a cluster is refused: there
-    is no link to charge them on, and ignoring --tp would plan a TP group as one GPU."""
+    is no link to charge them on, and ignoring --tp would plan a TP group as one GPU. A JSON file keeps its
+    own hardware (a calibrated one its measured topology) unless --hardware is given: the flag wins, as a
+    command-line flag does over a config file, and a note on stderr says what it replaced."""
     import dataclasses
 
     from ..planner import CostModel, Hardware
@@ -105,7 +109,14 @@ def _cost_model(name: str, hardware: str | None = None, tp: int = 1) -> Any:
         cost = CostModel.load(name) if name.endswith(".json") else CostModel.preset(name, cluster)
     except (OSError, ValueError) as e:
         raise CLIError(str(e)) from e
-    return dataclasses.replace(cost, hardware=cluster) if cluster and name.endswith(".json") else cost
+    if cluster and name.endswith(".json"):
+        print(
+            f"note: --hardware {hardware} replaces the hardware saved in {name} ({cost.hardware.name}: its links, "
+            f"latency and compute slots); leave --hardware out to plan on the saved one",
+            file=sys.stderr,
+        )
+        return dataclasses.replace(cost, hardware=cluster)
+    return cost
 
 
 def _check_layout(args: argparse.Namespace, cost_model: Any) -> None:

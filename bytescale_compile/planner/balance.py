@@ -21,11 +21,13 @@ short ones: at pp = 2 and 4 it took balance's step in benchmarks/planner.py sect
 static's to ahead of it.
 
 D(s) is the fewest ranks that can *hold* a sequence; a sequence whose work on D(s) ranks exceeds the
-balanced per-rank time (total work / ranks) would alone set the step time, so it gets
-ceil(work / balanced time) ranks instead (with r = 0 once its tokens fit) — but never more than make
-it faster: past `fastest_group` the ring's P2P outlasts the compute it splits. When a shared
-sequence would still end past that balanced time (few long sequences: three on four ranks, say),
-its group widens onto ranks that are idle by its start anyway, while that shortens it.
+balanced per-rank time (total work / ranks) would alone set the step time, so it gets the fewest ranks on
+which some u × r split ends it within that time (with r = 0 once its tokens fit), or else its fastest
+group: group size and split are chosen together (`group_size.py`), since a split sends 1/u of the ring's
+bytes and so stays fast on groups far wider than a plain ring's. When a sequence would still end past the
+balanced time on its least-loaded ranks (a wave of long ones ending unevenly; few long sequences, three on
+four ranks, say), it widens onto the next least-loaded ranks, waiting for them if need be, to the size that
+ends it soonest (`DPPlacer`'s malleable placement); heavy short sequences at the end of the step likewise.
 
 `delta` is the paper's threshold δ: a short sequence may go to a rank up to δ seconds busier than
 the least-loaded one when that rank's open micro-batch still has room, so balance within δ buys
@@ -37,8 +39,8 @@ filled and the idle gaps. Every balance plan keeps these invariants (`Plan.valid
 tests/test_balance_properties.py on random batches):
 
 1. Every sequence, so every token, is in exactly one micro-batch: `schedule_balance` visits each
-   sequence once and a placer puts it either in a micro-batch of its own (a long one) or in one packed
-   entry (a short one), which `RankLoads.schedule` makes one micro-batch.
+   sequence once and a placer puts it either in a micro-batch of its own (a long one, or a short one it
+   widened) or in one packed entry (a short one), which `RankLoads.schedule` makes one micro-batch.
 2. No rank holds more than its capacity C at once, or with offload ratio r the capacity Eq. 2 allows
    (`plan.capacity_for_ratio`): a long sequence runs on at least D(s) ranks at its r, a wider group drops
    r to 0 only once the sequence fits C on it (zigzag rounding adds up to two tokens a sequence), and
@@ -58,9 +60,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..strategies import BALANCE
-from .builder import PlanBuilder, fastest_group
+from .builder import PlanBuilder
+from .group_size import GroupChoice, fastest_groups, least_groups
 from .naive import ranks_needed
-from .placers import ChainPlacer, Demands, DPPlacer, Placer
+from .placers import MALLEABLE_SHORT, ChainPlacer, Demands, DPPlacer, Placer
 from .plan import BalanceSettings, Plan
 from .split import DEFAULT_SP
 
@@ -93,23 +96,25 @@ def flop_buckets(flops: np.ndarray, order: np.ndarray, num_buckets: int) -> list
 
 
 def _spread_heavy(
-    lens: np.ndarray,
-    ranks: np.ndarray,
-    ratio: np.ndarray,
-    work: np.ndarray,
-    world_size: int,
-    capacity: int,
-    fastest: np.ndarray,
-    longest: float,
+    inputs: BalanceInputs, ranks: np.ndarray, ratio: np.ndarray, longest: float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Give sequences heavier than `longest` (the longest micro-batch a rank should run) enough ranks to
-    finish within it, but no more than make them faster (the ring's P2P floor, `fastest`)."""
-    if lens.size == 0 or longest <= 0:  # no sequence costs time (a cost model of fixed costs only): none is heavy
+    """Give sequences heavier than `longest` (the longest micro-batch a rank should run) the fewest ranks on
+    which some u × r split ends them within it (`group_size.least_groups`), or, where none does, the group
+    of their least time (`BalanceInputs.groups`)."""
+    i = inputs
+    if i.lens.size == 0 or longest <= 0:  # no sequence costs time (a cost model of fixed costs only): none is heavy
         return ranks, ratio
-    wanted = np.minimum(np.ceil(work / longest - 1e-9).astype(np.int64), fastest)
-    heavy = wanted > np.maximum(ranks, 1)
-    ranks = np.where(heavy, wanted, ranks)
-    ratio = np.where(heavy & (lens <= ranks * capacity), 0.0, ratio)
+    over = np.flatnonzero(i.seq_time > longest * np.maximum(ranks, 1))
+    if over.size == 0:
+        return ranks, ratio
+    fastest = GroupChoice(i.groups.ranks[over], i.groups.ulysses[over], i.groups.seconds[over])
+    wanted = least_groups(
+        i.cost_model, i.lens[over], i.seq_time[over], ranks[over], longest, fastest, world_size=i.world_size, sp=i.sp
+    )
+    ranks, ratio = ranks.copy(), ratio.copy()
+    heavy = wanted > np.maximum(ranks[over], 1)
+    ranks[over] = np.where(heavy, wanted, ranks[over])
+    ratio[over] = np.where(heavy & (i.lens[over] <= ranks[over] * i.capacity), 0.0, ratio[over])
     return ranks, ratio
 
 
@@ -137,7 +142,9 @@ class BalanceInputs:
     total_work: float
     sequence: np.ndarray
     buckets: int
-    fastest: np.ndarray
+    groups: GroupChoice
+    """Each sequence's group of least time, size and split together (`group_size.fastest_groups`); one rank
+    for those too light ever to be spread."""
     sp: str = DEFAULT_SP
     """How shared micro-batches split their ranks u × r (`split.choose_split`)."""
 
@@ -145,6 +152,11 @@ class BalanceInputs:
     def balanced(self) -> float:
         """The balanced per-rank time: total work / ranks."""
         return self.total_work / self.world_size
+
+    @property
+    def fastest(self) -> np.ndarray:
+        """The group size past which each sequence gets no faster."""
+        return self.groups.ranks
 
 
 def balance_inputs(
@@ -158,10 +170,10 @@ def balance_inputs(
 ) -> BalanceInputs:
     """The offload-independent part of `plan_balance`, computed once for every offload setting."""
     seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
+    total = float(seq_time.sum())
     flops = cost_model.flops(lens) if lens.size else np.zeros(0)
     order = np.argsort(-lens, kind="stable")
     buckets = flop_buckets(flops, order, num_buckets)
-    fastest = fastest_group(cost_model, lens, seq_time, world_size) if lens.size else np.zeros(0, np.int64)
     return BalanceInputs(
         lens,
         world_size,
@@ -170,12 +182,40 @@ def balance_inputs(
         pp_size,
         max(1, cost_model.model.layers // pp_size),
         seq_time,
-        float(seq_time.sum()),
+        total,
         np.concatenate(buckets) if buckets else order,
         len(buckets),
-        fastest,
+        _groups(
+            lens, capacity, cost_model, seq_time, world_size, _longest_micro_batch(total / world_size, pp_size), sp
+        ),
         sp,
     )
+
+
+def _groups(
+    lens: np.ndarray,
+    capacity: int,
+    cost_model: CostModel,
+    seq_time: np.ndarray,
+    world_size: int,
+    longest: float,
+    sp: str,
+) -> GroupChoice:
+    """`fastest_groups` of the sequences that may be shared: longer than C, or heavy enough beside the longest
+    micro-batch (`_longest_micro_batch`) that balance may spread them (`placers.MALLEABLE_SHORT`); one rank for
+    the rest."""
+    groups = GroupChoice(np.ones(lens.shape, np.int64), np.ones(lens.shape, np.int64), seq_time.copy())
+    may_share = np.flatnonzero((lens > capacity) | (seq_time > MALLEABLE_SHORT * longest))
+    if may_share.size:
+        found = fastest_groups(
+            cost_model, lens[may_share], seq_time[may_share], world_size, np.ones(may_share.size, np.int64), sp=sp
+        )
+        groups.ranks[may_share], groups.ulysses[may_share], groups.seconds[may_share] = (
+            found.ranks,
+            found.ulysses,
+            found.seconds,
+        )
+    return groups
 
 
 def balance_ranks(inputs: BalanceInputs, offload: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -184,16 +224,7 @@ def balance_ranks(inputs: BalanceInputs, offload: bool) -> tuple[np.ndarray, np.
     when a sequence does not fit the cluster."""
     i = inputs
     needed, ratio = ranks_needed(i.lens, i.world_size, i.capacity, i.cost_model, i.layers, offload=offload)
-    ranks, ratio = _spread_heavy(
-        i.lens,
-        needed,
-        ratio,
-        i.seq_time,
-        i.world_size,
-        i.capacity,
-        i.fastest,
-        _longest_micro_batch(i.balanced, i.pp_size),
-    )
+    ranks, ratio = _spread_heavy(i, needed, ratio, _longest_micro_batch(i.balanced, i.pp_size))
     if i.pp_size == 1:
         return ranks, ratio
     return _tile_heavy(i.lens, needed, ranks, ratio, i.world_size, i.capacity, i.fastest)

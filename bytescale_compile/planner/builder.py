@@ -1,5 +1,5 @@
-"""What the planners build a plan with: best-fit packing, the time of a micro-batch, the group size past which a
-sequence gets no faster, and `PlanBuilder`, which collects micro-batches in one global order."""
+"""What the planners build a plan with: best-fit packing, the time of a micro-batch, and `PlanBuilder`, which
+collects micro-batches in one global order."""
 
 from __future__ import annotations
 
@@ -9,16 +9,26 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .plan import BalanceSettings, MicroBatch, Plan, StaticMesh, local_tokens, split_tokens
-from .split import DEFAULT_SP, SP_RING, check_sp, choose_split
+from .plan import BalanceSettings, MicroBatch, Plan, StaticMesh, local_tokens, split_tokens, zigzag_tokens
+from .split import (
+    DEFAULT_SP,
+    SP_RING,
+    SP_ULYSSES,
+    SplitTerms,
+    aligned_bandwidths,
+    allowed_ulysses,
+    check_sp,
+    choose_split,
+    sequence_seconds,
+    split_bandwidths,
+    split_time,
+)
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
 __all__ = [
     "best_fit_pack",
-    "fastest_group",
-    "fastest_time",
     "micro_batch_time",
     "PlanBuilder",
 ]
@@ -45,49 +55,10 @@ def best_fit_pack(lens: np.ndarray, ids: np.ndarray, capacity: int) -> list[list
 
 
 def micro_batch_time(cost_model: CostModel, lens: np.ndarray, group_size: int, ratio: float) -> float:
-    """Seconds for one micro-batch on each of its ranks: attention/MLP compute split evenly by zigzag (plus
-    the ring's own compute), overlapped with the ring P2P and with the offload copies (DMA), whichever is longest."""
-    compute = float(cost_model.seq_time(lens).sum()) / group_size
-    ring = 0.0
-    if group_size > 1:
-        held = local_tokens(lens, group_size)
-        compute += float(cost_model.ring_compute_time(held, group_size))
-        ring = float(cost_model.ring_time(held, group_size))
-    offload = float(cost_model.offload_time(lens, ratio).sum()) / group_size if ratio > 0 else 0.0
-    return max(compute, ring, offload)
-
-
-def fastest_group(cost_model: CostModel, lens: np.ndarray, work: np.ndarray, world_size: int) -> np.ndarray:
-    """Group size past which a sequence gets no faster: per-rank compute falls as work/d while the
-    ring's per-rank P2P grows toward its floor A (then (d-1)·T_local = s, at the bandwidth of the
-    widest ring, which crosses the slowest links), so the two cross at d* = 1 + work / A."""
-    widest = cost_model.hardware.ring_bandwidth(world_size)
-    floor = np.maximum(cost_model.ring_bytes(lens, 2) / widest, 1e-12)
-    return np.clip(1 + np.floor(work / floor), 1, np.minimum(world_size, lens)).astype(np.int64)
-
-
-def fastest_time(
-    cost_model: CostModel, lens: np.ndarray, work: np.ndarray, world_size: int, min_ranks: np.ndarray
-) -> np.ndarray:
-    """The least time each sequence can take on any allowed group size (compute split vs ring P2P)."""
-    best = np.maximum(fastest_group(cost_model, lens, work, world_size), np.maximum(min_ranks, 1))
-    times = []
-    for d in (best, np.minimum(best + 1, np.minimum(world_size, lens))):
-        ring = np.array(
-            [
-                float(cost_model.ring_time(np.array([n / g]), int(g))[0]) if g > 1 else 0.0
-                for n, g in zip(lens.tolist(), d.tolist())
-            ]
-        )
-        times.append(np.maximum(work / d, ring))
-    return np.minimum(*times)
-
-
-def _one_local_tokens(n: int, group_size: int) -> int:
-    """`local_tokens` of one sequence: rank r holds zigzag chunks r and 2d-1-r, each n // 2d tokens plus
-    one of the n % 2d left over for the first chunks, so the most is 2(n // 2d) plus 1 or 2."""
-    base, extra = divmod(n, 2 * group_size)
-    return 2 * base + (extra >= 1) + (extra >= group_size + 1)
+    """Seconds for one micro-batch on each of its ranks as a plain ring over `group_size` adjacent ranks
+    (`split.split_time` at u = 1): compute split evenly by zigzag (plus the ring's own compute), overlapped
+    with the ring P2P and with the offload copies (DMA), whichever is longest."""
+    return split_time(cost_model, lens, range(group_size), ratio, 1)
 
 
 class PlanBuilder:
@@ -116,24 +87,55 @@ class PlanBuilder:
             seq_time = cost_model.seq_time(lens) if lens.size else np.zeros(0)
         self.seq_time = seq_time
         self.micro_batches: list[MicroBatch] = []
-        self._bandwidth: dict[int, float] = {}
+        self._terms: dict[int, SplitTerms] = {}
+        self._aligned_degrees: dict[int, list[int]] = {}
+        self._aligned_bandwidths: dict[tuple[int, int], tuple[float, float]] = {}
         self._lens_list: list[int] = lens.tolist()
         self._seq_time_list: list[float] = self.seq_time.tolist()
 
     def time_of(self, sequences: Sequence[int], group_size: int, ratio: float) -> float:
-        """Estimated seconds of a micro-batch; a packed one is the sum of its sequences' precomputed times,
-        one sequence is computed in scalar arithmetic (the planner's hot path)."""
+        """Estimated seconds of a micro-batch on `group_size` adjacent ranks (the placers ask before they know
+        the ranks, as `aligned_bandwidths` does); a packed one is the sum of its sequences' precomputed times, one
+        sequence is computed on floats (the planner's hot path), under "auto" at its best allowed split."""
         if group_size == 1 and ratio == 0:
             return sum(self._seq_time_list[i] for i in sequences)
+        if len(sequences) == 1:
+            seq = sequences[0]
+            degrees = self._degrees(range(group_size), group_size)
+            if len(degrees) == 1:
+                return self._one_time(seq, group_size, ratio, 1, self._aligned(group_size, 1))
+            return min(self._one_time(seq, group_size, ratio, u, self._aligned(group_size, u)) for u in degrees)
         if self.sp != SP_RING and group_size > 1:
             return self._split_time(sequences, group_size, ratio)
-        if len(sequences) == 1:
-            return self._one_sequence_time(sequences[0], group_size, ratio)
         return micro_batch_time(self.cost_model, self.lens[list(sequences)], group_size, ratio)
 
+    def ring_time(self, seq: int, group_size: int, ratio: float) -> float:
+        """Seconds of sequence `seq` as a plain ring over `group_size` ranks, adjacent or not (the ring's bandwidth
+        of adjacent ones): what any ranks of that number get."""
+        return self._one_time(seq, group_size, ratio, 1, self._aligned(group_size, 1))
+
+    def _aligned(self, group_size: int, ulysses: int) -> tuple[float, float]:
+        """`aligned_bandwidths`, kept per builder: hashing the hardware for its cache costs more than the lookup."""
+        key = (group_size, ulysses)
+        if key not in self._aligned_bandwidths:
+            self._aligned_bandwidths[key] = aligned_bandwidths(self.cost_model.hardware, group_size, ulysses)
+        return self._aligned_bandwidths[key]
+
+    def _degrees(self, ranks: Sequence[int], group_size: int) -> list[int]:
+        """The Ulysses degrees `sp` lets a micro-batch on `ranks` take (`choose_split`'s rule); cached per size
+        for adjacent ranks (`ranks` a range)."""
+        if self.sp == SP_RING or group_size == 1:
+            return [1]
+        if isinstance(ranks, range):
+            if group_size not in self._aligned_degrees:
+                self._aligned_degrees[group_size] = self._degrees(tuple(ranks), group_size)
+            return self._aligned_degrees[group_size]
+        allowed = allowed_ulysses(self.cost_model, ranks)
+        return allowed[-1:] if self.sp == SP_ULYSSES else allowed
+
     def _split_time(self, sequences: Sequence[int], group_size: int, ratio: float) -> float:
-        """The chosen split's time on `group_size` adjacent ranks from rank 0 (the placers ask before they know
-        the ranks, as the ring's bandwidth does: `Hardware.ring_bandwidth`); cached per micro-batch shape."""
+        """The chosen split's time of several sequences on `group_size` adjacent ranks; cached per micro-batch
+        shape."""
         key = (tuple(sequences), group_size, ratio)
         if key not in self._split_times:
             ids = list(sequences)
@@ -142,24 +144,29 @@ class PlanBuilder:
             self._split_times[key] = seconds
         return self._split_times[key]
 
-    def _one_sequence_time(self, seq: int, group_size: int, ratio: float) -> float:
-        """`micro_batch_time` of one sequence, without numpy's per-call overhead."""
+    def _one_time(
+        self, seq: int, group_size: int, ratio: float, ulysses: int, bandwidths: tuple[float, float]
+    ) -> float:
+        """`split.split_time` of one sequence split `ulysses` × r with (ring, all-to-all) `bandwidths`, on floats."""
         cm, n, d = self.cost_model, self._lens_list[seq], group_size
-        compute = self._seq_time_list[seq] / d
-        act, comm = cm.memory, cm.comm
+        work = self._seq_time_list[seq]
+        act = cm.memory
         offload = (
             cm.model.layers * (act.alpha2 * n + act.beta2) * ratio / cm.offload_bandwidth / d if ratio > 0 else 0.0
         )
         if d == 1:
-            return max(compute, offload)
-        if d not in self._bandwidth:
-            self._bandwidth[d] = float(cm.hardware.ring_bandwidth(d))
-        held = _one_local_tokens(n, d)
-        ring_bytes = (
-            cm.ring_layers * 3 * (d - 1) * held * comm.kv_bytes_per_token + 6 * (d - 1) * comm.mixer_state_bytes
+            return max(work, offload)
+        if ulysses not in self._terms:
+            self._terms[ulysses] = SplitTerms.of(cm, ulysses)
+        return sequence_seconds(
+            self._terms[ulysses],
+            length=n,
+            work=work,
+            offload=offload,
+            group_size=d,
+            ulysses=ulysses,
+            bandwidths=bandwidths,
         )
-        ring = ring_bytes / self._bandwidth[d] + (cm.ring_layers * 3 * (d - 1) + 3 * cm.model.mixer_layers) * cm.latency
-        return max(compute + cm.ring_layers * (d - 1) * held * cm.time.ring_overhead, ring, offload)
 
     def add(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float = 0.0) -> MicroBatch:
         """A micro-batch of `sequences` on `ranks`; a shared one gets its u × r split (`choose_split`, on these
@@ -169,7 +176,7 @@ class PlanBuilder:
         if len(ranks) == 1:
             tokens = sum(self._lens_list[i] for i in sequences)
         elif len(sequences) == 1:
-            tokens = _one_local_tokens(self._lens_list[sequences[0]], len(ranks))
+            tokens = zigzag_tokens(self._lens_list[sequences[0]], len(ranks))
         else:
             tokens = local_tokens(self.lens[list(sequences)], len(ranks))
         mb = MicroBatch(
@@ -184,16 +191,31 @@ class PlanBuilder:
         return mb
 
     def _add_split(self, ranks: Sequence[int], sequences: Sequence[int], ratio: float) -> MicroBatch:
+        """A shared micro-batch at the split `choose_split` picks on these very ranks (one sequence on floats)."""
         ids, ranks = list(sequences), tuple(map(int, ranks))
-        lens = self.lens[ids]
-        work = sum(self._seq_time_list[i] for i in ids)
-        ulysses, seconds = choose_split(self.cost_model, lens, ranks, ratio, self.sp, work)
+        d = len(ranks)
+        if len(ids) == 1:
+            hardware = self.cost_model.hardware
+            ulysses, seconds = min(
+                (
+                    (u, self._one_time(ids[0], d, ratio, u, split_bandwidths(hardware, ranks, u)))
+                    for u in self._degrees(ranks, d)
+                ),
+                key=lambda pair: pair[1],
+            )
+            virtual = zigzag_tokens(self._lens_list[ids[0]], d // ulysses)
+            tokens = -(-virtual // ulysses)
+        else:
+            lens = self.lens[ids]
+            work = sum(self._seq_time_list[i] for i in ids)
+            ulysses, seconds = choose_split(self.cost_model, lens, ranks, ratio, self.sp, work)
+            tokens = split_tokens(lens, d, ulysses)
         mb = MicroBatch(
             id=len(self.micro_batches),
             ranks=ranks,
             sequences=tuple(map(int, sequences)),
             offload_ratio=float(ratio),
-            tokens_per_rank=split_tokens(lens, len(ranks), ulysses),
+            tokens_per_rank=tokens,
             est_time=seconds,
             ulysses=ulysses,
         )

@@ -688,22 +688,22 @@ class CostModel:
         gradients back (3 transfers), whatever the tokens. With `recompute` the forward's transfer is made
         twice (4)."""
         g = np.asarray(group_size, np.float64)
-        sends = self._transfers
+        sends = self.ring_transfers
         attention = (
             self.ring_layers * sends * (g - 1) * np.asarray(tokens_per_rank, np.float64) * self.comm.kv_bytes_per_token
         )
         return attention + sends * 2 * (g - 1) * self.comm.mixer_state_bytes
 
     @property
-    def _transfers(self) -> int:
+    def ring_transfers(self) -> int:
         """Ring transfers per step and layer: the forward's (twice with `recompute`), 2 in the backward."""
         return 4 if self.model.recompute else 3
 
     def ring_latency(self, group_size) -> np.ndarray:
         """Seconds of P2P latency per rank for one micro-batch: a transfer per ring step and attention layer, and
-        one batch per mixer layer, each `_transfers` times (forward, backward); 0 for a group of one."""
+        one batch per mixer layer, each `ring_transfers` times (forward, backward); 0 for a group of one."""
         g = np.asarray(group_size, np.float64)
-        sends = self._transfers
+        sends = self.ring_transfers
         transfers = self.ring_layers * sends * (g - 1) + np.where(g > 1, sends * self.model.mixer_layers, 0)
         return transfers * self.latency
 
@@ -768,7 +768,7 @@ class CostModel:
         if ulysses == 1:
             return self.ring_bytes(virtual_tokens, ring)
         kv_bytes = 2 * self._ulysses_heads(ulysses)[1] * self.head_bytes_per_token / ulysses
-        return self.ring_layers * self._transfers * (ring - 1) * np.asarray(virtual_tokens, np.float64) * kv_bytes
+        return self.ring_layers * self.ring_transfers * (ring - 1) * np.asarray(virtual_tokens, np.float64) * kv_bytes
 
     def split_ring_compute_time(self, virtual_tokens, ulysses: int, ring: int) -> np.ndarray:
         """`ring_compute_time` of a u × r split: r - 1 steps over the virtual rank's tokens on H/u heads."""

@@ -23,6 +23,7 @@ import numpy as np
 from ..strategies import NAIVE
 from .builder import PlanBuilder, best_fit_pack
 from .equations import CEIL_RTOL
+from .group_size import sequence_times
 from .limits import eq2_reason, layers_per_stage, refuse
 from .plan import Plan
 from .split import DEFAULT_SP
@@ -52,8 +53,7 @@ def naive_ranks(
     high = np.minimum(cost_model.ranks_and_ratio(lens, capacity, layers_per_rank, offload=False)[0], world_size)
     high = np.maximum(high, low)
     work = cost_model.seq_time(lens)
-    ring = np.where(high > 1, cost_model.ring_time(lens / np.maximum(high, 1), high), 0.0)
-    baseline = np.maximum(work / np.maximum(high, 1), ring)
+    baseline = sequence_times(cost_model, lens, work, np.maximum(high, 1), 1)
     free = np.ceil(work / np.maximum(baseline, 1e-300) * (1 - CEIL_RTOL)).astype(np.int64)
     ranks = np.where(low > 0, np.clip(free, low, high), 0)
     ratio = np.clip(cost_model.ratio_for_ranks(lens, np.maximum(ranks, 1), capacity, layers_per_rank), 0.0, 1.0)

@@ -16,6 +16,14 @@ from .rank_load import Chain, Entry, EntryKind, RankLoads
 
 __all__ = ["Demands", "Placer", "DPPlacer", "ChainPlacer", "Chain"]
 
+_WIDEN_LOOKAHEAD = 2
+"""Ranks `DPPlacer` tries past the last size that ended a sequence sooner before it stops widening."""
+MALLEABLE_SHORT = 0.01
+"""A short sequence over this fraction of the balanced time that would end past it is placed as a malleable job:
+its seconds are the granularity of the step's tail."""
+_WIDEN_AREA = 0.05
+"""The most rank-seconds, as a fraction of a sequence's work, that widening may add to it."""
+
 
 @dataclass(frozen=True)
 class Demands:
@@ -54,35 +62,87 @@ class DPPlacer:
         self.loads = RankLoads(builder, world_size, capacity)
 
     def place(self, demands: Demands, delta: float) -> None:
+        """Each sequence, in order: a long one to its group, a short one into a gap, else into the open packed
+        micro-batch of the least-loaded rank, unless it would end past the target there and is heavy enough to
+        set the step's tail (`MALLEABLE_SHORT`): then it is a malleable job too, widened like a long one where
+        that ends it sooner."""
         d, loads = demands, self.loads
+        heavy = MALLEABLE_SHORT * self.target
         for s in d.order:
             if d.ranks[s] > 0:
                 self.add_shared(s, d.ranks[s], d.widest[s], d.ratio[s])
-            elif not loads.fill_gap(s, d.tokens[s], d.seconds[s]):
+            elif loads.fill_gap(s, d.tokens[s], d.seconds[s]):
+                continue
+            elif not (
+                d.seconds[s] > heavy
+                and d.widest[s] > 1
+                and loads.least_load() + d.seconds[s] > self.target
+                and self._widened(s, d.widest[s])
+            ):
                 loads.pack(s, d.tokens[s], d.seconds[s], delta)
 
     def add_shared(self, seq: int, group_size: int, widest: int, ratio: float) -> None:
         """Run `seq` on its `group_size` least-loaded ranks. When it would end past the target (the
-        balanced step time), widen the group (up to `widest`) onto ranks idle by the time it starts
-        anyway, as long as that makes it finish sooner: few, long sequences then split like a static
-        mesh would."""
-        loads, builder = self.loads, self.builder
-        group = loads.pop_group(group_size)
+        balanced step time), widen the group (up to `widest`) onto the next least-loaded ranks, waiting for
+        them if need be, to the size that ends it soonest: a malleable job's allotment (`_widen`)."""
+        group = self.loads.pop_group(group_size)
         start = max(t for t, _ in group)
-        best = builder.time_of([seq], len(group), ratio)
-        while start + best > self.target and len(group) < widest and loads.least_load() <= start:
-            wider = len(group) + 1
-            wider_ratio = 0.0 if builder.lens[seq] <= wider * self.capacity else ratio
-            seconds = builder.time_of([seq], wider, wider_ratio)
-            if seconds >= best:
-                break
-            group += loads.pop_group(1)
-            best, ratio = seconds, wider_ratio
-        mb = builder.add(sorted(r for _, r in group), [seq], ratio)
+        seconds = self.builder.time_of([seq], len(group), ratio)
+        if start + seconds > self.target and len(group) < widest:
+            group, start, seconds, ratio = self._widen(seq, group, start, seconds, ratio, widest)
+        self._run(seq, group, start, ratio)
+
+    def _widened(self, seq: int, widest: int) -> bool:
+        """Run short `seq` over more than one rank where that ends it sooner than its least-loaded rank would."""
+        group = self.loads.pop_group(1)
+        start, seconds = group[0][0], self.builder.seq_time[seq]
+        group, start, seconds, ratio = self._widen(seq, group, start, seconds, 0.0, widest)
+        if len(group) == 1:
+            self.loads.push(*group[0])
+            return False
+        self._run(seq, group, start, ratio)
+        return True
+
+    def _run(self, seq: int, group: list[tuple[float, int]], start: float, ratio: float) -> None:
+        """Place `seq`'s micro-batch on `group` (when free, rank) from `start`."""
+        loads = self.loads
+        mb = self.builder.add(sorted(r for _, r in group), [seq], ratio)
         loads.join(Entry(EntryKind.SHARED, micro_batch=mb.id), group, start)
         end = start + mb.est_time
         for _, r in group:
             loads.push(end, r)
+
+    def _widen(
+        self, seq: int, group: list[tuple[float, int]], start: float, seconds: float, ratio: float, widest: int
+    ) -> tuple[list[tuple[float, int]], float, float, float]:
+        """The least-loaded ranks added to `group` that end `seq` soonest (group, start, seconds, ratio); the
+        ranks tried but not kept go back to the heap. It looks up to `_WIDEN_LOOKAHEAD` ranks past the last
+        gain, and stops where even the compute alone on the most ranks it may still try could not end sooner.
+        A size whose ring no longer hides costs the other sequences ranks, and each rank pays the micro-batch's
+        fixed cost, so none costs over `_WIDEN_AREA` more rank-seconds than the work and one fixed cost (waiting
+        for a rank idles the others, which later short sequences backfill).
+        The ranks come by load, not by node, so each size is timed as a plain ring (`PlanBuilder.ring_time`);
+        the micro-batch then takes the best split its ranks allow."""
+        loads, builder = self.loads, self.builder
+        work, overhead = builder.seq_time[seq], builder.cost_model.micro_batch_overhead
+        trial = list(group)
+        kept, best = len(group), (start + seconds, start, seconds, ratio)
+        area = max((1 + _WIDEN_AREA) * (work + overhead), len(group) * (seconds + overhead))
+        widest = min(widest, int((area - work) / overhead) if overhead > 0 else widest)
+        while len(trial) < widest and len(trial) - kept < _WIDEN_LOOKAHEAD:
+            most = min(widest, kept + _WIDEN_LOOKAHEAD)
+            if max(start, loads.least_load()) + work / most >= best[0]:
+                break
+            trial += loads.pop_group(1)
+            size = len(trial)
+            wider_ratio = 0.0 if builder.lens[seq] <= size * self.capacity else ratio
+            wider_start = max(start, trial[-1][0])
+            wider = builder.ring_time(seq, size, wider_ratio)
+            if wider_start + wider < best[0] and size * (wider + overhead) <= area:
+                kept, best = size, (wider_start + wider, wider_start, wider, wider_ratio)
+        for free, r in trial[kept:]:
+            loads.push(free, r)
+        return trial[:kept], best[1], best[2], best[3]
 
     def schedule(self) -> list[list[int]]:
         return self.loads.schedule()

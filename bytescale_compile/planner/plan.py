@@ -191,6 +191,8 @@ def local_tokens(seq_lens: np.ndarray | list[int], group_size: int) -> int:
     """Most tokens any rank of the group holds under the zigzag layout (2N chunks, earlier ones larger), in
     O(sequences + ranks): rank r holds 2(n // 2N) tokens of each sequence, plus one for each whose remainder
     n % 2N exceeds r and one for each whose remainder exceeds 2N-1-r."""
+    if len(seq_lens) == 1:  # one sequence (most shared micro-batches), on ints
+        return zigzag_tokens(int(seq_lens[0]), group_size)
     lens = np.asarray(seq_lens, dtype=np.int64)
     if group_size == 1:
         return int(lens.sum())
@@ -198,6 +200,13 @@ def local_tokens(seq_lens: np.ndarray | list[int], group_size: int) -> int:
     base, extra = np.divmod(lens, chunks)
     above = lens.size - np.cumsum(np.bincount(extra, minlength=chunks))  # above[k]: remainders > k
     return int(2 * base.sum() + (above[:group_size] + above[group_size:][::-1]).max())
+
+
+def zigzag_tokens(length, group_size):
+    """`local_tokens` of one sequence, on ints or elementwise on arrays: rank r of N holds zigzag chunks r and
+    2N-1-r, each n // 2N tokens, plus one of the n % 2N left over for each of the first chunks."""
+    base, extra = divmod(length, 2 * group_size)
+    return 2 * base + (extra >= 1) + (extra >= group_size + 1)
 
 
 def split_tokens(seq_lens: np.ndarray | list[int], group_size: int, ulysses: int = 1) -> int:

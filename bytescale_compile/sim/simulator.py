@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from ..planner.builder import fastest_time
+from ..planner.group_size import fastest_groups
 from ..planner.pipeline_order import chained_micro_batches
 from ..planner.plan import MicroBatch, Plan, PlanError, local_tokens
-from ..planner.split import split_time
+from ..planner.split import SP_AUTO, split_time
 from .pipeline import PipelineRun, first_order_bubble, one_f_one_b
 from .timeline import Span, Timeline
 
@@ -167,9 +167,9 @@ def _ring_flows(topology: Topology, m: MicroBatch) -> Counter[Link]:
 
 
 def _durations(plan: Plan, cost_model: CostModel, bandwidth: dict[int, float]) -> dict[int, float]:
-    """Seconds of each micro-batch, `CostModel.micro_batch_overhead` included; a shared one's ring at its own
-    bandwidth (bytes/s per rank), a u × r split by `split_time` (its all-to-alls at their links' bandwidth,
-    uncontended)."""
+    """Seconds of each micro-batch, `CostModel.micro_batch_overhead` included; a shared one by the planner's own
+    `split_time`, its ring at its bandwidth under contention (bytes/s per rank), its all-to-alls at their links'
+    bandwidth, uncontended."""
     lens = np.asarray(plan.sequences)
     seq_time = cost_model.seq_time(lens)
     overhead = cost_model.micro_batch_overhead
@@ -177,25 +177,12 @@ def _durations(plan: Plan, cost_model: CostModel, bandwidth: dict[int, float]) -
     for m in plan.micro_batches:
         if not m.shared:
             out[m.id] = m.est_time + overhead
-        elif m.ulysses > 1:
-            ids = list(m.sequences)
-            ring_bw = bandwidth.get(m.id, math.inf)
-            work = float(seq_time[ids].sum())
-            seconds = split_time(cost_model, lens[ids], m.ranks, m.offload_ratio, m.ulysses, work, ring_bw)
-            out[m.id] = seconds + overhead
-        else:
-            out[m.id] = _shared_time(m, cost_model, seq_time, lens, bandwidth[m.id]) + overhead
+            continue
+        ids = list(m.sequences)
+        work = float(seq_time[ids].sum())
+        ring_bw = bandwidth.get(m.id, math.inf)
+        out[m.id] = split_time(cost_model, lens[ids], m.ranks, m.offload_ratio, m.ulysses, work, ring_bw) + overhead
     return out
-
-
-def _shared_time(
-    m: MicroBatch, cost_model: CostModel, seq_time: np.ndarray, lens: np.ndarray, bandwidth: float
-) -> float:
-    d, ids = len(m.ranks), list(m.sequences)
-    compute = float(seq_time[ids].sum()) / d + float(cost_model.ring_compute_time(m.tokens_per_rank, d))
-    ring = float(cost_model.ring_bytes(m.tokens_per_rank, d)) / bandwidth + float(cost_model.ring_latency(d))
-    offload = float(cost_model.offload_time(lens[ids], m.offload_ratio).sum()) / d if m.offload_ratio > 0 else 0.0
-    return max(compute, ring, offload)
 
 
 @dataclass(frozen=True)
@@ -400,17 +387,22 @@ def busy_times(timeline: Timeline) -> np.ndarray:
 def lower_bound(lens: np.ndarray, world_size: int, capacity: int, cost_model: CostModel) -> float:
     """No plan is faster than max(total work / ranks, heaviest sequence's share).
 
-    The share is the least time the heaviest sequences can take on any group size from D(s) up: its
-    compute split d ways, but no less than the ring's P2P at that d (which grows with d). Plus one
-    micro-batch's fixed cost (a rank with work runs at least one), the gradient all-reduce and the optimizer
-    step, which every plan pays after its last micro-batch (unpipelined: pp 1, TP as the hardware's).
+    The share is the least time the heaviest sequences can take on any group size from D(s) up and any u × r
+    split of it, by the planner's and simulator's one model of a group's time (`group_size.fastest_groups`,
+    every size tried): compute split d ways, the ring's P2P and the all-to-alls at the best placement's
+    bandwidth, without offloading (which only adds). Plus one micro-batch's fixed cost (a rank with work runs
+    at least one), the gradient all-reduce and the optimizer step, which every plan pays after its last
+    micro-batch (unpipelined: pp 1, TP as the hardware's).
     """
     if lens.size == 0:
         return 0.0
     work = cost_model.seq_time(lens)
     heaviest = np.argsort(-work)[:64]
     min_ranks, _ = cost_model.ranks_and_ratio(lens[heaviest], capacity)
-    share = float(fastest_time(cost_model, lens[heaviest], work[heaviest], world_size, min_ranks).max())
+    fastest = fastest_groups(
+        cost_model, lens[heaviest], work[heaviest], world_size, min_ranks, sp=SP_AUTO, exhaustive=True
+    )
+    share = float(fastest.seconds.max())
     sync = cost_model.allreduce_time() if world_size > 1 else 0.0
     optimizer = cost_model.optimizer_time(world_size * cost_model.hardware.tp_size)
     return max(float(work.sum()) / world_size, share) + cost_model.micro_batch_overhead + sync + optimizer

@@ -6,17 +6,23 @@ load of that moment, and gloo's P2P on a CPU is no 25 GB/s link: predictions mis
 35-60% either way (benchmarks/history/training.md). Here every rank of the job, at once, runs the model it will train on
 sequences of a few lengths, through `Runtime.forward_backward`, then exchanges a ring step of bytes with
 its neighbours and all-reduces a gradient's worth; T(s) is refitted so that `layers x T(s)` is the whole
-model's time (the embedding, LM head and loss, and the micro-batch's fixed cost folded into it: their own terms
-become 0), and the bandwidths and latency become the measured ones. Act(s), the optimizer step and everything
-else keep the given cost model's values. Nothing is trained: gradients are zeroed after, and no optimizer step
-runs.
+model's time (the embedding, LM head and loss, the micro-batch's fixed cost and the TP all-reduces folded into
+it: their own terms become 0), and the bandwidths and latency become the measured ones. A real cluster has two
+link classes, inside a node and across nodes, and Ulysses' all-to-all inside a node: from the ranks' hosts the
+job also times a ring inside each node, a ring whose every hop crosses nodes, and the all-to-all of a node, and
+fits the `Topology` the planner and simulator charge rings and all-to-alls on (`planner.topology.fit_topology`).
+Act(s), the optimizer step and everything else keep the given cost model's values. Nothing is trained:
+gradients are zeroed after, and no optimizer step runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import math
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -28,19 +34,42 @@ import torch.distributed as dist
 from ..engine.collectives import sync_gradients
 from ..engine.mesh import TrainMesh
 from ..engine.runtime import ListBatch, Runtime
-from ..planner import BALANCE, STATIC, CostModel, MicroBatch, Plan
+from ..planner import BALANCE, STATIC, CostModel, Hardware, MicroBatch, Plan
 from ..planner.equations import RECOMPUTE_TIME
 from ..planner.plan import local_tokens
 from ..planner.profiler import fit_time
+from ..planner.topology import Topology, fit_topology
 
-__all__ = ["CALIBRATION_FRACTIONS", "Calibration", "calibrate", "calibration_lengths"]
+__all__ = ["CALIBRATION_FRACTIONS", "Calibration", "Links", "calibrate", "calibration_lengths", "ranks_per_node"]
 
 logger = logging.getLogger(__name__)
 
 CALIBRATION_FRACTIONS = (1 / 8, 1 / 4, 1 / 2, 1)
 """Sequence lengths measured, as fractions of the capacity C: T(s) is fitted where the plans' micro-batches are."""
 P2P_BYTES = 16 << 20
-"""Bytes each rank sends its ring neighbour to measure bandwidth (a few K/V chunks of a long sequence)."""
+"""Bytes each rank sends its ring neighbour to measure bandwidth (a few K/V chunks of a long sequence); in the
+all-to-all, what it holds in all (1/u of it to each of the u - 1 peers)."""
+
+
+@dataclass(frozen=True)
+class Links:
+    """The links between HDP ranks as the job measured them: bytes/s per process (one device: a rank's TP
+    devices measure side by side) while every rank sends at once, mean over ranks; None where the layout has
+    nothing to measure."""
+
+    hosts: int
+    ranks_per_node: int
+    """Consecutive HDP ranks on one host, as the topology places ranks (`ranks_per_node`)."""
+    intra_p2p: float | None
+    """A ring over each node's ranks (None with one rank per node)."""
+    inter_p2p: float | None
+    """A ring whose every hop crosses nodes (None on one node)."""
+    all_to_all: float | None
+    """Each rank sends 1/u of its bytes to each other rank of its node: bytes to others / seconds (None with
+    one rank per node)."""
+    preset: str | None
+    """The hardware whose topology supplies the classes not measured (None: there was none, so each is set
+    to the class measured)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +92,8 @@ class Calibration:
     attention cannot be sharded)."""
     shared_seconds: float | None
     """Its fwd+bwd (None where nothing was shared)."""
+    links: Links | None
+    """The link classes measured (None on one rank); the fitted topology is `cost_model.hardware.topology`."""
     cost_model: CostModel
 
     def summary(self) -> str:
@@ -93,7 +124,42 @@ class Calibration:
             f"  ring P2P {self.p2p_bandwidth / 1e9:.3g} GB/s, latency {self.p2p_latency * 1e6:.0f} us; gradient "
             f"all-reduce {self.allreduce_seconds * 1e3:.1f} ms (predicted {model.allreduce_time() * 1e3:.1f})"
         )
+        if self.links is not None:
+            rows += _links_summary(self.links, model.hardware.topology)
         return "\n".join(rows)
+
+
+def _links_summary(links: Links, topology: Topology | None) -> list[str]:
+    """The link classes measured (per device) and the topology fitted to them (per HDP rank)."""
+
+    def missing(why: str, other: str) -> str:
+        return f"not measured ({why}): " + (f"kept from {links.preset}" if links.preset else f"set to the link {other}")
+
+    inside = (
+        f"P2P {links.intra_p2p / 1e9:.3g} GB/s, all-to-all {links.all_to_all / 1e9:.3g} GB/s"
+        if links.intra_p2p is not None and links.all_to_all is not None
+        else missing("one rank per node", "across nodes")
+    )
+    across = (
+        f"P2P {links.inter_p2p / 1e9:.3g} GB/s" if links.inter_p2p is not None else missing("one node", "inside a node")
+    )
+    rows = [
+        f"  links per device, every rank at once: {links.hosts} host{'s' if links.hosts > 1 else ''}, "
+        f"{links.ranks_per_node} rank{'s' if links.ranks_per_node > 1 else ''} per node",
+        f"    inside a node: {inside}",
+        f"    across nodes: {across}",
+    ]
+    if topology is None:
+        return [*rows, "  no topology fitted: no ring ran inside a node or across nodes"]
+    switches = topology.devices_per_node // topology.devices_per_switch
+    all_to_all = topology.tp_size * (topology.all_to_all_link or topology.device_link)
+    rows.append(
+        f"  fitted topology per HDP rank (TP {topology.tp_size}): {topology.ranks_per_node} ranks per node, "
+        f"{switches} switch{'es' if switches > 1 else ''} per node; link {topology.rank_link / 1e9:.3g} GB/s"
+        + (f", switch uplink {topology.rank_uplink / 1e9:.3g} GB/s" if switches > 1 else "")
+        + f", rail {topology.rank_rail / 1e9:.3g} GB/s, all-to-all {all_to_all / 1e9:.3g} GB/s"
+    )
+    return rows
 
 
 def calibration_lengths(capacity: int) -> tuple[int, ...]:
@@ -130,17 +196,36 @@ def calibrate(runtime: Runtime, lengths: Sequence[int] | None = None, repeats: i
     runtime.model.zero_grad(set_to_none=False)
     (allreduce,) = _timed_rounds([lambda: sync_gradients(runtime.params, world, runtime.executor.sync_group)], repeats)
     runtime.model.zero_grad(set_to_none=False)
-    bandwidth, latency = _ring_exchange(runtime.executor.mesh, repeats)
-    table = runtime.gather([*times, allreduce, bandwidth, latency]).mean(axis=0).tolist()
-    allreduce, bandwidth, latency = table[-3:]
-    times, shared = table[: len(lengths)], (table[len(lengths)] if ring else None)
+    layout = _layout(runtime.executor.mesh)
+    probes = _link_probes(runtime.executor.mesh, runtime.device, layout, repeats)
+    table = runtime.gather([*times, allreduce, *probes.values()]).mean(axis=0).tolist()
+    count = len(lengths) + (1 if ring else 0)
+    times, shared, allreduce = table[: len(lengths)], (table[len(lengths)] if ring else None), table[count]
+    measured = dict(zip(probes, table[count + 1 :]))
+    bandwidth, latency = measured["ring"], measured["latency"]
+    base = runtime.cost_model.hardware
+    links = _links(layout, measured, base) if world > 1 else None
     slots = _compute_slots(runtime)
     alone = min(1.0, slots / world) if slots is not None else 1.0
-    model = _refit(runtime.cost_model, lengths, [t * alone for t in times], bandwidth, latency, world, slots)
+    topology = _fitted_topology(links, runtime.tp_size, base.topology)
+    model = _refit(
+        runtime.cost_model, lengths, [t * alone for t in times], bandwidth, latency, world, slots, topology=topology
+    )
     model = model.replace(boundary_bytes_per_token=_boundary_bytes(runtime, model))
     if shared is not None:
         model = _with_ring_overhead(model, shared_length, shared * alone, world)
-    return Calibration(lengths, tuple(times), bandwidth, latency, allreduce, world, shared_length, shared, model)
+    return Calibration(
+        lengths=lengths,
+        times=tuple(times),
+        p2p_bandwidth=bandwidth,
+        p2p_latency=latency,
+        allreduce_seconds=allreduce,
+        world_size=world,
+        shared_length=shared_length,
+        shared_seconds=shared,
+        links=links,
+        cost_model=model,
+    )
 
 
 def _boundary_bytes(runtime: Runtime, model: CostModel) -> float | None:
@@ -200,26 +285,151 @@ def _timed_rounds(calls: Sequence[Callable[[], object]], repeats: int) -> list[f
     return [statistics.median(kept) for kept in samples]
 
 
-def _ring_exchange(mesh: TrainMesh, repeats: int) -> tuple[float, float]:
-    """(bytes/s, seconds of latency) of every HDP rank sending to HDP rank + 1 while receiving from HDP rank - 1,
-    among the ranks of this TP index (the peers of a ring)."""
-    world, rank = mesh.hdp, mesh.hdp_rank
-    if world == 1:
-        return float("inf"), 0.0
-    after, before = mesh.global_rank((rank + 1) % world), mesh.global_rank((rank - 1) % world)
+def ranks_per_node(hosts: Sequence[str]) -> int:
+    """HDP ranks per node as `Topology` places them (rank i on node i // n) for ranks on `hosts` (HDP rank
+    order): the largest n whose aligned blocks of n ranks each sit on one host, the gcd of the runs of
+    one host. torchrun lays ranks out node after node, and n is then each host's ranks; otherwise a warning
+    says that the planner sees smaller nodes than the hosts."""
+    runs = [len(list(run)) for _, run in itertools.groupby(hosts)]
+    n = math.gcd(*runs)
+    if len(runs) != len(set(hosts)) or len(set(runs)) > 1:
+        logger.warning(
+            "the HDP ranks' hosts are not in equal runs of consecutive ranks (runs of %s ranks): the topology "
+            "sees nodes of %d ranks, so Ulysses groups stay inside those; launch the ranks node after node "
+            "(torchrun's default) to plan with whole nodes",
+            runs,
+            n,
+        )
+    return n
 
-    def exchange(numel: int) -> Callable[[], None]:
-        send, recv = torch.zeros(numel, dtype=torch.uint8), torch.empty(numel, dtype=torch.uint8)
 
-        def run() -> None:
-            ops = [dist.P2POp(dist.isend, send, after), dist.P2POp(dist.irecv, recv, before)]
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+@dataclass(frozen=True)
+class _Layout:
+    """Where the HDP ranks sit, the same on every rank (read from every rank's host): what each probe sends."""
 
-        return run
+    hosts: tuple[str, ...]
+    ranks_per_node: int
 
-    latency, seconds = _timed_rounds([exchange(1), exchange(P2P_BYTES)], repeats)
-    return P2P_BYTES / seconds, latency
+    @property
+    def nodes(self) -> int:
+        return len(self.hosts) // self.ranks_per_node
+
+    @property
+    def across_nodes(self) -> tuple[int, ...] | None:
+        """A ring whose every hop crosses hosts: the k-th rank of each node in turn, k = 0, 1, ...; None
+        where no such ring exists (one node, or hosts laid out so that it would meet one host twice in a row)."""
+        n = self.ranks_per_node
+        order = tuple(node * n + k for k in range(n) for node in range(self.nodes))
+        hops = zip(order, order[1:] + order[:1])
+        if self.nodes < 2 or any(self.hosts[a] == self.hosts[b] for a, b in hops):
+            return None
+        return order
+
+
+def _layout(mesh: TrainMesh) -> _Layout:
+    """Each HDP rank's host (the host of its TP index 0: a TP group shares a node), from every rank's
+    `socket.gethostname()`."""
+    name = socket.gethostname()
+    names = [name]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        names = [""] * dist.get_world_size()
+        dist.all_gather_object(names, name)
+    hosts = tuple(names[mesh.global_rank(h) - mesh.tp_rank] for h in range(mesh.hdp))
+    return _Layout(hosts, ranks_per_node(hosts))
+
+
+def _link_probes(mesh: TrainMesh, device: torch.device, layout: _Layout, repeats: int) -> dict[str, float]:
+    """This rank's measurements, by name: "ring" (bytes/s, every HDP rank sends to HDP rank + 1 while
+    receiving from HDP rank - 1, among the ranks of this TP index) and "latency" (seconds of a one-byte
+    ring exchange); then bytes/s of "intra" (a ring over each node's ranks), "inter" (`_Layout.across_nodes`)
+    and "all_to_all" (among each node's ranks) where the layout has them (the same on every rank). On one node
+    the ring over it is the ring over all ranks: "intra" is "ring"."""
+    if mesh.hdp == 1:
+        return {"ring": float("inf"), "latency": 0.0}
+    everyone = tuple(range(mesh.hdp))
+    calls = {"latency": _ring(mesh, device, everyone, 1), "ring": _ring(mesh, device, everyone, P2P_BYTES)}
+    n, node = layout.ranks_per_node, mesh.hdp_rank // layout.ranks_per_node
+    members = tuple(range(node * n, node * n + n))
+    if n > 1 and layout.nodes > 1:
+        calls["intra"] = _ring(mesh, device, members, P2P_BYTES)
+    if layout.across_nodes is not None:
+        calls["inter"] = _ring(mesh, device, layout.across_nodes, P2P_BYTES)
+    if n > 1:
+        calls["all_to_all"] = _all_to_all(mesh, device, members, P2P_BYTES // n)
+    seconds = dict(zip(calls, _timed_rounds(list(calls.values()), repeats)))
+    sent = {"latency": 0, "all_to_all": (n - 1) * (P2P_BYTES // n)}
+    measured = {k: (t if k == "latency" else sent.get(k, P2P_BYTES) / t) for k, t in seconds.items()}
+    if n > 1 and layout.nodes == 1:
+        measured["intra"] = measured["ring"]
+    return measured
+
+
+def _ring(mesh: TrainMesh, device: torch.device, order: Sequence[int], numel: int) -> Callable[[], None]:
+    """A call: this rank sends `numel` bytes to the HDP rank after it in `order` (this rank's TP index) while
+    receiving as many from the one before it."""
+    at = order.index(mesh.hdp_rank)
+    after, before = order[(at + 1) % len(order)], order[at - 1]
+    return _exchange(mesh, device, sends={after: numel}, receives={before: numel})
+
+
+def _all_to_all(mesh: TrainMesh, device: torch.device, members: Sequence[int], chunk: int) -> Callable[[], None]:
+    """A call: this rank sends `chunk` bytes to every other of `members` (HDP ranks) and receives as many from
+    each. As the Ulysses attention runs its all-to-all (`runtime/ulysses.py`): one batch of P2P on the default
+    process group, so that no process group per node is made and the figure is the one its steps see."""
+    peers = {h: chunk for h in members if h != mesh.hdp_rank}
+    return _exchange(mesh, device, sends=peers, receives=peers)
+
+
+def _exchange(
+    mesh: TrainMesh, device: torch.device, *, sends: dict[int, int], receives: dict[int, int]
+) -> Callable[[], None]:
+    """A call posting one batch of P2P: `sends[h]` bytes to HDP rank h of this TP index, `receives[h]` from
+    it; it returns once they are done (on a GPU, once the device has done them: the caller times it)."""
+    out = {h: torch.zeros(n, dtype=torch.uint8, device=device) for h, n in sends.items()}
+    into = {h: torch.empty(n, dtype=torch.uint8, device=device) for h, n in receives.items()}
+
+    def run() -> None:
+        ops = [dist.P2POp(dist.isend, t, mesh.global_rank(h)) for h, t in out.items()]
+        ops += [dist.P2POp(dist.irecv, t, mesh.global_rank(h)) for h, t in into.items()]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return run
+
+
+def _links(layout: _Layout, measured: dict[str, float], base: Hardware) -> Links:
+    return Links(
+        hosts=len(set(layout.hosts)),
+        ranks_per_node=layout.ranks_per_node,
+        intra_p2p=measured.get("intra"),
+        inter_p2p=measured.get("inter"),
+        all_to_all=measured.get("all_to_all"),
+        preset=base.name if base.topology is not None else None,
+    )
+
+
+def _fitted_topology(links: Links | None, tp_size: int, base: Topology | None) -> Topology | None:
+    """The topology fitted to `links` (`fit_topology`); None on one rank (nothing measured: the given
+    hardware stays), and where no ring ran inside a node or across nodes (hosts interleaved so that neither
+    exists: the ring over all ranks then stands for every link, as without a topology)."""
+    if links is None:
+        return None
+    if links.intra_p2p is None and links.inter_p2p is None:
+        logger.warning(
+            "calibration measured no ring inside a node or across nodes (hosts interleaved rank by rank): the "
+            "cost model keeps one bandwidth for every link and no topology"
+        )
+        return None
+    return fit_topology(
+        ranks_per_node=links.ranks_per_node,
+        tp_size=tp_size,
+        intra_p2p=links.intra_p2p,
+        inter_p2p=links.inter_p2p,
+        all_to_all=links.all_to_all,
+        base=base,
+    )
 
 
 def _compute_slots(runtime: Runtime) -> float | None:
@@ -239,10 +449,13 @@ def _refit(
     latency: float,
     world: int,
     slots: float | None,
+    *,
+    topology: Topology | None,
 ) -> CostModel:
-    """`base` with T(s) = whole-model time / layers (beta_head, beta_embed and delta 0: the measurement holds
-    them), and (with several ranks) the measured ring bandwidth and latency, which `allreduce_time` uses too (it
-    comes out about half the measured all-reduce on gloo)."""
+    """`base` with T(s) = whole-model time / layers (beta_head, beta_embed, delta and the TP all-reduces' tau 0:
+    the measurement holds them), and (with several ranks) the measured ring bandwidth and latency, which
+    `allreduce_time` uses too (it comes out about half the measured all-reduce on gloo), and `topology`, the
+    links fitted to the measurements, for the rings and all-to-alls."""
     # the measured model recomputes its forward when `base.recompute`, which T(s) charges again itself
     per_layer = base.layers * (RECOMPUTE_TIME if base.recompute else 1.0)
     alpha1, beta1, gamma = (c / per_layer for c in fit_time(lengths, times))
@@ -253,7 +466,7 @@ def _refit(
             name=f"{hardware.name}, calibrated",
             network_bandwidth=bandwidth,
             latency=max(latency, 1e-9),
-            topology=None,
+            topology=topology,
             compute_slots=slots,
         )
     logger.info("calibrated T(s) per layer: %.4g s^2 + %.4g s + %.4g", alpha1, beta1, gamma)
@@ -264,6 +477,7 @@ def _refit(
         beta_head=0.0,
         beta_embed=0.0,
         delta=0.0,
+        tp_comm_time=0.0,
         hardware=hardware,
         source=f"{base.source}, calibrated",
         device=base.device or "calibrated in the job",

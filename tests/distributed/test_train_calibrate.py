@@ -1,18 +1,30 @@
 """The job's own calibration of the cost model (train/calibrate.py) and what the simulator does with it:
-ranks sharing one machine's cores, and the compute a ring adds."""
+ranks sharing one machine's cores, and the compute a ring adds; the links measured and the topology fitted
+to them."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
 
 import bytescale_compile as bsc
+from bytescale_compile.engine.mesh import TrainMesh
 from bytescale_compile.models.llama import tiny
 from bytescale_compile.planner import CostModel, Hardware, MicroBatch, Plan, plan
 from bytescale_compile.planner.builder import micro_batch_time
 from bytescale_compile.sim.simulator import simulate, step_time
 from bytescale_compile.testing import run_distributed
-from bytescale_compile.train.calibrate import _refit, calibrate, calibration_lengths
+from bytescale_compile.train.calibrate import (
+    _fitted_topology,
+    _layout,
+    _link_probes,
+    _links,
+    _refit,
+    calibrate,
+    calibration_lengths,
+)
 from tests.helpers import hf_llama
 
 LENGTHS = (16, 32, 64)
@@ -83,7 +95,7 @@ def test_the_refit_folds_the_head_loss_and_micro_batch_cost_into_the_layers_and_
     base = _model().replace(beta_head=1e-3, beta_embed=1e-4, delta=0.2, omega=1e-9, sigma=0.3)
     lengths = [16, 32, 64]
     times = [2.0 * s + 0.5 for s in lengths]  # one layer: beta1 2 s per token, gamma 0.5 s
-    fitted = _refit(base, lengths, times, float("inf"), 0.0, 1, None)
+    fitted = _refit(base, lengths, times, float("inf"), 0.0, 1, None, topology=None)
     assert (fitted.beta_head, fitted.beta_embed, fitted.delta) == (0.0, 0.0, 0.0)
     assert (fitted.omega, fitted.sigma) == (1e-9, 0.3)
     for s, t in zip(lengths, times):
@@ -108,7 +120,7 @@ def test_calibration_fits_the_whole_model_and_trains_nothing(optimizer):
     result = calibrate(runtime, lengths=LENGTHS, repeats=1)
     fitted = result.cost_model
     assert result.world_size == 1 and result.shared_seconds is None
-    assert fitted.hardware == runtime.cost_model.hardware, "one rank measures no link"
+    assert fitted.hardware == runtime.cost_model.hardware and result.links is None, "one rank measures no link"
     assert (fitted.alpha2, fitted.layers, fitted.kv_bytes_per_token) == (
         runtime.cost_model.alpha2,
         runtime.cost_model.layers,
@@ -129,12 +141,22 @@ def _calibrate_worker(rank: int, world: int) -> None:
     result = calibrate(runtime, lengths=LENGTHS, repeats=1)
     fitted = result.cost_model
     assert result.shared_length == world * 64 // 2 and result.shared_seconds > 0
-    assert fitted.hardware.network_bandwidth == result.p2p_bandwidth and fitted.hardware.topology is None
+    assert fitted.hardware.network_bandwidth == result.p2p_bandwidth
+    links, topology = result.links, fitted.hardware.topology
+    assert (links.hosts, links.ranks_per_node, links.inter_p2p, links.preset) == (1, world, None, None)
+    assert links.intra_p2p == result.p2p_bandwidth, "on one host the ring over the node is the ring over all"
+    assert topology.ranks_per_node == world and topology.tp_size == 1
+    assert topology.ring_bandwidth(range(world)) == pytest.approx(links.intra_p2p)
+    assert topology.all_to_all_bandwidth(range(world), world) == pytest.approx(links.all_to_all)
+    assert topology.rank_rail == topology.rank_link, "one host: the rails are set to the link measured"
+    assert "across nodes: not measured (one node): set to the link inside a node" in result.summary()
     assert fitted.ring_overhead >= 0
     slots = fitted.hardware.compute_slots
     assert slots is None or slots < world
     mine = torch.tensor(
-        [fitted.alpha1, fitted.beta1, fitted.gamma, fitted.ring_overhead, result.p2p_bandwidth], dtype=torch.float64
+        [fitted.alpha1, fitted.beta1, fitted.gamma, fitted.ring_overhead, result.p2p_bandwidth, topology.device_link]
+        + [topology.all_to_all_link],
+        dtype=torch.float64,
     )
     first = mine.clone()
     torch.distributed.broadcast(first, 0)
@@ -150,3 +172,31 @@ def _calibrate_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_calibration_on_two_ranks_measures_the_ring_and_agrees_on_every_rank():
     run_distributed(_calibrate_worker, 2)
+
+
+def _links_worker(rank: int, world: int) -> None:
+    """Two nodes of two ranks: rings inside and across them and the all-to-all of a node; then the ranks laid
+    out round robin: nodes of one rank, only the ring across them. Hosts are faked (every rank is on this
+    machine); each rank fits its own measurements."""
+    for hosts in (["a", "a", "b", "b"], ["a", "b", "a", "b"]):
+        with mock.patch("socket.gethostname", return_value=hosts[rank]):
+            layout = _layout(TrainMesh.of_world())
+        assert layout.hosts == tuple(hosts)
+        measured = _link_probes(TrainMesh.of_world(), torch.device("cpu"), layout, repeats=1)
+        links = _links(layout, measured, Hardware())
+        topology = _fitted_topology(links, 1, None)
+        n = links.ranks_per_node
+        assert topology.ranks_per_node == n == (2 if hosts[1] == "a" else 1) and links.hosts == 2
+        assert topology.ring_bandwidth(layout.across_nodes) == pytest.approx(min(links.inter_p2p, topology.rank_link))
+        if n == 1:
+            assert links.intra_p2p is None and links.all_to_all is None
+            assert topology.rank_link == topology.rank_rail == pytest.approx(links.inter_p2p)
+        else:
+            assert topology.ring_bandwidth(range(n)) == pytest.approx(links.intra_p2p)
+            assert topology.all_to_all_bandwidth(range(n), n) == pytest.approx(links.all_to_all)
+            assert topology.rank_rail == pytest.approx(links.inter_p2p)
+
+
+@pytest.mark.slow
+def test_links_measured_on_four_ranks_fit_a_topology_that_reproduces_them():
+    run_distributed(_links_worker, 4)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import bytescale_compile as bsc
-from bytescale_compile.planner import Plan, PlanError, plan
+from bytescale_compile.engine.probe import default_cost_model
+from bytescale_compile.planner import Hardware, Plan, PlanError, Topology, plan
 from bytescale_compile.planner.plan import split_tokens
 from bytescale_compile.testing import run_distributed
 from tests.helpers import reference_step, rel_err
@@ -63,6 +64,48 @@ def _step_worker(rank: int, world: int, name: str, ulysses_by_size: dict[int, in
 )
 def test_a_step_with_mixed_splits_equals_the_single_process_step(name, ulysses_by_size):
     run_distributed(_step_worker, 4, name, ulysses_by_size)
+
+
+def _ring_bound(cost_model):  # type: ignore[no-untyped-def]
+    """`cost_model` on one node of 4 ranks whose ring links are slow and whose all-to-all is fast: every shared
+    micro-batch is ring-bound, so the planner's joint choice of group size and split takes u > 1."""
+    slow, fast = 1e6, 1e15
+    topology = Topology(
+        devices_per_node=4,
+        devices_per_switch=4,
+        tp_size=1,
+        device_link=slow,
+        switch_uplink=slow,
+        nic_bandwidth=slow,
+        nics_per_node=4,
+        all_to_all_link=fast,
+    )
+    return cost_model.replace(hardware=Hardware(name="ring-bound", network_bandwidth=slow, topology=topology))
+
+
+def _planned_split_worker(rank: int, world: int, name: str) -> None:
+    model = build(name)
+    reference = copy.deepcopy(model)
+    runtime = bsc.Runtime(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        capacity=CAPACITY,
+        cost_model=_ring_bound(default_cost_model(model)),
+    )
+    step_plan = runtime.plan(np.asarray(LENGTHS))
+    assert any(mb.ulysses > 1 for mb in step_plan.micro_batches if mb.shared), step_plan.micro_batches
+    stats = runtime.step(_batch(), plan=step_plan)
+    ref_loss, ref_params = reference_step(reference, _batch(), lr=0.5, hf=True)
+    assert abs(stats.loss - ref_loss) <= 1e-5 * abs(ref_loss), (stats.loss, ref_loss)
+    for param_name, p in model.named_parameters():
+        assert rel_err(p, ref_params[param_name]) <= 1e-5, f"{name} rank {rank} {param_name}"
+
+
+@pytest.mark.slow
+def test_a_step_the_planner_splits_equals_the_single_process_step():
+    """Group size and split chosen together by the planner (not forced): on ring-bound links it takes u > 1, and
+    the step equals the single-process step."""
+    run_distributed(_planned_split_worker, 4, "llama")
 
 
 def test_a_split_the_heads_cannot_take_is_refused_before_any_step():

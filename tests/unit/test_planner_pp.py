@@ -25,9 +25,10 @@ def _digest(p) -> str:
 
 
 # balance plans at pp = 1 captured before PP-balance learned about bubbles (2M tokens, 128K context, 16 ranks),
-# recaptured when a layer's launch constant gamma moved from each sequence to each micro-batch
+# recaptured when a layer's launch constant gamma moved from each sequence to each micro-batch, and when balance
+# learned to widen a sequence that would end past the balanced time onto ranks it waits for
 PP1_PLANS = {
-    ("byted", 0): "0355041377c19c39",
+    ("byted", 0): "9c13db605309117d",
     ("byted", 1): "7ad33554b4a2a42a",
     ("github", 0): "020cc8b65e8285a7",
     ("github", 1): "6eac129ffad1d7d3",

@@ -147,3 +147,21 @@ def test_cli_plans_auto_on_the_l20_cluster(capsys):
     assert "auto chose" in out and "static" in out
     assert main(["plan", "--hardware", "tpu"]) == 2
     assert "unknown hardware preset 'tpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "hardware",
+    [Hardware.preset("h100-nvlink", tp) for tp in (1, 2, 8)] + [Hardware.preset("l20", tp) for tp in (1, 2, 4, 8)],
+    ids=lambda h: h.name,
+)
+def test_aligned_split_rings_in_closed_form_match_their_hops(hardware):
+    """The planner's group-size search reads the u rings' bandwidth of every adjacent group size in closed form; it
+    is the hop-by-hop count of `split_ring_bandwidth` on those ranks, for every u that tiles the switches."""
+    topology = hardware.topology
+    per_switch, per_node = topology.ranks_per_switch, topology.ranks_per_node
+    for u in (1, 2, 4, 8, 16):
+        if per_node % u or (per_switch % u and u % per_switch):
+            continue
+        for d in range(u, 100, u):
+            closed = topology.aligned_split_ring_bandwidth(d, u)
+            assert closed == pytest.approx(topology.split_ring_bandwidth(tuple(range(d)), u)), (u, d)
