@@ -63,7 +63,7 @@ from ..strategies import BALANCE
 from .builder import PlanBuilder
 from .group_size import GroupChoice, fastest_groups, least_groups
 from .naive import ranks_needed
-from .placers import MALLEABLE_SHORT, ChainPlacer, Demands, DPPlacer, Placer
+from .placers import ChainPlacer, Demands, DPPlacer, Placer
 from .plan import BalanceSettings, Plan
 from .split import DEFAULT_SP
 
@@ -201,11 +201,10 @@ def _groups(
     longest: float,
     sp: str,
 ) -> GroupChoice:
-    """`fastest_groups` of the sequences that may be shared: longer than C, or heavy enough beside the longest
-    micro-batch (`_longest_micro_batch`) that balance may spread them (`placers.MALLEABLE_SHORT`); one rank for
-    the rest."""
+    """`fastest_groups` of the sequences that may be shared: longer than C, or heavier than the longest
+    micro-batch (`_longest_micro_batch`), so that balance spreads them; one rank for the rest."""
     groups = GroupChoice(np.ones(lens.shape, np.int64), np.ones(lens.shape, np.int64), seq_time.copy())
-    may_share = np.flatnonzero((lens > capacity) | (seq_time > MALLEABLE_SHORT * longest))
+    may_share = np.flatnonzero((lens > capacity) | (seq_time > longest))
     if may_share.size:
         found = fastest_groups(
             cost_model, lens[may_share], seq_time[may_share], world_size, np.ones(may_share.size, np.int64), sp=sp

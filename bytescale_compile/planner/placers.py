@@ -58,7 +58,7 @@ class DPPlacer:
 
     def __init__(self, builder: PlanBuilder, world_size: int, capacity: int, target: float) -> None:
         """`target` is the balanced per-rank time (total work / ranks)."""
-        self.builder, self.capacity, self.target = builder, capacity, target
+        self.builder, self.capacity, self.target, self.world_size = builder, capacity, target, world_size
         self.loads = RankLoads(builder, world_size, capacity)
 
     def place(self, demands: Demands, delta: float) -> None:
@@ -75,9 +75,8 @@ class DPPlacer:
                 continue
             elif not (
                 d.seconds[s] > heavy
-                and d.widest[s] > 1
                 and loads.least_load() + d.seconds[s] > self.target
-                and self._widened(s, d.widest[s])
+                and self._widened(s)
             ):
                 loads.pack(s, d.tokens[s], d.seconds[s], delta)
 
@@ -92,11 +91,13 @@ class DPPlacer:
             group, start, seconds, ratio = self._widen(seq, group, start, seconds, ratio, widest)
         self._run(seq, group, start, ratio)
 
-    def _widened(self, seq: int, widest: int) -> bool:
-        """Run short `seq` over more than one rank where that ends it sooner than its least-loaded rank would."""
+    def _widened(self, seq: int) -> bool:
+        """Run short `seq` over more than one rank where that ends it sooner than its least-loaded rank would.
+        Its group is not searched beforehand (`BalanceInputs.groups`): `_widen`'s limit on rank-seconds stops a
+        short sequence's group long before its ring outlasts the compute."""
         group = self.loads.pop_group(1)
         start, seconds = group[0][0], self.builder.seq_time[seq]
-        group, start, seconds, ratio = self._widen(seq, group, start, seconds, 0.0, widest)
+        group, start, seconds, ratio = self._widen(seq, group, start, seconds, 0.0, self.world_size)
         if len(group) == 1:
             self.loads.push(*group[0])
             return False
