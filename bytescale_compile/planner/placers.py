@@ -17,7 +17,9 @@ from .rank_load import Chain, Entry, EntryKind, RankLoads
 __all__ = ["Demands", "Placer", "DPPlacer", "ChainPlacer", "Chain"]
 
 _WIDEN_LOOKAHEAD = 2
-"""Ranks `DPPlacer` tries past the last size that ended a sequence sooner before it stops widening."""
+"""Steps `DPPlacer` tries past the last size that ended a sequence sooner before it stops widening."""
+_WIDEN_STEPS = 16
+"""A widening step adds 1/16 of the group's ranks (at least one): O(log) sizes tried, each within 6% of the last."""
 MALLEABLE_SHORT = 0.01
 """A short sequence over this fraction of the balanced time that would end past it is placed as a malleable job:
 its seconds are the granularity of the step's tail."""
@@ -117,8 +119,10 @@ class DPPlacer:
         self, seq: int, group: list[tuple[float, int]], start: float, seconds: float, ratio: float, widest: int
     ) -> tuple[list[tuple[float, int]], float, float, float]:
         """The least-loaded ranks added to `group` that end `seq` soonest (group, start, seconds, ratio); the
-        ranks tried but not kept go back to the heap. It looks up to `_WIDEN_LOOKAHEAD` ranks past the last
-        gain, and stops where even the compute alone on the most ranks it may still try could not end sooner.
+        ranks tried but not kept go back to the heap. It adds one rank at a time to small groups and 1/`_WIDEN_STEPS`
+        of the group to large ones (hundreds of idle ranks for few sequences), looks up to `_WIDEN_LOOKAHEAD` steps
+        past the last gain, and stops where even the compute alone on the most ranks it may still try could not
+        end sooner.
         A size whose ring no longer hides costs the other sequences ranks, and each rank pays the micro-batch's
         fixed cost, so none costs over `_WIDEN_AREA` more rank-seconds than the work and one fixed cost (waiting
         for a rank idles the others, which later short sequences backfill).
@@ -130,17 +134,20 @@ class DPPlacer:
         kept, best = len(group), (start + seconds, start, seconds, ratio)
         area = max((1 + _WIDEN_AREA) * (work + overhead), len(group) * (seconds + overhead))
         widest = min(widest, int((area - work) / overhead) if overhead > 0 else widest)
-        while len(trial) < widest and len(trial) - kept < _WIDEN_LOOKAHEAD:
-            most = min(widest, kept + _WIDEN_LOOKAHEAD)
+        misses = 0
+        while len(trial) < widest and misses < _WIDEN_LOOKAHEAD:
+            step = min(max(1, len(trial) // _WIDEN_STEPS), widest - len(trial))
+            most = min(widest, len(trial) + _WIDEN_LOOKAHEAD * step)
             if max(start, loads.least_load()) + work / most >= best[0]:
                 break
-            trial += loads.pop_group(1)
+            trial += loads.pop_group(step)
             size = len(trial)
+            misses += 1
             wider_ratio = 0.0 if builder.lens[seq] <= size * self.capacity else ratio
             wider_start = max(start, trial[-1][0])
             wider = builder.ring_time(seq, size, wider_ratio)
             if wider_start + wider < best[0] and size * (wider + overhead) <= area:
-                kept, best = size, (wider_start + wider, wider_start, wider, wider_ratio)
+                kept, best, misses = size, (wider_start + wider, wider_start, wider, wider_ratio), 0
         for free, r in trial[kept:]:
             loads.push(free, r)
         return trial[:kept], best[1], best[2], best[3]
