@@ -90,8 +90,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         if args.pp > total_layers:
             raise CLIError(f"--pp {args.pp} is larger than the model's {total_layers} decoder layers")
         memory, note = _memory_model(args, model, total_layers=total_layers, budget=budget)
-    where = f"tp {args.tp}, pp {args.pp}, {args.hdp} HDP ranks"
-    print(f"{args.target}: {total_layers} decoder layers, {args.dtype}, {where}, budget {format_bytes(budget)}")
+    print(_assumptions(args, total_layers, format_bytes(budget)))
     if shape is not None:
         print(_shape_line(args, shape))
     elif note is not None:
@@ -99,15 +98,32 @@ def cmd_memory(args: argparse.Namespace) -> int:
     print(memory.describe())
     modes = [args.offload] if args.offload is not None else [False, True]
     try:
-        for offload in modes:
-            c = memory.capacity(budget, offload)
+        capacities = {offload: memory.capacity(budget, offload) for offload in modes}
+        for offload, c in capacities.items():
             peak = format_bytes(memory.worst_peak(c, offload))
             print(f"C {'with' if offload else 'without'} offload: {c:,} tokens (peak {peak})")
         if True in modes:
-            print(f"longest per rank with offload (r = 1): {memory.longest_per_rank(budget):,} tokens")
+            longest = memory.longest_per_rank(budget)
+            print(f"longest per rank with offload (r = 1): {longest:,} tokens")
     except MemoryBudgetError as e:
         raise CLIError(f"--device-memory: {e}") from e
+    if capacities.get(True, 0) < capacities.get(False, 0):
+        print(
+            f"  why C with offload is lower: with offloading a rank may hold a share of a long sequence of up to "
+            f"l x C / 2 tokens ({longest:,} here), of which only the last 2 layers stay whole on the device; C is "
+            f"sized so that share fits, so a rank holds more tokens with offload than C without (docs/memory.md)"
+        )
     return 0
+
+
+def _assumptions(args: argparse.Namespace, total_layers: int, budget: str) -> str:
+    """Every setting the figures below assume, in one line."""
+    state = "distributed optimizer" if args.dtype == "bf16" else "ZeRO-1" if args.zero else "replicated AdamW"
+    reduce = f", gradients reduced in {args.grad_reduce_dtype}" if args.dtype == "bf16" else ""
+    return (
+        f"{args.target}: {total_layers} decoder layers, {args.dtype}, tp {args.tp}, pp {args.pp}, {args.hdp} HDP "
+        f"ranks, {state}{reduce}, budget {budget}"
+    )
 
 
 def _preset(target: str) -> ModelShape | None:

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ..strategies import DEFAULT_SP, SP_MODES
+from ..units import format_tokens
 from .arguments import CLIError, Subparsers, created, int_at_least, output_file, size, sizes
 
 if TYPE_CHECKING:
@@ -17,36 +18,86 @@ if TYPE_CHECKING:
 
 __all__ = ["register"]
 
+DATASETS = ("byted", "github", "python")
+
+
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default after its help; none for flags, nor where the help says what an unset option means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Presets:
+    """The cost-model presets, named in `--model`'s help only when help is printed: listing them at start-up would
+    load the planner (and sympy) on every command."""
+
+    def __str__(self) -> str:
+        from ..planner.model_shape import PRESETS
+
+        return ", ".join(PRESETS)
+
+
+def _model_argument(p: argparse.ArgumentParser) -> None:
+    action = p.add_argument(
+        "--model", default="llama-7b", help="cost-model preset (%(presets)s) or a cost-model JSON file (profiled)"
+    )
+    action.presets = _Presets()  # type: ignore[attr-defined]
+
+
+def _batch_arguments(p: argparse.ArgumentParser, *, dataset: str) -> None:
+    p.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default=dataset,
+        help="the sampler of sequence lengths: byted, github (the paper's §3.1 statistics), python (this machine's "
+        "installed Python sources)",
+    )
+    p.add_argument("--global-tokens", type=size, default="32M", help="tokens of the global batch, sampled")
+    p.add_argument("--pp", type=int_at_least(1), default=1, help="pipeline stages per HDP rank")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the length sampler")
+
 
 def register(sub: Subparsers) -> None:
-    datasets = ("byted", "github", "python")
-    p = sub.add_parser("plan", help="plan one global batch and print a summary or the plan JSON")
-    p.add_argument("--dataset", choices=datasets, default="byted")
-    p.add_argument("--global-tokens", type=size, default="32M")
+    p = sub.add_parser(
+        "plan",
+        help="plan one global batch and print a summary or the plan JSON",
+        formatter_class=_HelpWithDefaults,
+    )
+    _batch_arguments(p, dataset="byted")
     _add_cluster_arguments(p)
     p.add_argument("--strategy", default="balance", help="the planner's strategy (an unknown name lists them)")
-    p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
+    _model_argument(p)
     p.add_argument(
-        "--context", type=size, default=None, help="context length (truncates longer samples; the static mesh's row)"
+        "--context",
+        type=size,
+        default=None,
+        help="context length: truncates longer samples, and is the static mesh's row (default: none, samples kept "
+        "whole)",
     )
-    p.add_argument("--pp", type=int_at_least(1), default=1, help="pipeline stages per HDP rank")
-    p.add_argument("--seed", type=int_at_least(0), default=0)
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--json", action="store_true", help="print the plan as JSON (the assumptions line goes to stderr then)"
+    )
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("simulate", help="simulate strategies over context lengths and print tokens/s")
-    p.add_argument("--model", default="llama-7b", help="cost-model preset or a profiled JSON file")
-    p.add_argument("--dataset", choices=datasets, default="github")
-    p.add_argument("--context", type=sizes, default="256K,512K,1M,2M")
+    p = sub.add_parser(
+        "simulate",
+        help="simulate strategies over context lengths and print tokens/s",
+        formatter_class=_HelpWithDefaults,
+    )
+    _model_argument(p)
+    _batch_arguments(p, dataset="github")
+    p.add_argument(
+        "--context", type=sizes, default="256K,512K,1M,2M", help="comma-separated context lengths, one batch each"
+    )
     _add_cluster_arguments(p)
-    p.add_argument("--global-tokens", type=size, default="32M")
     p.add_argument(
         "--strategies",
         default="static,naive,balance",
         help="comma-separated planner strategies (an unknown name lists them)",
     )
-    p.add_argument("--pp", type=int_at_least(1), default=1)
-    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--plot", default=None, help="write a throughput-vs-context PNG here (missing folders are created)")
     p.add_argument("--timeline", default=None, help="write per-rank timelines of the last context here (PNG)")
     p.set_defaults(func=cmd_simulate)
@@ -82,7 +133,7 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_SP,
         help="how a sequence shared by D(s) ranks splits them u x r: ring (u = 1), ulysses (the largest u: an "
         "all-to-all over heads in groups of u ranks inside a node, the ring between the groups), auto (per "
-        f"micro-batch, the split the cost model predicts fastest; default {DEFAULT_SP})",
+        "micro-batch, the group size and split the cost model predicts fastest)",
     )
 
 
@@ -137,6 +188,23 @@ def _strategy(name: str) -> str:
     return name
 
 
+def _assumptions(args: argparse.Namespace, cost_model: Any, contexts: str) -> str:
+    """Every figure the command assumed, in one line: what its numbers can be matched against."""
+    hardware = cost_model.hardware
+    topology = hardware.topology
+    links = (
+        f"nodes of {topology.ranks_per_node} ranks, {topology.rank_link / 1e9:.3g} GB/s inside a node, "
+        f"{topology.rank_rail / 1e9:.3g} GB/s rails"
+        if topology is not None
+        else f"no topology: every rank its own {hardware.network_bandwidth / 1e9:.3g} GB/s link"
+    )
+    return (
+        f"assumed: model {args.model} ({cost_model.source}); hardware {hardware.name} ({links}); {args.ranks} HDP "
+        f"ranks x TP {args.tp}, C={format_tokens(args.capacity)}, pp {args.pp}, sp {args.sp}; batch: {args.dataset}, "
+        f"{format_tokens(args.global_tokens)} global tokens, seed {args.seed}, context {contexts}"
+    )
+
+
 def _cluster(args: argparse.Namespace, cost_model: Any) -> dict[str, Any]:
     """`run_strategy`'s cluster arguments from plan's and simulate's options."""
     return {
@@ -162,7 +230,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         outcome.plan.validate()
     except (PlanError, ValueError) as e:
         raise CLIError(str(e)) from e
-    print(outcome.plan.to_json() if args.json else "\n".join(_summary(args, lens, outcome)))
+    assumed = _assumptions(args, cost_model, format_tokens(context) if context else "none (samples kept whole)")
+    if args.json:
+        print(assumed, file=sys.stderr)
+        print(outcome.plan.to_json())
+    else:
+        print("\n".join([assumed, *_summary(args, lens, outcome)]))
     return 0
 
 
@@ -212,6 +285,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cost_model = _cost_model(args.model, args.hardware, args.tp)
     _check_layout(args, cost_model)
     table: dict[str, list[float]] = {s: [] for s in strategies}
+    print(_assumptions(args, cost_model, ",".join(format_tokens(c) for c in contexts)))
     print(f"{'context':>8} " + " ".join(f"{s + ' tok/s':>22}" for s in strategies) + "   speedup over first")
     last: list[Outcome] = []
     for context in contexts:

@@ -9,6 +9,7 @@ round-trips through encode/decode and no character is ever unknown.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,8 @@ def train_tokenizer(
     overwrite: bool = False,
     progress: bool = False,
 ) -> TrainedTokenizer:
-    """Train a byte-level BPE on the documents of `inputs` (formats as in `sources`) and save it to `out`."""
+    """Train a byte-level BPE on the documents of `inputs` (formats as in `sources`) and save it to `out`.
+    `progress`: the tokenizers library's bar on stderr, drawn only when stderr is a terminal."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -84,7 +86,7 @@ def train_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        show_progress=progress,
+        show_progress=progress and sys.stderr.isatty(),  # without a terminal the bar prints empty lines
         special_tokens=list(_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )

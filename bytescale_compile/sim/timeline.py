@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..units import format_tokens
+
 if TYPE_CHECKING:
     from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.colors import Colormap, Normalize
 
-K = 1024
-M = 1024 * K
 
 KIND_COLOURS = {"packed": "tab:orange", "allreduce": "0.45", "optimizer": "0.7", "idle": "0.92"}
 SHARED_CMAP = "viridis"
@@ -145,15 +145,6 @@ def plot_timelines(timelines: list[Timeline], path: str, max_ranks: int = 64, ti
     if title:
         fig.suptitle(title)
     fig.savefig(path, dpi=120)
-
-
-def format_tokens(n: int) -> str:
-    """A token count as the paper writes it: 262144 -> '256K', 2097152 -> '2M'."""
-    if n >= M and n % M == 0:
-        return f"{n // M}M"
-    if n >= K and n % K == 0:
-        return f"{n // K}K"
-    return str(n)
 
 
 def plot_throughput(

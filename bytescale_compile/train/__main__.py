@@ -52,6 +52,10 @@ USAGE_EXIT = 2
 ALLOC_CONF = "PYTORCH_ALLOC_CONF"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 """The allocator setting the trainer runs with unless the user set one (`ALLOC_CONF` or its older name)."""
+HF_PROGRESS_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
+"""Read by huggingface_hub and, through it, by transformers' progress bars when they load."""
+TRANSFORMERS_VERBOSITY = "TRANSFORMERS_VERBOSITY"
+"""transformers' logging level, read when it loads."""
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +81,19 @@ def _train_one(inputs: RunInputs, device: torch.device) -> list[RunResult]:
     return [run(inputs, device)]
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error in one line with a pointer to --help, from rank 0 like every other error (argparse prints
+    the whole usage first, about 40 lines that bury the one that matters)."""
+
+    def error(self, message: str) -> NoReturn:
+        _error(f"{message} (see {self.prog} --help)", prog=self.prog)
+        self.exit(USAGE_EXIT)
+
+
 def build_parser(prog: str = PROG, description: str | None = __doc__) -> argparse.ArgumentParser:
     """--config plus one option per TrainConfig field (None when not given, so the file's value stands); each
     help ends with the field's default."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--config",
         metavar="FILE.toml",
@@ -164,28 +175,51 @@ def allocator_defaults(environ: MutableMapping[str, str]) -> str | None:
     return EXPANDABLE_SEGMENTS
 
 
+def quiet_libraries(environ: MutableMapping[str, str], *, rank: int, terminal: bool) -> list[str]:
+    """Turn off Hugging Face's progress bars (`Loading weights`, `Writing model shards`) on ranks > 0, which would
+    each draw the bar rank 0 draws, and without a terminal, where a bar is noise in a log; and their info and
+    warnings on ranks > 0, which rank 0 prints once. Settings the user made stand. Call it before transformers
+    and huggingface_hub load: both read these once. Returns the names set."""
+    wanted = {}
+    if rank > 0 or not terminal:
+        wanted[HF_PROGRESS_BARS] = "1"
+    if rank > 0:
+        wanted[TRANSFORMERS_VERBOSITY] = "error"
+    set_now = [name for name, value in wanted.items() if environ.setdefault(name, value) == value]
+    if HF_PROGRESS_BARS in set_now and "transformers" in sys.modules:  # loaded already (in-process callers)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    return set_now
+
+
 def main(argv: Sequence[str] | None = None, entry: Entry | None = None) -> int:
     entry = entry or TRAIN
     allocator_defaults(os.environ)  # before anything imports torch; ranks started below inherit it
     argv = list(sys.argv[1:] if argv is None else argv)
     args = vars(build_parser(entry.prog, entry.description).parse_args(argv))
-    if (nproc := args.pop("nproc_per_node")) is not None:
-        if "WORLD_SIZE" in os.environ:
-            _error("--nproc-per-node starts the ranks itself: run it without torchrun", prog=entry.prog)
-            return USAGE_EXIT
-        from .launch import launch_local
+    nproc = args.pop("nproc_per_node")
+    if nproc is not None and "WORLD_SIZE" in os.environ:
+        _error("--nproc-per-node starts the ranks itself: run it without torchrun", prog=entry.prog)
+        return USAGE_EXIT
+    from .config import absolute_data, check_one_strategy, check_processes, read_config
 
-        return launch_local(nproc, entry.module, _without_nproc(argv))
-    from .config import check_one_strategy, load_config
-
-    try:  # the TOML and the settings, before torch loads: a mistake there is reported at once
-        config = load_config(args.pop("config"), **args)
+    try:  # the TOML, the settings and the number of processes, before torch loads or any rank starts
+        config = read_config(args.pop("config"), **args)
         if not entry.every_strategy:
             check_one_strategy(config)
+        check_processes(config, nproc or int(os.environ.get("WORLD_SIZE", "1")), launcher=nproc is not None)
+        if nproc is None:
+            config = absolute_data(config)  # --data's spec parsed (torch loads); the ranks started below do it
     except (FileNotFoundError, ValueError) as e:
         _error(str(e), prog=entry.prog)
         return USAGE_EXIT
-    # torch loads only now, so that --help and argparse's errors are instant
+    if nproc is not None:
+        from .launch import launch_local
+
+        return launch_local(nproc, entry.module, _without_nproc(argv))
+    quiet_libraries(os.environ, rank=_rank(), terminal=sys.stderr.isatty())
+    # torch loads only now, so that --help and the settings' errors are instant
     from .checkpoint import CheckpointError
     from .inputs import setup
 
@@ -258,15 +292,16 @@ def _train(inputs: RunInputs, entry: Entry) -> int:
 
 
 def report_runs(inputs: RunInputs, results: list[RunResult]) -> None:
-    """Rank 0's end of a run: the table of each strategy's steady steps, measured and predicted, and where its
-    metrics, held-out loss and final model are."""
+    """Rank 0's end of a run: the table of each strategy's steady steps, measured and (where the cost model is of
+    this device) predicted, and where its metrics, held-out loss and final model are."""
     from .metrics import METRICS_FILE, echo
     from .summary import comparison, summarize
 
     rank0 = _rank() == 0
     ran = [r for r in results if r.records]
     if ran:
-        echo("\n" + comparison([summarize(r.records, r.eval_loss) for r in ran]), rank0)
+        why = next((r.unpredicted for r in ran if r.unpredicted is not None), None)
+        echo("\n" + comparison([summarize(r.records, r.eval_loss) for r in ran], why), rank0)
     for r in results:
         lines = [f"[{r.strategy}] metrics: {r.run_dir / METRICS_FILE}"]
         if r.eval_loss is not None:
@@ -303,14 +338,15 @@ def _peer_lost(error: BaseException) -> bool:
 def _warnings_once(prog: str) -> None:
     """Warnings as one `warning: ...` line each, without the source line Python shows by default (the message
     says what to do; a line of our code does not), and a CostModelWarning once per run however many strategies
-    and resumes compare their steps with the cost model."""
+    and resumes compare their steps with the cost model. Only rank 0 prints them: every rank runs the same code
+    on the same settings, and N copies of a library's warning read as N problems."""
     from ..engine.runtime import CostModelWarning
 
     shown: set[object] = set()
 
     def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
         key = category if issubclass(category, CostModelWarning) else (category, str(message))
-        if key not in shown:
+        if key not in shown and _rank() == 0:
             shown.add(key)
             print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
 

@@ -102,7 +102,7 @@ class Calibration:
         busy = max(1.0, world / model.hardware.compute_slots) if model.hardware.compute_slots else 1.0
         rows = [
             f"cost model calibrated in this job, {world} rank{'s' if world > 1 else ''} at once: whole model fwd+bwd per micro-batch"
-            + (f", {model.hardware.compute_slots:g} ranks' worth of cores" if busy > 1 else "")
+            + (f", {_ranks_worth(slots)} of cores" if (slots := model.hardware.compute_slots) and busy > 1 else "")
         ]
         rows += [
             f"  {s:>7} tokens {t * 1e3:>9.1f} ms (fit {model.micro_batch_time([s]) * busy * 1e3:.1f})"
@@ -154,7 +154,8 @@ def _links_summary(links: Links, topology: Topology | None) -> list[str]:
     switches = topology.devices_per_node // topology.devices_per_switch
     all_to_all = topology.tp_size * (topology.all_to_all_link or topology.device_link)
     rows.append(
-        f"  fitted topology per HDP rank (TP {topology.tp_size}): {topology.ranks_per_node} ranks per node, "
+        f"  fitted topology per HDP rank (TP {topology.tp_size}): {topology.ranks_per_node} rank{'s' if topology.ranks_per_node > 1 else ''} per "
+        "node, "
         f"{switches} switch{'es' if switches > 1 else ''} per node; link {topology.rank_link / 1e9:.3g} GB/s"
         + (f", switch uplink {topology.rank_uplink / 1e9:.3g} GB/s" if switches > 1 else "")
         + f", rail {topology.rank_rail / 1e9:.3g} GB/s, all-to-all {all_to_all / 1e9:.3g} GB/s"
@@ -482,3 +483,8 @@ def _refit(
         source=f"{base.source}, calibrated",
         device=base.device or "calibrated in the job",
     )
+
+
+def _ranks_worth(slots: float) -> str:
+    """`1 rank's worth`, `2 ranks' worth`, `1.5 ranks' worth`: the possessive of a count of ranks."""
+    return f"{slots:g} rank's worth" if slots == 1 else f"{slots:g} ranks' worth"

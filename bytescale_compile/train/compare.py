@@ -4,7 +4,7 @@ With `--strategy all` (as `examples/configs/demo.toml` sets), every strategy (ba
 trained in turn from the same initial weights on the same batches, each into `--out/<strategy>` beside one
 config.toml, with the options of `python -m bytescale_compile.train` (one strategy: the same run as the trainer's);
 then a table of their steady steps and the simulator's projection of the same model and data at 512 ranks
-(`projection.py`). `make demo` runs it. The model compiles once: the strategies train
+(`projection.py`), and on CPU ranks what the measured ratios can and cannot show. `make demo` runs it. The model compiles once: the strategies train
 one prepared model, its weights reset in place between them.
 
 The table is `summary.py`'s, whose names import from here too.
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .inputs import RunInputs
     from .trainer import RunResult
 
-__all__ = ["COMPARE", "StrategySummary", "compare", "comparison", "main", "summarize"]
+__all__ = ["COMPARE", "StrategySummary", "compare", "comparison", "cpu_ratios_note", "main", "summarize"]
 
 
 def compare(inputs: RunInputs, device: torch.device) -> list[RunResult]:
@@ -40,12 +40,46 @@ def compare(inputs: RunInputs, device: torch.device) -> list[RunResult]:
 
 
 def _report(inputs: RunInputs, results: list[RunResult]) -> None:
-    """The trainer's table of every strategy, then rank 0's simulated 512-rank projection."""
+    """The trainer's table of every strategy, then rank 0's simulated 512-rank projection and, on CPU ranks, what
+    the measured ratios can and cannot show."""
+    from .launch import local_device
     from .metrics import echo
 
     report_runs(inputs, results)
     if int(os.environ.get("RANK", "0")) == 0:
-        echo("\n" + _projection(inputs, int(os.environ.get("WORLD_SIZE", "1")), results[0].capacity), True)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        echo("\n" + _projection(inputs, world, results[0].capacity), True)
+        if local_device().type == "cpu":
+            predicted = all(r.unpredicted is None for r in results)
+            echo("\n" + cpu_ratios_note(world, _cores(), predicted=predicted), True)
+
+
+def _cores() -> int:
+    """The cores this process may run on (the machine's, less any affinity mask)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_ratios_note(ranks: int, cores: int, *, predicted: bool) -> str:
+    """The closing lines of a comparison on CPU ranks: what its measured ratios can and cannot show. Ranks on one
+    machine's cores exchange K/V through its memory, not a network, and ranks that share cores wait for the
+    cores rather than for each other, so balancing the work has little to win there; the gain at scale is the
+    simulation's, and the measured figures of record (GPU ones included) are in RESULTS.md. `predicted`: the
+    table holds predictions of this device."""
+    shown = "that every strategy trains the same model to the same losses (up to float rounding)"
+    if predicted:
+        shown += ", and how well the cost model predicts these steps"
+    why = "their rings cross no network, so a balanced plan has little to win"
+    if ranks == 1:
+        why = "one rank has nothing to balance"
+    elif ranks > cores:
+        why = f"ranks sharing cores wait for the cores, not for each other, and {why}"
+    return (
+        f"What the measured ratios above can show, on {ranks} CPU rank{'s' if ranks > 1 else ''} and {cores} "
+        f"core{'s' if cores > 1 else ''}: {shown}.\n"
+        f"What they cannot show: the method's gain. Here {why}.\n"
+        "The gain at scale is the SIMULATED projection above; measured figures, GPU ones included, are in "
+        "benchmarks/RESULTS.md."
+    )
 
 
 def _projection(inputs: RunInputs, world_size: int, capacity: int) -> str:

@@ -8,6 +8,7 @@ library writes it, and the flat table of scalars needs no more than this writer)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,10 +33,13 @@ __all__ = [
     "RESUME_AUTO",
     "SIZES",
     "TrainConfig",
+    "absolute_data",
     "check_one_strategy",
+    "check_processes",
     "check_resume_config",
     "config_changes",
     "load_config",
+    "read_config",
     "to_toml",
 ]
 
@@ -368,7 +372,19 @@ def _check_float(
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """The config file at `path` (if any) with `overrides` (None: not given) applied on top, validated."""
+    """The config file at `path` (if any) with `overrides` (None: not given) applied on top, validated, every path
+    absolute."""
+    return absolute_data(read_config(path, **overrides))
+
+
+def absolute_data(config: TrainConfig) -> TrainConfig:
+    """`config` with --data's paths absolute, which parses the spec with the data package (it loads torch)."""
+    return dataclasses.replace(config, data=_absolute("data", config.data))
+
+
+def read_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """`load_config` before --data is made absolute: every setting checked without loading torch, so that a
+    mistake is reported at once."""
     values = _read_toml(Path(path)) if path is not None else {}
     values.update({key: value for key, value in overrides.items() if value is not None})
     known = {f.name for f in fields(TrainConfig)}
@@ -380,7 +396,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
         if isinstance(values.get(key), str) and not (key == "capacity" and values[key] == CAPACITY_AUTO):
             values[key] = _size(key, values[key])
     for key in PATHS:
-        if isinstance(values.get(key), str) and values[key]:
+        if key != "data" and isinstance(values.get(key), str) and values[key]:
             values[key] = _absolute(key, values[key])
     return TrainConfig(**values)
 
@@ -491,4 +507,17 @@ def check_one_strategy(config: TrainConfig) -> None:
             f"strategy = {ALL_STRATEGIES} retrains every strategy from the same weights to compare them, which the "
             "trainer does not: run `torchrun --nproc_per_node=N -m bytescale_compile.train.compare` with the same "
             f"options for that, or give one of {', '.join(RUNTIME_STRATEGIES)}"
+        )
+
+
+def check_processes(config: TrainConfig, world_size: int, *, launcher: bool = False) -> None:
+    """The job's processes (torchrun's WORLD_SIZE, --nproc-per-node's N; 1 without either) are pp x HDP ranks x
+    tp: checked before any rank loads a weight. `launcher`: N came from --nproc-per-node, which the fix names."""
+    group = config.pp * config.tp
+    if world_size % group:
+        what = " and ".join(f"{name} = {size}" for name, size in (("pp", config.pp), ("tp", config.tp)) if size > 1)
+        flag = "--nproc-per-node" if launcher else "torchrun --nproc_per_node"
+        raise ConfigError(
+            f"{what} needs a multiple of {group} processes (pp x HDP ranks x tp), but the job has {world_size}: "
+            f"run {flag} with a multiple of {group}"
         )

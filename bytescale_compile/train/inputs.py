@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 import torch.distributed as dist
 
 from ..capture.tensor_parallel import TensorParallelError
@@ -44,6 +46,7 @@ from .config import (
     ConfigError,
     TrainConfig,
     check_one_strategy,
+    check_processes,
     check_resume_config,
     load_config,
 )
@@ -57,6 +60,7 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
     "FINAL_DIR",
+    "GlobalTokensWarning",
     "RunInputs",
     "TrainData",
     "VocabularyError",
@@ -118,10 +122,12 @@ def setup(config: TrainConfig, *, every_strategy: bool = False) -> RunInputs:
     is refused unless `every_strategy` (the comparison's entry point, `compare.py`)."""
     if not every_strategy:
         check_one_strategy(config)
+    check_processes(config, int(os.environ.get("WORLD_SIZE", "1")))  # before any file is read
     _check_out(Path(config.out))
     train_data, weights = _open_dataset(
         config.data, "--data", "make it with `bytescale-compile data prepare --input ... --tokenizer DIR --out PREFIX`"
     )
+    _warn_short_global_batch(config, train_data.lengths)
     if weights is not None and config.loader == "ray":
         raise ConfigError("--loader ray serves one dataset: train a --data mixture with --loader local (the default)")
     eval_data = None
@@ -141,7 +147,6 @@ def setup(config: TrainConfig, *, every_strategy: bool = False) -> RunInputs:
     for data in (train_data, eval_data):
         if data is not None:
             check_token_ids(data, model.vocab_size, model.spec)
-    _check_processes(config.pp, config.tp)
     if config.pp > 1:
         _check_pipeline(config.pp, model)
     if config.tp > 1:
@@ -254,15 +259,28 @@ def _check_same_tokens(train: TrainData, held_out: TrainData) -> None:
         )
 
 
-def _check_processes(pp: int, tp: int) -> None:
-    """The job's processes (torchrun's WORLD_SIZE, 1 without it) are pp x HDP ranks x tp."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (pp * tp):
-        what = " and ".join(f"{name} = {size}" for name, size in (("pp", pp), ("tp", tp)) if size > 1)
-        raise ConfigError(
-            f"{what} needs a multiple of {pp * tp} processes (pp x HDP ranks x tp), but the job has {world}: "
-            f"run torchrun --nproc_per_node with a multiple of {pp * tp}"
-        )
+class GlobalTokensWarning(UserWarning):
+    """--global-tokens is below the longest sequence: steps train more tokens than it says."""
+
+
+def _warn_short_global_batch(config: TrainConfig, lengths: np.ndarray) -> None:
+    """Warn once when a step would train more than --global-tokens: a batch takes whole sequences (never a
+    part of one) until it holds global_tokens, so a global_tokens below the longest sequence is not the step's
+    size. The figures are of the data as truncated to max_len."""
+    if not len(lengths):
+        return
+    used = np.minimum(lengths, config.max_len)
+    longest = int(used.max())
+    if config.global_tokens >= longest:
+        return
+    warnings.warn(
+        f"--global-tokens {config.global_tokens:,} is below the longest sequence ({longest:,} tokens at max_len "
+        f"{config.max_len:,}): a step takes whole sequences until it holds {config.global_tokens:,} tokens, so "
+        f"steps train up to {longest:,} tokens (the mean sequence has {float(used.mean()):,.0f}); pass "
+        f"--global-tokens {longest:,} or more for steps of the size you set",
+        GlobalTokensWarning,
+        stacklevel=2,
+    )
 
 
 def _check_pipeline(pp: int, model: LoadedModel) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "Prepared",
     "predicts",
     "prepare",
+    "unpredicted",
     "write_config",
 ]
 
@@ -197,17 +198,11 @@ def _fit_memory(inputs: RunInputs, optimized: OptimizedModule, hdp: int, device:
     memory = max(models, key=lambda m: m.peak(1)) if len(models) == len(every) else None
     if memory is None or config.capacity != CAPACITY_AUTO:
         if memory is not None and budget is not None and memory.peak(config.capacity_tokens) > budget:
-            raise ConfigError(
-                f"--capacity {config.capacity_tokens}: a micro-batch of that many tokens per rank has a predicted "
-                f"peak of {format_bytes(memory.peak(config.capacity_tokens))} (static "
-                f"{format_bytes(memory.static.total)}, workspace {format_bytes(memory.workspace_bytes)}), over the "
-                f"budget of {format_bytes(budget)}: pass --capacity auto, a smaller --capacity or a larger "
-                "--memory-budget"
-            )
+            raise ConfigError(_over_budget(memory, config.capacity_tokens, budget, offload=_offloads(optimized)))
         return _MemoryFit(memory, budget, None)
     assert budget is not None  # prepare() refused --capacity auto without one
     try:
-        capacity = memory.capacity(budget, offload=optimized.compile_config.offload == "auto")
+        capacity = memory.capacity(budget, offload=_offloads(optimized))
     except MemoryBudgetError as e:
         raise ConfigError(f"--capacity auto: {e}") from e
     echo(
@@ -219,6 +214,32 @@ def _fit_memory(inputs: RunInputs, optimized: OptimizedModule, hdp: int, device:
         is_rank0(),
     )
     return _MemoryFit(memory, budget, capacity)
+
+
+def _offloads(optimized: OptimizedModule) -> bool:
+    return optimized.compile_config.offload == "auto"
+
+
+def _over_budget(memory: MemoryModel, capacity: int, budget: int, *, offload: bool) -> str:
+    """Why --capacity `capacity` does not fit `budget`, with only the ways out that fit: the C that does, or,
+    when not even one token does, what the static bytes and workspace need (a smaller C cannot help then)."""
+    peak = memory.peak(capacity)
+    said = (
+        f"--capacity {capacity}: a micro-batch of that many tokens per rank has a predicted peak of "
+        f"{format_bytes(peak)} (static {format_bytes(memory.static.total)}, workspace "
+        f"{format_bytes(memory.workspace_bytes)}), over the budget of {format_bytes(budget)}"
+    )
+    try:
+        fits = memory.capacity(budget, offload=False)  # the peak checked above: nothing offloaded
+    except MemoryBudgetError as e:
+        try:
+            memory.capacity(budget, offload=offload)
+        except MemoryBudgetError:  # no C fits: say what the budget lacks and what would change that
+            return f"{said}, and no --capacity fits it, auto neither: {e}"
+        return f"{said}: pass --capacity auto (it offloads activations to fit) or a larger --memory-budget"
+    return (
+        f"{said}: pass --capacity {fits} or less (the largest that fits), --capacity auto, or a larger --memory-budget"
+    )
 
 
 def _preflight(inputs: RunInputs, config: TrainConfig, probed: SetupProbe, cost_model: CostModel) -> None:
@@ -234,13 +255,20 @@ def _notes(inputs: RunInputs, prepared: Prepared, device: torch.device) -> None:
     """What the step lines leave out, and why: said once, before the first step."""
     if prepared.peak_tflops is None and inputs.shape is not None:
         echo(f"steps print no MFU: no known peak TFLOP/s of this {device.type}; pass --peak-tflops", is_rank0())
-    if not predicts(prepared.config, device):
-        echo(
-            f"steps print no predicted time: the cost model is the analytic one of "
-            f"{prepared.cost_model.hardware.name}, not of this {device.type}, and the run does not calibrate it: "
-            "pass --calibrate (the default without --pp) or --cost-model from `bytescale-compile profile`",
-            is_rank0(),
-        )
+    if (why := unpredicted(prepared.config, prepared.cost_model, device)) is not None:
+        echo(f"steps print no predicted time: {why}", is_rank0())
+
+
+def unpredicted(config: TrainConfig, cost_model: CostModel, device: torch.device) -> str | None:
+    """Why the run's cost model cannot predict this device's times (None: it can), for the step lines and the
+    end-of-run table, which then print no prediction rather than another device's."""
+    if predicts(config, device):
+        return None
+    return (
+        f"the cost model is the analytic one of {cost_model.hardware.name}, not of this {device.type}, and the run "
+        "does not calibrate it: pass --calibrate (the default without --pp) or --cost-model from "
+        "`bytescale-compile profile`"
+    )
 
 
 def predicts(config: TrainConfig, device: torch.device) -> bool:

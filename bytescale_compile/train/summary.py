@@ -79,34 +79,42 @@ def summarize(records: Sequence[StepRecord], eval_loss: float | None, skip: int 
     )
 
 
-def comparison(summaries: Sequence[StrategySummary]) -> str:
-    """The table, plus each strategy's speedup over static when static ran too."""
+def comparison(summaries: Sequence[StrategySummary], unpredicted: str | None = None) -> str:
+    """The table, plus each strategy's speedup over static when static ran too. With `unpredicted` (why the cost
+    model's predictions are not of this device) the predicted columns are left out and the reason printed: a
+    prediction of another device beside these measurements would compare nothing."""
     width = max([10, *(len(s.label) for s in summaries)])
-    lines = [
-        " " * width + "   ---------------- measured ----------------   ---------------- predicted ---------------",
-        f"{'strategy':<{width}}   tokens/s  busy max/min  P2P MiB/step  step s    tokens/s  busy max/min  P2P MiB/step"
-        "  step s   final loss   eval loss",
-    ]
+    predicted = unpredicted is None
+    header = " " * width + "   ---------------- measured ----------------"
+    columns = f"{'strategy':<{width}}   tokens/s  busy max/min  P2P MiB/step  step s"
+    if predicted:
+        header += "   ---------------- predicted ---------------"
+        columns += "    tokens/s  busy max/min  P2P MiB/step  step s"
+    lines = [header, columns + "   final loss   eval loss"]
     for s in summaries:
         held_out = f"{s.eval_loss:>11.4f}" if s.eval_loss is not None else f"{'-':>11}"
-        lines.append(
-            f"{s.label:<{width}} {s.tokens_per_second:>10,.0f} {s.busy_spread:>13.2f} {s.p2p_mib:>13.1f} "
-            f"{s.step_time:>7.2f}  {s.predicted_tokens_per_second:>10,.0f} {s.predicted_busy_spread:>13.2f} "
-            f"{s.predicted_p2p_mib:>13.1f} {s.predicted_step_time:>7.2f} {s.final_loss:>12.4f} {held_out}"
-        )
+        row = f"{s.label:<{width}} {s.tokens_per_second:>10,.0f} {s.busy_spread:>13.2f} {s.p2p_mib:>13.1f} {s.step_time:>7.2f}"
+        if predicted:
+            row += (
+                f"  {s.predicted_tokens_per_second:>10,.0f} {s.predicted_busy_spread:>13.2f} "
+                f"{s.predicted_p2p_mib:>13.1f} {s.predicted_step_time:>7.2f}"
+            )
+        lines.append(f"{row} {s.final_loss:>12.4f} {held_out}")
     if summaries:
         lines.append(
             f"(means over steps {summaries[0].first_step}..{summaries[0].last_step}; the first step of a run compiles)"
         )
+    if not predicted:
+        lines.append(f"no predicted figures: {unpredicted}")
     static = next((s for s in summaries if s.strategy == STATIC), None)
     others = [s for s in summaries if s.strategy != STATIC]
     if static is not None and others:
-        lines.append(
-            "speedup over static: "
-            + ", ".join(
-                f"{s.strategy} {s.tokens_per_second / static.tokens_per_second:.2f}x measured, "
-                f"{s.predicted_tokens_per_second / static.predicted_tokens_per_second:.2f}x predicted"
-                for s in others
-            )
-        )
+        lines.append("speedup over static: " + ", ".join(_speedup(s, static, predicted=predicted) for s in others))
     return "\n".join(lines)
+
+
+def _speedup(s: StrategySummary, static: StrategySummary, *, predicted: bool) -> str:
+    measured = f"{s.strategy} {s.tokens_per_second / static.tokens_per_second:.2f}x measured"
+    if not predicted:
+        return measured
+    return f"{measured}, {s.predicted_tokens_per_second / static.predicted_tokens_per_second:.2f}x predicted"

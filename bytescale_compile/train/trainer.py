@@ -74,7 +74,7 @@ from .inputs import (
 )
 from .memory import TORCH_DTYPES
 from .metrics import MetricsLog, StepRecord, echo, progress
-from .prepared import Prepared, predicts, prepare, write_config
+from .prepared import Prepared, predicts, prepare, unpredicted, write_config
 from .remote import LoadedStep, RemoteBatches, connect_ray, scheduler_for
 from .signals import Stopped, StopRequest
 
@@ -103,6 +103,8 @@ class RunResult:
     final_dir: Path | None
     capacity: int
     """The C it trained with (--capacity auto: the one the memory model fitted)."""
+    unpredicted: str | None = None
+    """Why its records' predictions are not of this device (the end-of-run table then prints none); None: they are."""
 
 
 def run(inputs: RunInputs, device: torch.device | None = None) -> RunResult:
@@ -225,7 +227,8 @@ class Trainer:
         final = None
         if self.inputs.model.hf_directory:
             final = _save_final(self.prepared.model, self.inputs, self.directory / FINAL_DIR)
-        return RunResult(self.strategy, self.directory, records, eval_loss, final, self.runtime.capacity)
+        why = unpredicted(self.config, self.runtime.cost_model, self.runtime.device)
+        return RunResult(self.strategy, self.directory, records, eval_loss, final, self.runtime.capacity, why)
 
     def _train_steps(self, batches: Iterator[LoadedStep]) -> tuple[list[StepRecord], float | None]:
         records, eval_loss = [], None
