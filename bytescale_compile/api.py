@@ -7,6 +7,7 @@ import functools
 import inspect
 import itertools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from .capture.layers import mark_repeated_layers
 from .capture.mixers import BYPASSED, AdaptedMixer, adapt_mixers, split_reached, wants_no_cache
 from .capture.tensor_parallel import LocalRunner, TPLayout, find_tp_layout
 from .config import CompileConfig
+from .passes.loss import EVAL_MODE
+from .passes.loss import NAME as FUSED_LOSS
 from .passes.report import CompileReport, GraphReport
 from .runtime.context import MicroBatchContext, current_context, row_packing
 
@@ -77,6 +80,8 @@ class OptimizedModule(nn.Module):
                     "token mixer `%s` stays as it is (%s): the model will be neither packed nor sharded", path, reason
                 )
         self._report = CompileReport()
+        self._warned_eval_backward = False
+        """Whether the warning that a backward ran through an eval-mode, unfused loss was given (once per model)."""
         self._pending: list[GraphReport] = []
         self._compiled_graphs: list[GraphReport] = []
         self._graph_breaks: list[str] = []
@@ -122,9 +127,23 @@ class OptimizedModule(nn.Module):
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # torch.compile of this module: run ours, compiled by its own backend
+            return self._forward_untraced(*args, **kwargs)
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.compile_and_run(*args, **kwargs)
         self._refuse_packed_mixers(args, kwargs)
+        self._warn_unfused_backward(out)
         return out
+
+    _forward_untraced = torch.compiler.disable(
+        _forward,
+        reason="bytescale_compile.optimize() already compiles the model with its own backend; an outer "
+        "torch.compile runs it as it is: call the optimized model directly",
+    )
+    """`_forward` hidden from an outer `torch.compile`: Dynamo would otherwise inline our compiled model and compile
+    it with its own backend, without our passes (one compile, ours; `fullgraph=True` refuses with the reason)."""
 
     def compile_and_run(self, *args: Any, **kwargs: Any) -> Any:
         """The forward, compiling on the way as needed, without refusing a packed row that a token mixer left
@@ -150,7 +169,8 @@ class OptimizedModule(nn.Module):
                     skip_fwd_side_effects_in_bwd_under_checkpoint=True,
                 ),
             ):
-                out = self._compiled[self._orig_mod.training](*args, **self._without_cache(args, kwargs))
+                call_kwargs = self._without_cache(args, self._protocol_filled(args, kwargs))
+                out = self._compiled[self._orig_mod.training](*args, **call_kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RecompileLimitError(
                 f"{type(self._orig_mod).__name__}.forward was compiled {RECOMPILE_LIMIT} times in this process "
@@ -203,6 +223,55 @@ class OptimizedModule(nn.Module):
                     "token mixer `%s` stays as it is (%s): the model will be neither packed nor sharded", path, reason
                 )
         self.mixers_not_adapted = refused + bypassed
+
+    def _protocol_filled(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs`, for a call of the model protocol (`shift_labels` given), with what a Hugging Face forward needs to
+        return its loss: `labels` = `shift_labels` where the forward names `labels` and takes `shift_labels` through
+        **kwargs (it computes a loss only when labels is given, and reads the targets from shift_labels unshifted
+        when that is given: the same loss), and `use_cache=False` where it names `use_cache`: with a cache, Hugging
+        Face's mask reads a packed row as one sequence (it looks for restarting position_ids only without one), and
+        a loss call decodes nothing. Only what the call leaves unset is filled."""
+        if kwargs.get("shift_labels") is None:
+            return kwargs
+        params = self.__signature__.parameters
+        given = self.__signature__.bind_partial(*args, **kwargs).arguments
+        filled = dict(kwargs)
+        if "labels" in params and "shift_labels" not in params and "labels" not in given:
+            filled["labels"] = kwargs["shift_labels"]
+        if "use_cache" in params and "use_cache" not in given:
+            filled["use_cache"] = False
+        return filled
+
+    def _warn_unfused_backward(self, out: Any) -> None:
+        """Warn, once per model and when a backward reaches it, about a loss of an eval-mode call whose graph left it
+        unfused (`from_pretrained` returns models in eval mode): training so keeps the whole logits and their
+        log-softmax, and the report that says so is rarely read."""
+        if self.training or self._warned_eval_backward or not torch.is_grad_enabled():
+            return
+        loss = _output_field(out, "loss")
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad or not self._eval_loss_unfused():
+            return
+        logits = _output_field(out, "logits")
+        vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() >= 1 else None
+        loss.register_hook(functools.partial(self._warn_eval_backward, vocab=vocab))
+
+    def _eval_loss_unfused(self) -> bool:
+        """Whether a compiled graph left a loss unfused because the model was in eval mode."""
+        compiled = CompileReport(graphs=self._compiled_graphs)
+        return any(s.reason == EVAL_MODE for s in compiled.skipped(FUSED_LOSS))
+
+    def _warn_eval_backward(self, grad: torch.Tensor, *, vocab: int | None) -> None:
+        if self._warned_eval_backward:
+            return
+        self._warned_eval_backward = True
+        saved = f" ({vocab * 4 / 1024:g} KiB per token for {vocab} logits)" if vocab else ""
+        logger.warning(
+            "%s is in eval mode during a backward (from_pretrained returns models in eval mode): its loss is not "
+            "fused, so the logits are returned and their fp32 log-softmax is saved for the backward%s; call "
+            "model.train() before training",
+            type(self._orig_mod).__name__,
+            saved,
+        )
 
     def _without_cache(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         """`kwargs`, with `use_cache=False` for a training call of a model with swapped mixers that leaves it unset."""
@@ -287,6 +356,11 @@ def _checkpointed_layers(model: nn.Module) -> int:
     flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True]
     ids = {id(m) for m in flagged}
     return sum(1 for m in flagged if not any(id(c) in ids for c in m.modules() if c is not m))
+
+
+def _output_field(out: Any, name: str) -> Any:
+    """`out.loss` / `out.logits` of a model's output: a Hugging Face `ModelOutput` (a mapping) or a named tuple."""
+    return out.get(name) if isinstance(out, Mapping) else getattr(out, name, None)
 
 
 def _mark_token_dim_dynamic(t: Any) -> None:

@@ -324,7 +324,8 @@ def wants_no_cache(model: nn.Module, signature: inspect.Signature, arguments: Ma
     **kwargs when the forward is Hugging Face's own and the config has `use_cache` (GraniteMoeHybrid's; a wrapper's
     **kwargs may mean something else). Hugging Face configs default to `use_cache=True`, and most hybrids then build
     a cache even in a training forward, which sends every mixer call to the class's own forward. A call that sets
-    use_cache keeps it; so does an eval call (it may be decoding)."""
+    use_cache keeps it; so does an eval call (it may be decoding), unless it passes shift_labels: `OptimizedModule`
+    fills use_cache=False into every call of the model protocol first."""
     if not model.training or "use_cache" in arguments:
         return False
     if "use_cache" in signature.parameters:

@@ -37,6 +37,8 @@ class NotEquivalent(Exception):
 
 _META_TO_KEEP = ("nn_module_stack", "stack_trace", "source_fn_stack")
 _LAYER = re.compile(r"\.(\d+)(?:\.|$)")
+_ROOT = re.compile(r"^L\['args'\]\[0\]|^L\['[A-Za-z_]\w*'\]")
+"""The root of a Dynamo module path: `L['args'][0]`, or the local the forward's first argument names."""
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -66,15 +68,16 @@ def value(node: Any) -> Any:
 def source_module(node: fx.Node) -> str:
     """Dotted path of the innermost module that produced the node, '<root>' at top level.
 
-    Dynamo names the root `L['self']`, or `L['args'][0]` when the model's forward is wrapped by a decorator taking
-    `*args` (transformers 5.24's `deprecate_kwarg`)."""
+    Dynamo names the root after the forward's first argument, `L['self']` or whatever the model calls it (`L['s']`),
+    or `L['args'][0]` when the model's forward is wrapped by a decorator taking `*args` (transformers 5.24's
+    `deprecate_kwarg`)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return "<root>"
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['self'\]\.?|^L\['args'\]\[0\]\.?", "", path)
+    path = _ROOT.sub("", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
-    return path or "<root>"
+    return path.lstrip(".") or "<root>"
 
 
 def layer_index(node: fx.Node) -> int | None:

@@ -43,11 +43,13 @@ from .manager import PassContext
 from .regions import Region, find_regions
 from .report import PassResult, Rewrite, Skipped
 
-__all__ = ["PREVIOUS_GRAPH_BREAK", "rewrite_loss", "is_cross_entropy"]
+__all__ = ["EVAL_MODE", "PREVIOUS_GRAPH_BREAK", "rewrite_loss", "is_cross_entropy"]
 
 log = logging.getLogger(__name__)
 
 NAME = "fused_loss"
+EVAL_MODE = "model in eval mode: logits are returned, the loss is not fused"
+"""Why a loss is left alone in an eval-mode graph: `OptimizedModule` warns when a backward runs through one."""
 PREVIOUS_GRAPH_BREAK = "bytescale_previous_graph_break"
 """`GraphModule.meta` key the backend sets to the latest graph break it saw before this graph, so a
 loss whose logits are a graph input can say which break split them from the lm_head."""
@@ -134,7 +136,7 @@ def _rewrite_graph(
         source = source_module(node)
         try:
             if not ctx.training:
-                raise NotEquivalent("model in eval mode: logits are returned, the loss is not fused")
+                raise NotEquivalent(EVAL_MODE)
             match = _match(node, previous_break)
             if region is not None:
                 _check_stays_inside(match.chain, region)

@@ -38,11 +38,15 @@ from ..ops.offload import offload_saved, reload_saved
 from .graph import flat_outputs, layer_index
 from .report import PassResult, Rewrite, SavedActivation, Skipped
 
-__all__ = ["NAME", "KEPT_LAYERS", "apply_offload"]
+__all__ = ["NAME", "KEPT_LAYERS", "OFFLOADED", "RESIDENT", "apply_offload"]
 
 NAME = "offload"
 KEPT_LAYERS = 2
 """Layers whose activations always stay on the device: D(s) in Eq. 2 counts 2 layers' worth."""
+
+OFFLOADED, RESIDENT = "offloaded", "resident"
+"""`PassResult.counts` keys: storages whose first ⌊r·T⌋ tokens go to host, and those routed through the ops with
+`keep=True` (counted, never moved)."""
 
 _OUTSIDE = -1
 """Layer id of groups outside the transformer layers (reloaded whenever their first use comes)."""
@@ -84,7 +88,7 @@ def apply_offload(
     bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
     last_reader = _last_readers(fw)  # both indexes are of the graphs as partitioned: new nodes read nothing
     bw_order = {n: i for i, n in enumerate(bw.graph.nodes)}  # of the groups' storages or placeholders
-    result, decisions = PassResult(NAME), {}
+    result, decisions = PassResult(NAME, counts={OFFLOADED: 0, RESIDENT: 0}), {}
     for group in groups:
         _decide(group, num_layers, token_size, bw_inputs, contiguous_only)
         decision = _decision(group)
@@ -95,6 +99,7 @@ def apply_offload(
             result.skipped.append(Skipped(group.owner.name, "offload_saved", group.owner.source, group.reason))
             continue
         _rewrite(fw, bw, outputs, num_fwd_outputs, group, bw_inputs, last_reader, bw_order)
+        result.counts[RESIDENT if group.keep else OFFLOADED] += 1
         members = ", ".join(n.name for n in group.nodes)
         result.rewrites.append(
             Rewrite(

@@ -57,6 +57,9 @@ class PassResult:
     skipped: list[Skipped] = field(default_factory=list)
     disabled: str | None = None
     """Why the pass did not run (switched off in CompileConfig), or None when it ran."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """The rewrites counted by what they do, where "N rewritten" would mislead (empty otherwise): the offload pass
+    routes resident storages through its ops too, so it counts what it offloads and what stays apart."""
 
 
 @dataclass(frozen=True)
@@ -299,7 +302,8 @@ class CompileReport:
 def _pass_markdown(p: PassResult) -> list[str]:
     if p.disabled:
         return [f"### Pass `{p.name}`: disabled ({p.disabled})", ""]
-    lines = [f"### Pass `{p.name}`: {len(p.rewrites)} rewritten, {len(p.skipped)} left alone", ""]
+    done = ", ".join(f"{n} {what}" for what, n in p.counts.items()) if p.counts else f"{len(p.rewrites)} rewritten"
+    lines = [f"### Pass `{p.name}`: {done}, {len(p.skipped)} left alone", ""]
     if p.rewrites:
         lines += ["| node | source | became | detail |", "|---|---|---|---|"]
         lines += [f"| `{r.node}` | `{r.source}` | `{r.target}` | {r.detail} |" for r in p.rewrites]

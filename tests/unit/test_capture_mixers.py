@@ -320,7 +320,7 @@ def test_a_training_call_that_leaves_use_cache_unset_runs_without_a_cache() -> N
 
 
 def test_mixers_adapted_lists_the_mixers_whose_ops_reach_the_graph() -> None:
-    """A module swapped but called with a cache (an eval call, as the config's use_cache=True asks) runs the class's
+    """A module swapped but called with a cache (an eval call that asks for one) runs the class's
     forward: not adapted, with the reason, until a graph holds its ops (a training call: no cache by default)."""
     torch.manual_seed(0)
     config = tf.Lfm2Config(**_small("use_cache"), layer_types=["conv", "full_attention"], conv_L_cache=3)
@@ -329,7 +329,7 @@ def test_mixers_adapted_lists_the_mixers_whose_ops_reach_the_graph() -> None:
     path = "model.layers.0.conv"
     assert optimized.mixers_adapted == [] and optimized.mixers_not_adapted == []  # nothing captured yet
     batch = protocol_batch([12], VOCAB, hf=True)
-    optimized(**batch)
+    optimized(**batch, use_cache=True)
     assert optimized.mixers_adapted == [] and optimized.mixers_not_adapted == [(path, mixers.BYPASSED)]
     assert list(optimized.report.token_mixers_left_alone()) == [path]
     optimized.train()(**batch)
