@@ -75,11 +75,7 @@ class DPPlacer:
                 self.add_shared(s, d.ranks[s], d.widest[s], d.ratio[s])
             elif loads.fill_gap(s, d.tokens[s], d.seconds[s]):
                 continue
-            elif not (
-                d.seconds[s] > heavy
-                and loads.least_load() + d.seconds[s] > self.target
-                and self._widened(s)
-            ):
+            elif not (d.seconds[s] > heavy and loads.least_load() + d.seconds[s] > self.target and self._widened(s)):
                 loads.pack(s, d.tokens[s], d.seconds[s], delta)
 
     def add_shared(self, seq: int, group_size: int, widest: int, ratio: float) -> None:
