@@ -105,10 +105,9 @@ def _crossovers(cost_model: CostModel, lens: np.ndarray, work: np.ndarray, ulyss
     W / (u r) + R (r - 1) / r against ring P (r - 1) / r + L (r - 1) (P: the K/V bytes of the sequence per ring
     step at the bandwidth, R: the ring's compute, L: a ring step's latency and fixed bytes) meet where
     L r^2 + (Q - L) r - (Q + W / u) = 0, Q = P - R."""
-    cm, u = cost_model, ulysses
-    per_token = float(cm.split_ring_bytes(1.0, u, 2) - cm.split_ring_bytes(0.0, u, 2))
-    step = float(cm.split_ring_bytes(0.0, u, 2)) / bandwidth + float(cm.ring_latency(3) - cm.ring_latency(2))
-    q = per_token * lens / bandwidth - cm.ring_layers * cm.time.ring_overhead * lens / u
+    u, terms = ulysses, SplitTerms.of(cost_model, ulysses)
+    step = terms.ring_bytes_per_step / bandwidth + terms.step_latency
+    q = terms.ring_bytes_per_token * lens / bandwidth - terms.ring_compute * lens / u
     c = q + work / u
     with np.errstate(divide="ignore", invalid="ignore"):
         if step > 0:
