@@ -27,6 +27,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .spec import DatasetError, _file, dataset_files
+
 __all__ = [
     "DatasetError",
     "DatasetWriter",
@@ -55,10 +57,6 @@ _SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages"})
 """Not walked: bytecode only, or a nested site-packages the roots list on their own."""
 
 
-class DatasetError(ValueError):
-    """A dataset file that is truncated, corrupt or inconsistent with the others; names the file."""
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype holding ids 0..vocab_size-1: the .bin costs 1, 2 or 4 bytes a token."""
     if vocab_size < 1:
@@ -85,17 +83,6 @@ class TokenizerInfo:
     @classmethod
     def from_dict(cls, data: dict) -> TokenizerInfo:
         return cls(str(data["name_or_path"]), str(data["sha256"]), int(data["eos_token_id"]))
-
-
-def _file(prefix: Path, ext: str) -> Path:
-    """`<prefix>.<ext>`, appended rather than `with_suffix`, so prefixes may contain dots."""
-    return prefix.with_name(f"{prefix.name}.{ext}")
-
-
-def dataset_files(prefix: str | Path) -> tuple[Path, Path, Path]:
-    """The metadata, index and token files of the dataset at `prefix`, in that order."""
-    prefix = Path(prefix)
-    return _file(prefix, "json"), _file(prefix, "idx"), _file(prefix, "bin")
 
 
 class SequenceSource(Protocol):

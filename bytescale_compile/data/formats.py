@@ -7,7 +7,7 @@
 - a `.parquet`, `.jsonl`, `.ndjson` or `.json` (JSON Lines) file, or a folder of them: token ids converted
   once into our own format in a cache (`token_files.py`).
 
-The last three need the vocabulary as an option (`options.py`); a folder is read recursively, its files by
+The last three need the vocabulary as an option (`spec.DataItem`); a folder is read recursively, its files by
 suffix, as `load_dataset(data_dir=...)` picks them.
 """
 
@@ -18,8 +18,9 @@ from pathlib import Path
 from .dataset import DatasetError, TokenDataset, dataset_files
 from .hf_datasets import HFDataset, arrow_files, visible_files
 from .megatron import MegatronDataset, megatron_files
-from .options import DEFAULT_COLUMN, DataItem, resolve_vocabulary
+from .spec import DEFAULT_COLUMN, DataItem
 from .token_files import TOKEN_FILE_SUFFIXES, convert_token_files
+from .vocabulary import resolve_vocabulary
 
 __all__ = ["held_out_path", "open_dataset"]
 

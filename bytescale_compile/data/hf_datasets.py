@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from .dataset import SCAN_BLOCK, DatasetError, TokenDataset, TokenSpan, _frozen
-from .options import DEFAULT_COLUMN, DataItem, Vocabulary, resolve_vocabulary
+from .spec import DEFAULT_COLUMN, DataItem
+from .vocabulary import Vocabulary, resolve_vocabulary
 
 __all__ = ["HFDataset", "TokenLists", "arrow_files", "token_lists", "visible_files"]
 

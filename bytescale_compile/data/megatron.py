@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .dataset import DatasetError, FlatTokens, TokenDataset, _file, _frozen
-from .options import DataItem, Vocabulary, resolve_vocabulary
+from .dataset import FlatTokens, TokenDataset, _frozen
+from .spec import DataItem, DatasetError, _file
+from .vocabulary import Vocabulary, resolve_vocabulary
 
 __all__ = ["MEGATRON_MAGIC", "MegatronDataset", "MegatronIndex", "megatron_files", "read_index"]
 

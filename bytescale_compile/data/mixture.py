@@ -28,82 +28,17 @@ from .dataset import (
     TokenizerInfo,
     _frozen,
     check_sampling,
-    dataset_files,
 )
 from .formats import held_out_path, open_dataset
-from .options import DataItem
+from .spec import DataItem, format_data_spec, parse_data_spec
 
 __all__ = [
     "MixedDataset",
     "MixtureSampler",
     "batch_sources",
     "eval_spec",
-    "format_data_spec",
     "open_data",
-    "parse_data_spec",
 ]
-
-_ACCEPTED = "expected PREFIX, or PREFIX:WEIGHT,PREFIX:WEIGHT,... with every weight a number > 0"
-_NORMALISED = 1e-9
-"""Weights summing to 1 within this are kept as written: dividing by a sum an ulp off 1 would change the spec
-`format_data_spec` writes each time it is read back (a saved run's config must read back unchanged)."""
-
-
-def parse_data_spec(spec: str) -> list[tuple[str, float]]:
-    """`PREFIX` or `a:0.7,b:0.3` as (prefix, weight) pairs, the weights normalised to sum 1. A prefix may carry
-    options (`PATH?vocab_size=N`, `options.DataItem`), checked and written back normalised.
-
-    An item splits at its last ':' only where a number follows: a path with a ':' (a Windows drive, an
-    odd file name) stays whole. Either every item has a weight or none has (equal shares)."""
-    items = [item.strip() for item in spec.split(",")]
-    if not all(items):
-        raise DatasetError(f"--data {spec}: empty item; {_ACCEPTED}")
-    parsed = [(str(DataItem.parse(prefix)), weight) for prefix, weight in (_parse_item(spec, item) for item in items)]
-    unweighted = [prefix for prefix, weight in parsed if weight is None]
-    if unweighted and len(unweighted) < len(parsed):
-        raise DatasetError(f"--data {spec}: {unweighted} have no weight; give every dataset a weight or none")
-    seen: set[Path] = set()
-    for prefix, _ in parsed:
-        if Path(prefix) in seen:
-            raise DatasetError(f"--data {spec}: dataset {prefix!r} given twice; name each dataset once")
-        seen.add(Path(prefix))
-    weights = [1.0 if weight is None else weight for _, weight in parsed]
-    total = math.fsum(weights)
-    if abs(total - 1) > _NORMALISED:
-        weights = [weight / total for weight in weights]
-    return [(prefix, weight) for (prefix, _), weight in zip(parsed, weights)]
-
-
-def format_data_spec(items: Sequence[tuple[str, float]]) -> str:
-    """The spec `parse_data_spec` reads back as `items`: one prefix alone as itself; otherwise each with its
-    weight, which also keeps a prefix containing ':' whole."""
-    for prefix, _ in items:
-        if "," in prefix:
-            raise DatasetError(f"dataset prefix {prefix!r} contains ',', which separates the datasets of --data")
-    if len(items) == 1 and ":" not in items[0][0]:
-        return items[0][0]
-    return ",".join(f"{prefix}:{weight!r}" for prefix, weight in items)
-
-
-def _parse_item(spec: str, item: str) -> tuple[str, float | None]:
-    prefix, colon, tail = item.rpartition(":")
-    if not colon or dataset_files(item)[0].is_file():  # a dataset whose name has a ':' stays whole
-        return item, None
-    prefix, tail = prefix.strip(), tail.strip()
-    try:
-        weight = float(tail)
-    except ValueError:
-        if "/" in tail or "\\" in tail:
-            return item, None
-        raise DatasetError(
-            f"--data {spec}: weight of {prefix!r} must be a number > 0, got {tail!r} "
-            f"(nor is {item!r} a dataset prefix); {_ACCEPTED}"
-        ) from None
-    if not prefix:
-        raise DatasetError(f"--data {spec}: item {item!r} has a weight but no dataset prefix; {_ACCEPTED}")
-    if not (math.isfinite(weight) and weight > 0):
-        raise DatasetError(f"--data {spec}: weight of {prefix!r} must be a number > 0, got {tail!r}; {_ACCEPTED}")
-    return prefix, weight
 
 
 class MixedDataset:

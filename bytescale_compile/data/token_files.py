@@ -29,7 +29,7 @@ import numpy as np
 
 from .dataset import DatasetError, DatasetWriter, TokenDataset, dataset_files
 from .hf_datasets import TokenLists, token_lists
-from .options import Vocabulary
+from .vocabulary import Vocabulary
 
 __all__ = ["CACHE_ENV", "TOKEN_FILE_SUFFIXES", "cache_dir", "convert_token_files"]
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..data.spec import format_data_spec, parse_data_spec
 from ..strategies import BALANCE, DEFAULT_SP, EXPERT_LAYOUTS, RUNTIME_STRATEGIES, SP_MODES
 from ..units import parse_size
 
@@ -405,12 +406,10 @@ def _absolute(key: str, value: str) -> str:
     """`value` with its paths made absolute against the working directory: each prefix of --data, and a model or
     tokenizer only when it exists as a path (else it is a preset, MODULE:FACTORY or a hub name)."""
     if key == "data":
-        from ..data.mixture import format_data_spec, parse_data_spec  # torch: not for --help
-
         try:
             parts = parse_data_spec(value)
         except ValueError as e:
-            raise ConfigError(f"data: {e}") from e
+            raise ConfigError(str(e)) from e
         return format_data_spec([(os.path.abspath(prefix), weight) for prefix, weight in parts])
     if key in ("model", "tokenizer") and (value in MODEL_PRESETS or not Path(value).exists()):
         return value

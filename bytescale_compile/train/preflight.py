@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data import GlobalBatch, MixedDataset, TokenDataset
-from ..data.mixture import format_data_spec
+from ..data.spec import format_data_spec
 from ..planner import AUTO, STATIC, CostModel
 from ..planner.limits import LengthLimit, length_limit
 from .config import ConfigError, TrainConfig

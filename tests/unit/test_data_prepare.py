@@ -282,7 +282,7 @@ def test_empty_eval_split_is_an_error(tmp_path, bpe_dir):
 
 @pytest.mark.slow
 def test_workers_give_the_same_datasets(tmp_path, bpe_dir, monkeypatch):
-    module = importlib.import_module("bytescale_compile.data.prepare")  # the package exports a function of that name
+    module = importlib.import_module("bytescale_compile.data.preparation")
     monkeypatch.setattr(module, "_CHUNK_CHARS", 500)  # many chunks, so both workers get some
     data = write_jsonl(tmp_path / "a.jsonl", corpus(300, seed=5))
     one = prepare([data], bpe_dir, tmp_path / "one", eval_fraction=0.1, max_len=16)

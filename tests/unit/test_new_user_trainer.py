@@ -195,6 +195,7 @@ sys.exit(status)
         (["--lr", "-1"], "lr must be a finite number > 0.0, got -1.0"),
         (["--global-tokens", "1Q"], "global_tokens: expected a size like"),
         (["--nproc-per-node", "3", "--tp", "2"], "tp = 2 needs a multiple of 2 processes"),
+        (["--data", "corpus:0"], "--data corpus:0: weight of 'corpus' must be a number > 0"),
     ],
 )
 def test_config_error_is_printed_before_torch_loads(tmp_path, options, first) -> None:

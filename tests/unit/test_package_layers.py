@@ -177,3 +177,18 @@ def test_the_checks_see_lazy_and_type_checking_imports(tmp_path):
     }
     assert _imports(path, "bytescale_compile.passes.probe", known) == known - {"bytescale_compile.passes.probe"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_name_loaded_on_first_use_is_also_a_module_of_its_package():
+    """A package's `_EXPORTS` name that is also one of its modules' names reads as the module once anything imports
+    that module first (the import system sets the attribute, and `__getattr__` is never asked)."""
+    clashes = []
+    for init in PACKAGE.rglob("__init__.py"):
+        for node in ast.walk(ast.parse(init.read_text())):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+                names = {key.value for key in node.value.keys if isinstance(key, ast.Constant)}
+                modules = {path.stem for path in init.parent.glob("*.py")} | {
+                    path.name for path in init.parent.iterdir() if (path / "__init__.py").exists()
+                }
+                clashes += [f"{init.parent.name}.{name}" for name in sorted(names & modules)]
+    assert not clashes, f"names that are also modules of their package: {clashes}"
