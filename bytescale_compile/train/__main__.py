@@ -28,6 +28,7 @@ import sys
 import warnings
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from ..strategies import RUNTIME_STRATEGIES
@@ -339,18 +340,31 @@ def _warnings_once(prog: str) -> None:
     """Warnings as one `warning: ...` line each, without the source line Python shows by default (the message
     says what to do; a line of our code does not), and a CostModelWarning once per run however many strategies
     and resumes compare their steps with the cost model. Only rank 0 prints them: every rank runs the same code
-    on the same settings, and N copies of a library's warning read as N problems."""
+    on the same settings, and N copies of a library's warning read as N problems. Another library's warning
+    names it (`warning (torch): ...`), so that it is not read as ours."""
     from ..engine.runtime import CostModelWarning
 
     shown: set[object] = set()
 
-    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    def show(message: Any, category: type[Warning], filename: str, *args: Any, **kwargs: Any) -> None:
         key = category if issubclass(category, CostModelWarning) else (category, str(message))
         if key not in shown and _rank() == 0:
             shown.add(key)
-            print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
+            origin = _library(filename)
+            print(f"{prog}: warning{f' ({origin})' if origin else ''}: {message}", file=sys.stderr, flush=True)
 
     warnings.showwarning = show
+
+
+def _library(filename: str) -> str | None:
+    """The installed package a warning was raised in (`torch`, `transformers`), or None for ours and for code
+    outside any installed package (a user's script)."""
+    parts = Path(filename).parts
+    for folder in ("site-packages", "dist-packages"):
+        if folder in parts[:-1]:
+            name = parts[parts.index(folder) + 1].removesuffix(".py")
+            return None if name == __package__.partition(".")[0] else name
+    return None
 
 
 def exit_with(status: int) -> NoReturn:

@@ -1,9 +1,10 @@
 """The Hugging Face architecture matrix: every attention rewritten, optimized == eager, and HDP == one process.
 
-Single-process checks run by default; the 2-rank `Runtime.step` with a sequence shared by both ranks runs
-for one sliding-window model by default and for every architecture under `make test-all`. Gradient
-checkpointing (`gradient_checkpointing_enable()`, reentrant and not) is a case of both: for Llama by default,
-for every architecture under `make test-all`.
+The single-process check runs by default for Llama and Gemma 2 (sliding window and soft-capping), and for every
+architecture under `make test-all` (Inductor's code for Qwen2 with a sliding window: test_capture_codegen.py); the
+2-rank `Runtime.step` with a sequence shared by both ranks runs for one sliding-window model by default and for
+every architecture under `make test-all`. Gradient checkpointing (`gradient_checkpointing_enable()`, reentrant and
+not) is a case of both: for Llama by default, for every architecture under `make test-all`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tests.helpers import assert_matches_eager, eager_copy, protocol_batch, refe
 from tests.hf_models import ARCHS, BY_NAME, VOCAB, build
 
 NAMES = [a.name for a in ARCHS]
+DEFAULT_NAMES = ("llama", "gemma2")
 CHECKPOINTING = ("non-reentrant", "reentrant")
 
 
@@ -45,7 +47,9 @@ def _build(name: str, checkpointing: str | None) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=() if name in DEFAULT_NAMES else pytest.mark.slow) for name in NAMES]
+)
 def test_optimized_matches_eager_and_rewrites_every_attention(name):
     _check_optimized(name, None)
 

@@ -108,6 +108,7 @@ def test_mixers_left_alone_are_found_by_layer_and_a_packed_row_is_refused():
         optimized(**protocol_batch([9, 7], VOCAB, hf=True))  # the same length packed: no recompilation
 
 
+@pytest.mark.slow
 def test_a_sequence_longer_than_capacity_and_a_given_plan_that_packs_are_refused_before_any_step():
     model = build_hybrid("lfm2")
     before = copy.deepcopy(model.state_dict())

@@ -72,6 +72,7 @@ def _bias_worker(rank: int, world: int, expected: list[torch.Tensor]) -> None:
         assert torch.equal(g, e), (rank, g, e)
 
 
+@pytest.mark.slow
 def test_aux_loss_free_bias_after_three_steps_equal_on_one_and_two_ranks():
     expected = _biases_after_steps(3)
     assert any(bool(b.abs().sum() > 0) for b in expected)  # the bias moved

@@ -3,7 +3,9 @@ plus --pp 2 once. Each case trains a step on two HDP ranks with a shared sequenc
 second step, and must give one process's losses: a crash at the save, a resume that loses state, or a rewrite the
 passes miss (a checkpointed layer trained without the ring) all show up as a failure here.
 
-The case of every default at once but the dtype (bf16, async, tp 1, checkpointed) runs by default; the rest are slow."""
+Every case is slow (three trainer runs each, one to two minutes on 2 cores). By default each setting is checked on
+its own: bf16 saved in the background (tests/distributed/test_checkpoint_async.py), checkpointed layers on 2 ranks
+(test_architectures.py), TP (test_tensor_parallel.py), pipelines (test_train_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ STEPS = 2
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 """Losses against one process: fp32 to rounding; bf16 packs and rings sequences differently from one process, so its
 sums round differently (bf16's own step is within 1e-2 of fp32's, see test_trainer)."""
-DEFAULT_CASE = ("bf16", "async", 1, True)
 CASES = [
     *itertools.product(("fp32", "bf16"), ("sync", "async"), (1, 2), (False, True)),
     ("bf16", "async", "pp2", True),
@@ -62,9 +63,10 @@ def one_process(workspace, tmp_path_factory):
     return of
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(case, marks=() if case == DEFAULT_CASE else pytest.mark.slow) for case in CASES],
+    CASES,
     ids=lambda case: "-".join(str(part) for part in case).replace("True", "ckpt").replace("False", "nockpt"),
 )
 def test_save_and_resume_equal_one_process(case, workspace, tmp_path, one_process):

@@ -35,6 +35,7 @@ def test_a_cut_copies_the_first_layers_and_leaves_the_model_whole():
         _cut(model, 3)
 
 
+@pytest.mark.slow  # by default test_faults.py profiles a Hugging Face config directory
 def test_profile_times_compiled_steps_and_writes_a_cost_model_the_planner_loads(tmp_path):
     out = tmp_path / "cost.json"
     lengths = [16, 32, 64]

@@ -61,6 +61,7 @@ def _scheduler(
     )
 
 
+@pytest.mark.slow
 def test_runtime_runs_a_given_plan_and_refuses_one_of_another_batch():
     torch.manual_seed(0)
     model = tiny()

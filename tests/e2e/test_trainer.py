@@ -107,6 +107,7 @@ def test_bf16_first_step_matches_fp32(workspace, tmp_path):
     assert {t.dtype for t in final.values()} == {torch.bfloat16}  # final/ in the run's dtype
 
 
+@pytest.mark.slow  # by default test_faults.py checks a failed save's one line and exit
 def test_sigterm_to_2_bf16_ranks_whose_save_fails_exits_3_with_one_error_line(workspace, tmp_path):
     """`kill -TERM` to the launcher of 2 bf16 ranks, the checkpoint directory made unwritable first (a file where it
     goes): the stop's save fails on rank 0, and the launcher exits with the ranks' 3 after one `error:` line naming

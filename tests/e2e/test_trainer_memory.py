@@ -33,6 +33,7 @@ def test_capacity_auto_fits_the_budget(workspace, tmp_path, capsys):
     assert "peak memory" in printed and 'capacity = "auto"' in (tmp_path / "run" / "config.toml").read_text()
 
 
+@pytest.mark.slow
 def test_budgets_that_cannot_hold_the_run_are_refused_before_step_1(workspace, tmp_path, capsys):
     assert main(train_args(workspace, tmp_path / "a", "--capacity", "auto")) == 2
     assert "--memory-budget" in capsys.readouterr().err
@@ -55,6 +56,7 @@ def _measured_peak(model: torch.nn.Module, batch: dict, tmp_path) -> int:
     return int(np.asarray(sizes).sum(axis=1).max())
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # export_memory_timeline, gradient_checkpointing_enable
 def test_checkpointed_peak_is_predicted_with_one_recomputed_layer(tmp_path):
     model = hf_llama(2).train()

@@ -50,7 +50,8 @@ def _too_long_positions(data: Path, limit: int) -> list[int]:
     return np.flatnonzero(used > limit).tolist()
 
 
-@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 2])
 def test_too_long_sequence_fails_before_step_1_with_its_dataset_position(workspace, tmp_path, pp):
     """Capacity 256 on 2 processes holds no 1024-token sequence (a 2-layer model cannot offload): the run stops
     before any step with one line from rank 0 naming the dataset positions and the ways out."""
@@ -70,6 +71,7 @@ def test_too_long_sequence_fails_before_step_1_with_its_dataset_position(workspa
 # -- runs that survive and extend --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_exits_0_and_resumes_exactly(workspace, tmp_path):
     """SIGTERM during step 1 or 2: the run finishes that step, saves it and exits 0 naming it; a resume then
     ends with the losses of an uninterrupted run."""
@@ -86,6 +88,7 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resumes_exactly(workspace, tmp_p
     np.testing.assert_allclose(run_losses(out), run_losses(tmp_path / "full"), rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_longer_steps_on_resume_continue_the_learning_rate(workspace, tmp_path, capsys):
     """A finished 3-step run (its checkpoint written at the last step) extended to 5: no config change to
     accept, the learning rate stays at the schedule's end instead of jumping back up (and --log-every 4 prints
@@ -107,6 +110,7 @@ def test_longer_steps_on_resume_continue_the_learning_rate(workspace, tmp_path, 
     assert (out / "final" / "model.safetensors").stat().st_mtime_ns == final
 
 
+@pytest.mark.slow
 def test_resume_with_nothing_to_resume_says_so_and_auto_starts(workspace, tmp_path, capsys):
     """--resume with no checkpoint is an error; --resume=auto starts. --keep-last 2 keeps the newest two."""
     assert main(train_args(workspace, tmp_path / "new", "--resume")) == 2

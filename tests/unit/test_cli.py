@@ -50,7 +50,9 @@ def test_inspect_json(capsys):
     assert passes[1]["disabled"] == "CompileConfig.fused_loss=False"
 
 
-@pytest.mark.parametrize("target", ["bytescale_compile.models.llama:tiny", "tests.helpers:hf_llama"])
+@pytest.mark.parametrize(
+    "target", ["bytescale_compile.models.llama:tiny", pytest.param("tests.helpers:hf_llama", marks=pytest.mark.slow)]
+)
 def test_inspect_reports_every_pipeline_stage(target, capsys):
     """--pp 2: one compiled stage per decoder layer; each rewrites its own attention, the last fuses the loss."""
     assert main(["inspect", target, "--seq-len", "32", "--pp", "2"]) == 0

@@ -127,6 +127,7 @@ def test_output_paths_of_the_data_commands_are_checked_first(tmp_path, capsys):
     assert "is a file" in one_line_error(capsys, "bytescale-compile data")
 
 
+@pytest.mark.slow  # by default tests/e2e/test_faults.py profiles a Hugging Face config directory
 def test_profile_records_the_device(tmp_path, capsys):
     out = tmp_path / "new" / "cost.json"
     assert (

@@ -169,6 +169,13 @@ def test_python_warnings_are_printed_by_rank_0_only(capsys, monkeypatch) -> None
     assert _stderr_lines(capsys) == [f"{PROG}: warning: a library's warning"]
 
 
+def test_another_librarys_warning_names_it() -> None:
+    assert train_main._library("/venv/lib/python3.11/site-packages/torch/_dynamo/utils.py") == "torch"
+    assert train_main._library("/usr/lib/python3/dist-packages/six.py") == "six"
+    assert train_main._library("/venv/lib/python3.11/site-packages/bytescale_compile/engine/runtime.py") is None
+    assert train_main._library("/home/me/train.py") is None
+
+
 def test_tokenizer_training_prints_no_progress_bar_without_a_terminal(tmp_path, capfd) -> None:
     pytest.importorskip("tokenizers")
     from bytescale_compile.data.tokenizer import train_tokenizer

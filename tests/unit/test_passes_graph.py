@@ -137,6 +137,7 @@ def same_expert_samples(module: nn.Module, args: tuple) -> None:
     torch.manual_seed(1)
 
 
+@pytest.mark.slow
 def test_phimoe_router_gradient_matches_eager():
     """The router's sparsemixer backward is an autograd.Function with an in-place scatter_add_."""
     model = phimoe()
