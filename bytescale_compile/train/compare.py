@@ -48,10 +48,12 @@ def _report(inputs: RunInputs, results: list[RunResult]) -> None:
     report_runs(inputs, results)
     if int(os.environ.get("RANK", "0")) == 0:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        echo("\n" + _projection(inputs, world, results[0].capacity), True)
+        text, balance_speedup = _projection(inputs, world, results[0].capacity)
+        echo("\n" + text, True)
         if local_device().type == "cpu":
             predicted = all(r.unpredicted is None for r in results)
-            echo("\n" + cpu_ratios_note(world, _cores(), predicted=predicted), True)
+            note = cpu_ratios_note(world, _cores(), predicted=predicted, projected_speedup=balance_speedup)
+            echo("\n" + note, True)
 
 
 def _cores() -> int:
@@ -59,12 +61,13 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def cpu_ratios_note(ranks: int, cores: int, *, predicted: bool) -> str:
+def cpu_ratios_note(ranks: int, cores: int, *, predicted: bool, projected_speedup: float | None) -> str:
     """The closing lines of a comparison on CPU ranks: what its measured ratios can and cannot show. Ranks on one
     machine's cores exchange K/V through its memory, not a network, and ranks that share cores wait for the
     cores rather than for each other, so balancing the work has little to win there; the gain at scale is the
-    simulation's, and the measured figures of record (GPU ones included) are in RESULTS.md. `predicted`: the
-    table holds predictions of this device."""
+    simulation's, where it shows one (`projected_speedup`: balance's over static in the projection, None without
+    one), and the measured figures of record (GPU ones included) are in RESULTS.md. `predicted`: the table holds
+    predictions of this device."""
     shown = "that every strategy trains the same model to the same losses (up to float rounding)"
     if predicted:
         shown += ", and how well the cost model predicts these steps"
@@ -77,20 +80,34 @@ def cpu_ratios_note(ranks: int, cores: int, *, predicted: bool) -> str:
         f"What the measured ratios above can show, on {ranks} CPU rank{'s' if ranks > 1 else ''} and {cores} "
         f"core{'s' if cores > 1 else ''}: {shown}.\n"
         f"What they cannot show: the method's gain. Here {why}.\n"
-        "The gain at scale is the SIMULATED projection above; measured figures, GPU ones included, are in "
-        "benchmarks/RESULTS.md."
+        f"{_where_the_gain_is(projected_speedup)}"
     )
 
 
-def _projection(inputs: RunInputs, world_size: int, capacity: int) -> str:
-    """The simulated 512-rank projection of the run's model and data, or why there is none."""
+def _where_the_gain_is(speedup: float | None) -> str:
+    measured = "measured figures, GPU ones included, are in benchmarks/RESULTS.md."
+    if speedup is None:
+        return measured[0].upper() + measured[1:]
+    if speedup > 1:
+        return f"The gain at scale is the SIMULATED projection above (balance {speedup:.2f}x static); {measured}"
+    return (
+        f"Nor does the SIMULATED projection above show one for this model (balance {speedup:.2f}x static); "
+        f"benchmarks/planner.py projects the paper's models, and {measured}"
+    )
+
+
+def _projection(inputs: RunInputs, world_size: int, capacity: int) -> tuple[str, float | None]:
+    """The simulated 512-rank projection of the run's model and data and balance's speedup over static in it, or
+    why there is none."""
+    from ..planner import BALANCE
     from ..planner.model_shape import ModelConfigError
     from .projection import project_run
 
     try:
-        return project_run(inputs.config, inputs.model.module, inputs.train_data.lengths, world_size, capacity).report()
+        projection = project_run(inputs.config, inputs.model.module, inputs.train_data.lengths, world_size, capacity)
     except ModelConfigError as e:
-        return f"no simulated projection: {e}"
+        return f"no simulated projection: {e}", None
+    return projection.report(), next(s.speedup for s in projection.steps if s.strategy == BALANCE)
 
 
 COMPARE = Entry(

@@ -256,13 +256,19 @@ def test_comparison_of_this_devices_predictions_prints_them() -> None:
 
 
 def test_demo_closing_lines_say_what_cpu_ratios_show() -> None:
-    lines = cpu_ratios_note(4, 2, predicted=True).splitlines()
+    lines = cpu_ratios_note(4, 2, predicted=True, projected_speedup=3.25).splitlines()
     assert len(lines) == 3
     assert lines[0].startswith("What the measured ratios above can show, on 4 CPU ranks and 2 cores: that")
     assert lines[0].endswith("and how well the cost model predicts these steps.")
     assert lines[1].startswith("What they cannot show: the method's gain. Here ranks sharing cores wait")
-    assert "SIMULATED projection above" in lines[2] and "benchmarks/RESULTS.md" in lines[2]
-    assert (REPO / "benchmarks" / "RESULTS.md").is_file()
-    alone = cpu_ratios_note(1, 1, predicted=False).splitlines()
+    assert lines[2].startswith("The gain at scale is the SIMULATED projection above (balance 3.25x static)")
+    assert lines[2].endswith("benchmarks/RESULTS.md.") and (REPO / "benchmarks" / "RESULTS.md").is_file()
+    none = cpu_ratios_note(4, 2, predicted=True, projected_speedup=0.82).splitlines()[2]
+    assert none.startswith("Nor does the SIMULATED projection above show one for this model (balance 0.82x static)")
+    assert "benchmarks/planner.py" in none
+    assert cpu_ratios_note(4, 2, predicted=True, projected_speedup=None).splitlines()[2] == (
+        "Measured figures, GPU ones included, are in benchmarks/RESULTS.md."
+    )
+    alone = cpu_ratios_note(1, 1, predicted=False, projected_speedup=1.5).splitlines()
     assert alone[0].startswith("What the measured ratios above can show, on 1 CPU rank and 1 core:")
     assert "predicts" not in alone[0] and alone[1].startswith("What they cannot show: the method's gain. Here one rank")
