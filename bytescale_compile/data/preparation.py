@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -88,7 +89,8 @@ def prepare(
     progress: bool = False,
 ) -> PrepareReport:
     """Tokenize the documents of `inputs` with the tokenizer directory `tokenizer` into datasets at `out`
-    and `eval_prefix(out)`. Inputs, tokenizer and outputs are all checked before any work starts."""
+    and `eval_prefix(out)`. Inputs, tokenizer and outputs are all checked before any work starts. `progress`: a
+    bar on stderr, drawn only when stderr is a terminal."""
     _check_options(workers, max_len, long_docs, eval_fraction)
     sources = resolve_inputs(inputs)
     loaded = load_tokenizer(tokenizer)
@@ -103,7 +105,8 @@ def prepare(
         from tqdm import tqdm
 
         encoded = stack.enter_context(_encoded(chunks, loaded, workers))
-        bar = stack.enter_context(tqdm(desc="tokenizing", unit="B", unit_scale=True, disable=not progress))
+        shown = progress and sys.stderr.isatty()  # without a terminal the bar prints its every redraw
+        bar = stack.enter_context(tqdm(desc="tokenizing", unit="B", unit_scale=True, disable=not shown))
         train = stack.enter_context(DatasetWriter(train_prefix, loaded.vocab_size, loaded.info))
         held_out = (
             stack.enter_context(DatasetWriter(held_out_prefix, loaded.vocab_size, loaded.info))

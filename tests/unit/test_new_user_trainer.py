@@ -176,14 +176,16 @@ def test_another_librarys_warning_names_it() -> None:
     assert train_main._library("/home/me/train.py") is None
 
 
-def test_tokenizer_training_prints_no_progress_bar_without_a_terminal(tmp_path, capfd) -> None:
+def test_tokenizer_training_and_data_prepare_print_no_progress_bar_without_a_terminal(tmp_path, capfd) -> None:
     pytest.importorskip("tokenizers")
-    from bytescale_compile.data.tokenizer import train_tokenizer
+    from bytescale_compile.data import prepare, train_tokenizer
 
     text = tmp_path / "a.txt"
     text.write_text("\n".join(f"alpha beta gamma {i} delta" for i in range(200)), encoding="utf-8")
     capfd.readouterr()
     train_tokenizer([text], 300, tmp_path / "tok", progress=True)  # stderr here is a file, not a terminal
+    assert capfd.readouterr().err == ""
+    prepare([text], tmp_path / "tok", tmp_path / "ds", eval_fraction=0, progress=True)
     assert capfd.readouterr().err == ""
 
 
