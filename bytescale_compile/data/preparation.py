@@ -23,8 +23,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from .dataset import DatasetError, DatasetWriter, TokenDataset, TokenizerInfo, dataset_files, token_dtype
+from .dataset import DatasetWriter, TokenDataset, TokenizerInfo, token_dtype
 from .sources import SourceStats, read_documents, resolve_inputs
+from .spec import DatasetError, dataset_files
 from .tokenizer import LoadedTokenizer, load_tokenizer
 
 __all__ = ["LONG_DOC_POLICIES", "PrepareReport", "eval_prefix", "prepare"]

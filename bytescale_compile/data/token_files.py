@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .dataset import DatasetError, DatasetWriter, TokenDataset, dataset_files
+from .dataset import DatasetWriter, TokenDataset
 from .hf_datasets import TokenLists, token_lists
+from .spec import DatasetError, dataset_files
 from .vocabulary import Vocabulary
 
 __all__ = ["CACHE_ENV", "TOKEN_FILE_SUFFIXES", "cache_dir", "convert_token_files"]

@@ -79,8 +79,7 @@ def cpu_ratios_note(ranks: int, cores: int, *, predicted: bool, projected_speedu
     return (
         f"What the measured ratios above can show, on {ranks} CPU rank{'s' if ranks > 1 else ''} and {cores} "
         f"core{'s' if cores > 1 else ''}: {shown}.\n"
-        f"What they cannot show: the method's gain. Here {why}.\n"
-        f"{_where_the_gain_is(projected_speedup)}"
+        f"What they cannot show: the method's gain. Here {why}.\n" + _where_the_gain_is(projected_speedup)
     )
 
 
